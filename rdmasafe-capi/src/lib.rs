@@ -1,0 +1,1 @@
+//! rdmasafe C ABI

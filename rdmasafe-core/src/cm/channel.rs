@@ -1,0 +1,342 @@
+//! Getting events: blocking, with a timeout, non-blocking, and in batches.
+//!
+//! Every get copies the librdmacm event into rdmasafe's storage and acks it
+//! before returning (see [`super::CmEvent`]). System calls per event:
+//! on an [`EventChannel`] (non-blocking fd) a ready event costs exactly the
+//! one `write()` inside `rdma_get_cm_event`, as the raw way does; a poll() is
+//! added only when nothing is ready and the caller wants to wait. On a
+//! [`ChannelRef`] whose blocking mode is not known, waits with a timeout and
+//! batch drains poll() first, one extra call per event.
+
+use std::marker::PhantomData;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::ptr::{null_mut, NonNull};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::event::{copy_raw, CmEvent, EventType};
+use super::id::{CmId, ConnectRequest, IdToken};
+use crate::sys::{self, rdma_event_channel, Wait};
+use crate::{Error, Result};
+
+/// Owner of a channel rdmasafe created. Ids hold an `Arc` of it, so the
+/// channel is destroyed only after its last id.
+pub(crate) struct ChannelInner {
+    raw: NonNull<rdma_event_channel>,
+}
+
+// SAFETY: librdmacm's channel calls are thread-safe (a get is one write() on
+// the fd; the channel struct is not mutated after creation).
+unsafe impl Send for ChannelInner {}
+// SAFETY: as above.
+unsafe impl Sync for ChannelInner {}
+
+impl ChannelInner {
+    pub(crate) fn raw(&self) -> *mut rdma_event_channel {
+        self.raw.as_ptr()
+    }
+}
+
+impl Drop for ChannelInner {
+    fn drop(&mut self) {
+        // No id of ours is left (each holds an Arc of this). Events still
+        // queued in the kernel can only be connect requests that raced with
+        // the listener's destruction: ack them, reject and destroy their ids.
+        let r = ChannelRef { raw: self.raw, nonblocking: true, _owner: PhantomData };
+        while let Ok(ev) = r.fetch(None) {
+            if ev.event_type() == EventType::CONNECT_REQUEST && !ev.raw_id().is_null() {
+                // SAFETY: the new id belongs to nobody but this channel now.
+                unsafe {
+                    sys::rdma_reject(ev.raw_id(), std::ptr::null(), 0);
+                    sys::rdma_destroy_id(ev.raw_id());
+                }
+            }
+        }
+        // SAFETY: created by rdma_create_event_channel, destroyed once, here.
+        unsafe { sys::rdma_destroy_event_channel(self.raw.as_ptr()) };
+    }
+}
+
+/// An event channel that rdmasafe created and owns.
+///
+/// Its fd is non-blocking (the get calls wait with poll() when asked to).
+/// It can be shared between threads (`&EventChannel` is enough to get).
+/// Dropping it destroys the librdmacm channel once the last [`CmId`] made on
+/// it is gone.
+#[derive(Clone)]
+pub struct EventChannel {
+    pub(crate) inner: Arc<ChannelInner>,
+}
+
+impl EventChannel {
+    /// Creates a channel (`rdma_create_event_channel`) and makes its fd
+    /// non-blocking.
+    pub fn new() -> Result<EventChannel> {
+        // SAFETY: plain constructor; NULL means failure with errno set.
+        let raw = unsafe { sys::rdma_create_event_channel() };
+        let raw = NonNull::new(raw).ok_or_else(|| Error::last("rdma_create_event_channel"))?;
+        let inner = Arc::new(ChannelInner { raw });
+        sys::set_nonblocking(inner.fd()).map_err(|e| Error::new("fcntl", e.raw_os_error().unwrap_or(libc::EIO)))?;
+        Ok(EventChannel { inner })
+    }
+
+    fn getter(&self) -> ChannelRef<'_> {
+        ChannelRef { raw: self.inner.raw, nonblocking: true, _owner: PhantomData }
+    }
+
+    /// The raw librdmacm channel (still owned by this value).
+    pub fn raw(&self) -> *mut rdma_event_channel {
+        self.inner.raw()
+    }
+
+    /// Waits for the next event, copies and acks it.
+    pub fn get(&self) -> Result<CmEvent> {
+        self.getter().get_with(Wait::Forever, Some(&self.inner))
+    }
+
+    /// Returns the next event if one is ready, `Ok(None)` if not.
+    pub fn try_get(&self) -> Result<Option<CmEvent>> {
+        match self.getter().get_with(Wait::None, Some(&self.inner)) {
+            Ok(ev) => Ok(Some(ev)),
+            Err(e) if e.is_would_block() => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Waits at most `timeout` for an event; `Err` with ETIMEDOUT if none.
+    pub fn get_timeout(&self, timeout: Duration) -> Result<CmEvent> {
+        self.getter().get_with(Wait::For(timeout), Some(&self.inner))
+    }
+
+    /// Waits per `wait` for a first event, then takes up to `max - 1` more
+    /// that are ready without waiting, appending them to `out`. Returns how
+    /// many it appended (at least 1), or the error of the first get
+    /// (EAGAIN for `Wait::None`, ETIMEDOUT for `Wait::For`).
+    /// `out` grows only if its capacity is too small.
+    pub fn get_batch(&self, out: &mut Vec<CmEvent>, max: usize, wait: Wait) -> Result<usize> {
+        self.getter().batch_with(out, max, wait, Some(&self.inner))
+    }
+
+    pub(crate) fn inner_fd(&self) -> RawFd {
+        self.inner.fd()
+    }
+
+    /// Creates an id on this channel; see [`CmId::new`].
+    pub fn create_id(&self, ps: super::PortSpace) -> Result<CmId> {
+        CmId::new(self, ps)
+    }
+}
+
+impl AsRawFd for ChannelInner {
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd()
+    }
+}
+
+impl ChannelInner {
+    fn fd(&self) -> RawFd {
+        // SAFETY: raw is a live channel for as long as self lives.
+        unsafe { (*self.raw.as_ptr()).fd }
+    }
+}
+
+impl AsRawFd for EventChannel {
+    fn as_raw_fd(&self) -> RawFd {
+        self.inner.fd()
+    }
+}
+
+impl AsFd for EventChannel {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        // SAFETY: the fd stays open while self (and so the channel) lives.
+        unsafe { BorrowedFd::borrow_raw(self.inner.fd()) }
+    }
+}
+
+/// A channel the application owns, borrowed for the lifetime `'a`.
+///
+/// rdmasafe never changes the fd's blocking mode: waits with a timeout use
+/// poll() on the fd. Events are copied and acked like on [`EventChannel`],
+/// but ids are the app's: a CONNECT_REQUEST's new id is reported by pointer
+/// only ([`CmEvent::raw_id`]), and the app accepts or rejects and destroys
+/// it as with plain librdmacm. With several threads getting from one
+/// blocking-mode channel, a thread whose poll() saw an event that another
+/// thread took blocks in the get: set O_NONBLOCK on shared channels.
+#[derive(Clone, Copy)]
+pub struct ChannelRef<'a> {
+    raw: NonNull<rdma_event_channel>,
+    /// The fd is known to be non-blocking (try the get first, poll only on
+    /// EAGAIN). Otherwise poll first whenever a get must not block.
+    nonblocking: bool,
+    _owner: PhantomData<&'a rdma_event_channel>,
+}
+
+// SAFETY: see ChannelInner; the app promised (from_raw) the channel lives for 'a.
+unsafe impl Send for ChannelRef<'_> {}
+// SAFETY: as above.
+unsafe impl Sync for ChannelRef<'_> {}
+
+impl<'a> ChannelRef<'a> {
+    /// Borrows an app-owned channel.
+    ///
+    /// # Safety
+    /// `raw` must be a channel from `rdma_create_event_channel` that stays
+    /// alive (not destroyed) for `'a`.
+    pub unsafe fn from_raw(raw: NonNull<rdma_event_channel>) -> ChannelRef<'a> {
+        ChannelRef { raw, nonblocking: false, _owner: PhantomData }
+    }
+
+    /// Like [`ChannelRef::from_raw`], and reads the fd's blocking mode once
+    /// (one fcntl), so a batch drain on a non-blocking fd costs no poll().
+    ///
+    /// # Safety
+    /// As for [`ChannelRef::from_raw`].
+    pub unsafe fn from_raw_probed(raw: NonNull<rdma_event_channel>) -> ChannelRef<'a> {
+        // SAFETY: raw is live (caller's contract).
+        let fd = unsafe { (*raw.as_ptr()).fd };
+        let nonblocking = sys::is_nonblocking(fd).unwrap_or(false);
+        ChannelRef { raw, nonblocking, _owner: PhantomData }
+    }
+
+    /// The channel's fd.
+    pub fn fd(&self) -> RawFd {
+        // SAFETY: raw is live for 'a.
+        unsafe { (*self.raw.as_ptr()).fd }
+    }
+
+    /// Waits for the next event like `rdma_get_cm_event` does on this fd
+    /// (blocks on a blocking fd; EAGAIN on a non-blocking one), then copies
+    /// and acks it. One system call per event, as the raw way.
+    pub fn get(&self) -> Result<CmEvent> {
+        self.fetch(None)
+    }
+
+    /// Waits per `wait` (never changing the fd's mode); `Err` EAGAIN
+    /// (`Wait::None`) or ETIMEDOUT (`Wait::For`) if no event came.
+    pub fn get_wait(&self, wait: Wait) -> Result<CmEvent> {
+        self.get_with(wait, None)
+    }
+
+    /// See [`EventChannel::get_batch`].
+    pub fn get_batch(&self, out: &mut Vec<CmEvent>, max: usize, wait: Wait) -> Result<usize> {
+        self.batch_with(out, max, wait, None)
+    }
+
+    /// One `rdma_get_cm_event` (may block per the fd's mode), copy, ack.
+    /// With an owner, a CONNECT_REQUEST's new id gets a token as context and
+    /// is owned by the returned event.
+    fn fetch(&self, owner: Option<&Arc<ChannelInner>>) -> Result<CmEvent> {
+        let mut ev = null_mut();
+        loop {
+            // SAFETY: raw is a live channel; ev receives an event pointer.
+            if unsafe { sys::rdma_get_cm_event(self.raw.as_ptr(), &mut ev) } == 0 {
+                break;
+            }
+            let err = Error::last("rdma_get_cm_event");
+            if err.errno() != libc::EINTR {
+                return Err(err);
+            }
+        }
+        // SAFETY: ev is a fresh, unacked librdmacm event: ids live, private
+        // data readable, as copy_raw requires.
+        let mut slot = unsafe { copy_raw(ev) };
+        let request = match owner {
+            Some(owner) if EventType(slot.raw.event) == EventType::CONNECT_REQUEST && !slot.raw.id.is_null() => {
+                let token = IdToken::next();
+                // SAFETY: the new id is live (event unacked) and ours to
+                // label: librdmacm made it on our channel for this request.
+                unsafe { (*slot.raw.id).context = token.as_context() as *mut _ };
+                slot.context = token.as_context();
+                // SAFETY: the new id is owned by nobody else; it becomes the
+                // request's, on the channel it was created on.
+                let id = unsafe { CmId::from_new_request(slot.raw.id, token, owner.clone()) };
+                Some(ConnectRequest::new(id))
+            }
+            _ => None,
+        };
+        // SAFETY: ev came from rdma_get_cm_event and is acked exactly once;
+        // nothing reads it afterwards (the copy is complete).
+        unsafe { sys::rdma_ack_cm_event(ev) };
+        crate::log::trace_cm_event(EventType(slot.raw.event), slot.raw.status);
+        Ok(CmEvent::new(slot, request))
+    }
+
+    fn get_with(&self, wait: Wait, owner: Option<&Arc<ChannelInner>>) -> Result<CmEvent> {
+        let deadline = match wait {
+            Wait::For(d) => Some(Instant::now() + d),
+            _ => None,
+        };
+        // On an fd of unknown mode, a get that must not block polls first;
+        // on a blocking wait it simply gets (as rdma_get_cm_event would).
+        let mut poll_first = !self.nonblocking && wait != Wait::Forever;
+        loop {
+            if poll_first {
+                let left = match deadline {
+                    Some(dl) => Wait::For(dl.saturating_duration_since(Instant::now())),
+                    None => wait,
+                };
+                let [ready] = sys::poll_readable([self.fd()], left)
+                    .map_err(|e| Error::new("poll", e.raw_os_error().unwrap_or(libc::EIO)))?;
+                if !ready {
+                    let errno = if wait == Wait::None { libc::EAGAIN } else { libc::ETIMEDOUT };
+                    return Err(Error::new("rdma_get_cm_event", errno));
+                }
+            }
+            match self.fetch(owner) {
+                Err(e) if e.is_would_block() => {
+                    if wait == Wait::None {
+                        return Err(e);
+                    }
+                    poll_first = true;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    fn batch_with(
+        &self,
+        out: &mut Vec<CmEvent>,
+        max: usize,
+        wait: Wait,
+        owner: Option<&Arc<ChannelInner>>,
+    ) -> Result<usize> {
+        if max == 0 {
+            return Err(Error::new("rdmasafe_get_events", libc::EINVAL));
+        }
+        out.push(self.get_with(wait, owner)?);
+        let mut n = 1;
+        while n < max {
+            if !self.nonblocking {
+                match sys::poll_readable([self.fd()], Wait::None) {
+                    Ok([true]) => {}
+                    _ => break,
+                }
+            }
+            match self.fetch(owner) {
+                Ok(ev) => {
+                    out.push(ev);
+                    n += 1;
+                }
+                // Nothing more ready (or a failure after the first event,
+                // which the next call will report): return what we have.
+                Err(_) => break,
+            }
+        }
+        Ok(n)
+    }
+}
+
+impl std::fmt::Debug for EventChannel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "EventChannel(fd {})", self.inner.fd())
+    }
+}
+
+#[allow(dead_code)]
+fn _assert_send_sync() {
+    fn is<T: Send + Sync>() {}
+    is::<EventChannel>();
+    is::<ChannelRef<'static>>();
+    let _ = Duration::ZERO;
+}

@@ -1,0 +1,376 @@
+//! A CM event thread: it gets, copies and acks events, then hands the copies
+//! to a callback or to worker threads through a bounded lock-free queue.
+//!
+//! Contract:
+//! * Acks never wait on the app: each event is acked the moment it is
+//!   copied, before the callback runs or the copy is queued.
+//! * Backpressure: when the [`WorkQueue`] is full the thread holds the one
+//!   copy it has and stops pulling; further events wait in the kernel. They
+//!   are not lost, with one exception the kernel imposes: connect requests
+//!   beyond the listener's backlog (see [`super::CmId::listen`]) are dropped
+//!   by the kernel, and those clients end in UNREACHABLE after ~70 s.
+//! * Stop is prompt: the thread waits in poll() on the channel fd and an
+//!   eventfd, and [`Dispatcher::stop`] (or a [`StopHandle`], also usable
+//!   from inside the callback) writes the eventfd.
+
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering::*};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crossbeam_queue::ArrayQueue;
+
+use super::{CmEvent, EventChannel};
+use crate::sys::{self, Wait, WakeFd};
+use crate::{Error, Result};
+
+/// Most events taken from the channel per wakeup before looking at the stop
+/// flag again.
+const DRAIN_PER_WAKEUP: usize = 64;
+
+/// A bounded multi-producer multi-consumer queue of event copies. Push and
+/// pop are lock-free; a mutex/condvar pair is touched only to put a thread
+/// to sleep on an empty (consumer) or full (producer) queue and to wake it.
+pub struct WorkQueue {
+    q: ArrayQueue<CmEvent>,
+    lock: Mutex<()>,
+    not_empty: Condvar,
+    not_full: Condvar,
+    sleeping_consumers: AtomicUsize,
+    sleeping_producers: AtomicUsize,
+    closed: AtomicBool,
+}
+
+impl WorkQueue {
+    /// A queue holding at most `capacity` copies (at least 1).
+    pub fn new(capacity: usize) -> Arc<WorkQueue> {
+        Arc::new(WorkQueue {
+            q: ArrayQueue::new(capacity.max(1)),
+            lock: Mutex::new(()),
+            not_empty: Condvar::new(),
+            not_full: Condvar::new(),
+            sleeping_consumers: AtomicUsize::new(0),
+            sleeping_producers: AtomicUsize::new(0),
+            closed: AtomicBool::new(false),
+        })
+    }
+
+    /// Copies queued now.
+    pub fn len(&self) -> usize {
+        self.q.len()
+    }
+
+    /// True if no copy is queued.
+    pub fn is_empty(&self) -> bool {
+        self.q.is_empty()
+    }
+
+    /// The queue's capacity.
+    pub fn capacity(&self) -> usize {
+        self.q.capacity()
+    }
+
+    fn wake(&self, sleepers: &AtomicUsize, cv: &Condvar) {
+        // Pairs with the SeqCst increment in the sleeper: either the sleeper
+        // sees our change of the queue, or we see it asleep and notify it.
+        fence(SeqCst);
+        if sleepers.load(SeqCst) > 0 {
+            let _g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+            cv.notify_all();
+        }
+    }
+
+    /// Takes a copy without waiting.
+    pub fn try_pop(&self) -> Option<CmEvent> {
+        let ev = self.q.pop()?;
+        self.wake(&self.sleeping_producers, &self.not_full);
+        Some(ev)
+    }
+
+    /// Takes a copy, waiting at most `timeout`. `None` on timeout, or at once
+    /// when the queue is closed and empty.
+    pub fn pop_timeout(&self, timeout: Duration) -> Option<CmEvent> {
+        if let Some(ev) = self.try_pop() {
+            return Some(ev);
+        }
+        let deadline = std::time::Instant::now() + timeout;
+        let mut g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            self.sleeping_consumers.fetch_add(1, SeqCst);
+            let got = self.q.pop();
+            if got.is_some() || self.closed.load(SeqCst) {
+                self.sleeping_consumers.fetch_sub(1, SeqCst);
+                drop(g);
+                if got.is_some() {
+                    self.wake(&self.sleeping_producers, &self.not_full);
+                }
+                return got;
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                self.sleeping_consumers.fetch_sub(1, SeqCst);
+                return None;
+            }
+            g = self.not_empty.wait_timeout(g, left).unwrap_or_else(|e| e.into_inner()).0;
+            self.sleeping_consumers.fetch_sub(1, SeqCst);
+        }
+    }
+
+    /// Pushes, waiting while the queue is full until there is room or
+    /// `give_up()` says stop; then the copy is handed back.
+    fn push_wait(
+        &self,
+        mut ev: CmEvent,
+        give_up: &dyn Fn() -> bool,
+        full_waits: &AtomicU64,
+    ) -> std::result::Result<(), CmEvent> {
+        loop {
+            match self.q.push(ev) {
+                Ok(()) => {
+                    self.wake(&self.sleeping_consumers, &self.not_empty);
+                    return Ok(());
+                }
+                Err(back) => ev = back,
+            }
+            if give_up() {
+                return Err(ev);
+            }
+            full_waits.fetch_add(1, Relaxed);
+            let g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+            self.sleeping_producers.fetch_add(1, SeqCst);
+            if self.q.is_full() && !give_up() {
+                // Woken by a pop or by stop; the timeout only bounds a missed
+                // stop check, it is not needed for correctness.
+                let _ = self.not_full.wait_timeout(g, Duration::from_millis(100));
+            }
+            self.sleeping_producers.fetch_sub(1, SeqCst);
+        }
+    }
+
+    /// Marks the queue closed: consumers drain what is queued, then
+    /// `pop_timeout` returns `None` at once.
+    pub fn close(&self) {
+        self.closed.store(true, SeqCst);
+        let _g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.not_empty.notify_all();
+        self.not_full.notify_all();
+    }
+}
+
+/// Figures of a running dispatcher.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DispatcherStats {
+    /// Times the thread woke up with events to take.
+    pub wakeups: u64,
+    /// Events copied, acked and delivered.
+    pub events: u64,
+    /// Most events taken in one wakeup.
+    pub max_batch: u64,
+    /// Times the thread found the work queue full and waited.
+    pub queue_full_waits: u64,
+}
+
+#[derive(Default)]
+struct Shared {
+    stop: AtomicBool,
+    wakeups: AtomicU64,
+    events: AtomicU64,
+    max_batch: AtomicU64,
+    full_waits: AtomicU64,
+}
+
+/// Asks a dispatcher to stop; cheap to clone, callable from any thread,
+/// including from inside the dispatcher's own callback.
+#[derive(Clone)]
+pub struct StopHandle {
+    shared: Arc<Shared>,
+    wake: Arc<WakeFd>,
+    queue: Option<Arc<WorkQueue>>,
+}
+
+impl StopHandle {
+    /// Requests the stop and wakes the thread. Does not wait for it.
+    pub fn stop(&self) {
+        self.shared.stop.store(true, SeqCst);
+        self.wake.wake();
+        if let Some(q) = &self.queue {
+            let _g = q.lock.lock().unwrap_or_else(|e| e.into_inner());
+            q.not_full.notify_all();
+        }
+    }
+}
+
+enum Sink {
+    Callback(Box<dyn FnMut(CmEvent) + Send>),
+    Queue(Arc<WorkQueue>),
+}
+
+/// The CM event thread. Dropping it stops and joins the thread.
+pub struct Dispatcher {
+    handle: StopHandle,
+    thread: Option<JoinHandle<Result<()>>>,
+}
+
+impl Dispatcher {
+    /// Starts a thread that calls `f` with every event copy of `channel`, in
+    /// order. A slow `f` delays later gets but never an ack.
+    pub fn with_callback<F>(channel: &EventChannel, f: F) -> Result<Dispatcher>
+    where
+        F: FnMut(CmEvent) + Send + 'static,
+    {
+        Self::start(channel, Sink::Callback(Box::new(f)), None)
+    }
+
+    /// Starts a thread that pushes every event copy of `channel` into
+    /// `queue`, for worker threads to [`WorkQueue::pop_timeout`]. The queue
+    /// is closed when the dispatcher stops.
+    pub fn with_queue(channel: &EventChannel, queue: Arc<WorkQueue>) -> Result<Dispatcher> {
+        Self::start(channel, Sink::Queue(queue.clone()), Some(queue))
+    }
+
+    fn start(channel: &EventChannel, sink: Sink, queue: Option<Arc<WorkQueue>>) -> Result<Dispatcher> {
+        let wake = Arc::new(WakeFd::new().map_err(|e| Error::new("eventfd", e.raw_os_error().unwrap_or(libc::EIO)))?);
+        let handle = StopHandle { shared: Arc::default(), wake, queue };
+        let ch = channel.clone();
+        let h = handle.clone();
+        let thread = std::thread::Builder::new()
+            .name("rdmasafe-cm".into())
+            .spawn(move || run(ch, sink, h))
+            .map_err(|e| Error::new("pthread_create", e.raw_os_error().unwrap_or(libc::EAGAIN)))?;
+        Ok(Dispatcher { handle, thread: Some(thread) })
+    }
+
+    /// A handle to stop the dispatcher from anywhere (e.g. its callback).
+    pub fn stop_handle(&self) -> StopHandle {
+        self.handle.clone()
+    }
+
+    /// Figures so far (readable while running).
+    pub fn stats(&self) -> DispatcherStats {
+        let s = &self.handle.shared;
+        DispatcherStats {
+            wakeups: s.wakeups.load(Relaxed),
+            events: s.events.load(Relaxed),
+            max_batch: s.max_batch.load(Relaxed),
+            queue_full_waits: s.full_waits.load(Relaxed),
+        }
+    }
+
+    /// Stops the thread and waits for it. Events not yet fetched stay in
+    /// the kernel (a new dispatcher or a get on the channel finds them); a
+    /// copy the thread held because the queue was full is dropped (already
+    /// acked, so nothing blocks). Returns the thread's error, if it ended on
+    /// one (e.g. the channel failed).
+    pub fn stop(mut self) -> Result<()> {
+        self.stop_and_join()
+    }
+
+    fn stop_and_join(&mut self) -> Result<()> {
+        self.handle.stop();
+        match self.thread.take() {
+            Some(t) if t.thread().id() != std::thread::current().id() => {
+                t.join().unwrap_or(Err(Error::new("rdmasafe-cm thread panicked", libc::EIO)))
+            }
+            // Dropped from inside its own callback: the stop flag ends the
+            // loop after the callback returns; joining here would deadlock.
+            _ => Ok(()),
+        }
+    }
+}
+
+impl Drop for Dispatcher {
+    fn drop(&mut self) {
+        let _ = self.stop_and_join();
+    }
+}
+
+fn run(ch: EventChannel, mut sink: Sink, h: StopHandle) -> Result<()> {
+    let s = &h.shared;
+    let stopped = || s.stop.load(SeqCst);
+    let result = (|| {
+        while !stopped() {
+            let [_, woken] = sys::poll_readable([ch.inner_fd(), h.wake.fd()], Wait::Forever)
+                .map_err(|e| Error::new("poll", e.raw_os_error().unwrap_or(libc::EIO)))?;
+            if woken {
+                h.wake.drain();
+            }
+            let mut batch = 0u64;
+            while batch < DRAIN_PER_WAKEUP as u64 && !stopped() {
+                let Some(ev) = ch.try_get()? else { break };
+                batch += 1;
+                s.events.fetch_add(1, Relaxed);
+                match &mut sink {
+                    Sink::Callback(f) => f(ev),
+                    Sink::Queue(q) => {
+                        if q.push_wait(ev, &stopped, &s.full_waits).is_err() {
+                            break; // stopping; the held copy drops here
+                        }
+                    }
+                }
+            }
+            if batch > 0 {
+                s.wakeups.fetch_add(1, Relaxed);
+                s.max_batch.fetch_max(batch, Relaxed);
+            }
+        }
+        Ok(())
+    })();
+    if let Sink::Queue(q) = &sink {
+        q.close();
+    }
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cm::copy_synthetic;
+
+    fn ev(n: u32) -> CmEvent {
+        // SAFETY: a zeroed event with no ids and no private data.
+        let mut raw: sys::rdma_cm_event = unsafe { std::mem::zeroed() };
+        raw.status = n as i32;
+        // SAFETY: no pointers to follow.
+        unsafe { copy_synthetic(&raw) }
+    }
+
+    #[test]
+    fn queue_is_bounded_fifo_and_wakes_consumers() {
+        let q = WorkQueue::new(2);
+        let waits = AtomicU64::new(0);
+        assert!(q.push_wait(ev(1), &|| false, &waits).is_ok());
+        assert!(q.push_wait(ev(2), &|| false, &waits).is_ok());
+        // Full: a producer that must give up gets its copy back.
+        let back = q.push_wait(ev(3), &|| true, &waits).expect_err("full queue hands the copy back");
+        assert_eq!(back.status(), 3);
+        assert_eq!(q.try_pop().unwrap().status(), 1);
+        // A sleeping consumer is woken by a push from another thread.
+        let q2 = q.clone();
+        let t = std::thread::spawn(move || {
+            let a = q2.pop_timeout(Duration::from_secs(30)).map(|e| e.status());
+            let b = q2.pop_timeout(Duration::from_secs(30)).map(|e| e.status());
+            (a, b)
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(q.push_wait(ev(4), &|| false, &waits).is_ok());
+        assert_eq!(t.join().unwrap(), (Some(2), Some(4)));
+        assert_eq!(q.pop_timeout(Duration::from_millis(10)).map(|e| e.status()), None);
+        q.close();
+        assert!(q.pop_timeout(Duration::from_secs(30)).is_none(), "closed and empty returns at once");
+    }
+
+    #[test]
+    fn full_queue_producer_sleeps_until_a_pop() {
+        let q = WorkQueue::new(1);
+        let waits = Arc::new(AtomicU64::new(0));
+        assert!(q.push_wait(ev(1), &|| false, &waits).is_ok());
+        let (q2, w2) = (q.clone(), waits.clone());
+        let t = std::thread::spawn(move || q2.push_wait(ev(2), &|| false, &w2).is_ok());
+        while waits.load(Relaxed) == 0 {
+            std::thread::yield_now();
+        }
+        assert_eq!(q.pop_timeout(Duration::from_secs(30)).unwrap().status(), 1);
+        assert!(t.join().unwrap(), "producer got room after the pop");
+        assert_eq!(q.try_pop().unwrap().status(), 2);
+    }
+}

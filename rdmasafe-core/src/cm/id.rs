@@ -1,0 +1,485 @@
+//! Owned CM ids and connection requests.
+
+use std::net::SocketAddr;
+use std::num::NonZeroU64;
+use std::os::raw::c_void;
+use std::ptr::{null_mut, NonNull};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use super::channel::{ChannelInner, EventChannel};
+use crate::sys::{self, ibv_qp_type, rdma_cm_id, rdma_conn_param, rdma_port_space};
+use crate::verbs::{Cq, DeviceContext, Mr, Pd};
+use crate::{Error, Result};
+
+/// A number naming one [`CmId`] for its whole life, never reused in the
+/// process. On rdmasafe-created channels it is the id's `context`, so every
+/// event names its id by token ([`super::CmEvent::token`]): route events
+/// with it, without holding pointers that could dangle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct IdToken(NonZeroU64);
+
+impl IdToken {
+    pub(crate) fn next() -> IdToken {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        IdToken(NonZeroU64::new(NEXT.fetch_add(1, Relaxed)).expect("token counter starts at 1"))
+    }
+
+    pub(crate) fn from_context(ctx: usize) -> Option<IdToken> {
+        NonZeroU64::new(ctx as u64).map(IdToken)
+    }
+
+    pub(crate) fn as_context(self) -> usize {
+        self.0.get() as usize
+    }
+
+    /// The token's number.
+    pub fn get(self) -> u64 {
+        self.0.get()
+    }
+}
+
+/// `enum rdma_port_space`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PortSpace {
+    /// Reliable connected (RC QPs).
+    Tcp,
+    /// Unreliable datagram (UD QPs).
+    Udp,
+    /// Any QP type, IB port space.
+    Ib,
+    /// IPoIB.
+    Ipoib,
+}
+
+impl PortSpace {
+    fn raw(self) -> rdma_port_space::Type {
+        match self {
+            PortSpace::Tcp => rdma_port_space::RDMA_PS_TCP,
+            PortSpace::Udp => rdma_port_space::RDMA_PS_UDP,
+            PortSpace::Ib => rdma_port_space::RDMA_PS_IB,
+            PortSpace::Ipoib => rdma_port_space::RDMA_PS_IPOIB,
+        }
+    }
+}
+
+/// Parameters of `rdma_connect` / `rdma_accept`.
+#[derive(Clone, Copy, Debug)]
+pub struct ConnectParams<'a> {
+    /// Private data to send (at most 255 bytes here; the transport's limit
+    /// is lower: 56 for a connect and 196 for an accept on RoCE/IB).
+    pub private_data: &'a [u8],
+    /// Outstanding RDMA reads/atomics we accept as responder.
+    pub responder_resources: u8,
+    /// Outstanding RDMA reads/atomics we issue.
+    pub initiator_depth: u8,
+    /// Transport retries (7 means "forever" on rxe: a dead peer is then
+    /// never reported; the default is 6).
+    pub retry_count: u8,
+    /// RNR retries (7 = infinite, the default).
+    pub rnr_retry_count: u8,
+    /// For UD ids: the QP number to report; 0 for RC (librdmacm fills it).
+    pub qp_num: u32,
+}
+
+impl Default for ConnectParams<'_> {
+    fn default() -> Self {
+        ConnectParams {
+            private_data: &[],
+            responder_resources: 1,
+            initiator_depth: 1,
+            retry_count: 6,
+            rnr_retry_count: 7,
+            qp_num: 0,
+        }
+    }
+}
+
+impl ConnectParams<'_> {
+    fn to_raw(self, op: &'static str) -> Result<rdma_conn_param> {
+        let len = u8::try_from(self.private_data.len()).map_err(|_| Error::new(op, libc::EINVAL))?;
+        Ok(rdma_conn_param {
+            private_data: if len == 0 { std::ptr::null() } else { self.private_data.as_ptr().cast() },
+            private_data_len: len,
+            responder_resources: self.responder_resources,
+            initiator_depth: self.initiator_depth,
+            flow_control: 1,
+            retry_count: self.retry_count,
+            rnr_retry_count: self.rnr_retry_count,
+            srq: 0,
+            qp_num: self.qp_num,
+        })
+    }
+}
+
+/// Sizes of a QP made with [`CmId::create_qp`].
+#[derive(Clone, Copy, Debug)]
+pub struct QpCaps {
+    /// Send queue depth.
+    pub max_send_wr: u32,
+    /// Receive queue depth.
+    pub max_recv_wr: u32,
+    /// Scatter/gather entries per WR.
+    pub max_sge: u32,
+    /// Inline data bytes.
+    pub max_inline_data: u32,
+}
+
+impl Default for QpCaps {
+    fn default() -> Self {
+        QpCaps { max_send_wr: 64, max_recv_wr: 64, max_sge: 1, max_inline_data: 0 }
+    }
+}
+
+/// What a QP needs alive as long as it exists: its PD, CQs, and every MR a
+/// work request was ever posted with (the device may touch their memory
+/// until the QP is destroyed).
+struct QpParts {
+    _pd: Pd,
+    _send_cq: Cq,
+    _recv_cq: Cq,
+    mrs: Mutex<Vec<Mr>>,
+}
+
+/// An owned `rdma_cm_id`. Dropping it destroys its QP (if any) and the id.
+///
+/// Dropping never waits on rdmasafe: events for the id were acked when they
+/// were copied, so `rdma_destroy_id` only waits for the kernel.
+pub struct CmId {
+    raw: NonNull<rdma_cm_id>,
+    token: IdToken,
+    qp: Option<QpParts>,
+    // Keeps the channel alive while the id exists; dropped after the id.
+    _channel: Arc<ChannelInner>,
+}
+
+// SAFETY: librdmacm id calls are thread-safe for distinct operations; the
+// handle is only a pointer plus owned keep-alives.
+unsafe impl Send for CmId {}
+// SAFETY: all &self methods are librdmacm/verbs calls that may run
+// concurrently from several threads.
+unsafe impl Sync for CmId {}
+
+fn cvt(op: &'static str, r: i32) -> Result<()> {
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(Error::last(op))
+    }
+}
+
+/// sockaddr storage for librdmacm calls.
+fn sockaddr(addr: &SocketAddr) -> libc::sockaddr_storage {
+    // SAFETY: sockaddr_storage is plain data; zero is valid.
+    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    match addr {
+        SocketAddr::V4(a) => {
+            let sin = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: a.port().to_be(),
+                sin_addr: libc::in_addr { s_addr: u32::from_ne_bytes(a.ip().octets()) },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: sockaddr_storage is large and aligned enough for sockaddr_in.
+            unsafe { std::ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin) };
+        }
+        SocketAddr::V6(a) => {
+            let sin6 = libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                sin6_port: a.port().to_be(),
+                sin6_flowinfo: a.flowinfo(),
+                sin6_addr: libc::in6_addr { s6_addr: a.ip().octets() },
+                sin6_scope_id: a.scope_id(),
+            };
+            // SAFETY: as above, for sockaddr_in6.
+            unsafe { std::ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin6) };
+        }
+    }
+    ss
+}
+
+fn ms(d: Duration) -> i32 {
+    d.as_millis().min(i32::MAX as u128) as i32
+}
+
+impl CmId {
+    /// Creates an id on `channel` (`rdma_create_id`) with its token as
+    /// context.
+    pub fn new(channel: &EventChannel, ps: PortSpace) -> Result<CmId> {
+        let token = IdToken::next();
+        let mut raw = null_mut();
+        // SAFETY: channel is live; raw receives the new id.
+        let r =
+            unsafe { sys::rdma_create_id(channel.inner.raw(), &mut raw, token.as_context() as *mut c_void, ps.raw()) };
+        cvt("rdma_create_id", r)?;
+        let raw = NonNull::new(raw).ok_or(Error::new("rdma_create_id", libc::EIO))?;
+        Ok(CmId { raw, token, qp: None, _channel: channel.inner.clone() })
+    }
+
+    /// Wraps the new id of a CONNECT_REQUEST.
+    ///
+    /// # Safety
+    /// `raw` must be the live new id of a connect request on `channel`,
+    /// owned by no one else, with `token` already set as its context.
+    pub(crate) unsafe fn from_new_request(raw: *mut rdma_cm_id, token: IdToken, channel: Arc<ChannelInner>) -> CmId {
+        CmId { raw: NonNull::new(raw).expect("connect request id is not NULL"), token, qp: None, _channel: channel }
+    }
+
+    /// This id's token (also its `context`).
+    pub fn token(&self) -> IdToken {
+        self.token
+    }
+
+    /// The raw id (still owned by this value).
+    pub fn raw(&self) -> *mut rdma_cm_id {
+        self.raw.as_ptr()
+    }
+
+    /// The device context the id is bound to, once an address is bound or
+    /// resolved (librdmacm keeps it open for the life of the process).
+    pub fn device_context(&self) -> Option<DeviceContext> {
+        // SAFETY: raw is live; reading the verbs field.
+        DeviceContext::from_raw(unsafe { (*self.raw.as_ptr()).verbs })
+    }
+
+    /// The id's port number on its device.
+    pub fn port_num(&self) -> u8 {
+        // SAFETY: raw is live.
+        unsafe { (*self.raw.as_ptr()).port_num }
+    }
+
+    /// The local port (`rdma_get_src_port`), e.g. after binding port 0.
+    pub fn local_port(&self) -> u16 {
+        // SAFETY: live id.
+        u16::from_be(unsafe { sys::rdma_get_src_port(self.raw()) })
+    }
+
+    /// `rdma_bind_addr`.
+    pub fn bind_addr(&self, addr: SocketAddr) -> Result<()> {
+        let mut ss = sockaddr(&addr);
+        // SAFETY: live id; ss is a valid sockaddr for the call.
+        cvt("rdma_bind_addr", unsafe {
+            sys::rdma_bind_addr(self.raw(), (&mut ss as *mut libc::sockaddr_storage).cast())
+        })
+    }
+
+    /// `rdma_resolve_addr` (completes with ADDR_RESOLVED or ADDR_ERROR).
+    pub fn resolve_addr(&self, src: Option<SocketAddr>, dst: SocketAddr, timeout: Duration) -> Result<()> {
+        let mut s = src.map(|a| sockaddr(&a));
+        let mut d = sockaddr(&dst);
+        let sp = s.as_mut().map_or(null_mut(), |s| (s as *mut libc::sockaddr_storage).cast());
+        // SAFETY: live id; address pointers valid for the call.
+        cvt("rdma_resolve_addr", unsafe {
+            sys::rdma_resolve_addr(self.raw(), sp, (&mut d as *mut libc::sockaddr_storage).cast(), ms(timeout))
+        })
+    }
+
+    /// `rdma_resolve_route` (completes with ROUTE_RESOLVED or ROUTE_ERROR).
+    pub fn resolve_route(&self, timeout: Duration) -> Result<()> {
+        // SAFETY: live id.
+        cvt("rdma_resolve_route", unsafe { sys::rdma_resolve_route(self.raw(), ms(timeout)) })
+    }
+
+    /// `rdma_listen`. The kernel holds at most `backlog` connect requests
+    /// that nobody fetched yet; further requests are dropped silently and
+    /// their clients end in UNREACHABLE (about 70 s of retries). Size it for
+    /// your bursts.
+    pub fn listen(&self, backlog: i32) -> Result<()> {
+        // SAFETY: live id.
+        cvt("rdma_listen", unsafe { sys::rdma_listen(self.raw(), backlog) })
+    }
+
+    /// Creates an RC or UD QP on the id (`rdma_create_qp`), keeping `pd` and
+    /// the CQs alive for as long as the QP exists.
+    pub fn create_qp(&mut self, pd: &Pd, send_cq: &Cq, recv_cq: &Cq, caps: QpCaps, ud: bool) -> Result<()> {
+        if self.qp.is_some() {
+            return Err(Error::new("rdma_create_qp", libc::EEXIST));
+        }
+        // SAFETY: ibv_qp_init_attr is plain data; zero is valid.
+        let mut attr: sys::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+        attr.send_cq = send_cq.raw();
+        attr.recv_cq = recv_cq.raw();
+        attr.qp_type = if ud { ibv_qp_type::IBV_QPT_UD } else { ibv_qp_type::IBV_QPT_RC };
+        attr.cap.max_send_wr = caps.max_send_wr;
+        attr.cap.max_recv_wr = caps.max_recv_wr;
+        attr.cap.max_send_sge = caps.max_sge;
+        attr.cap.max_recv_sge = caps.max_sge;
+        attr.cap.max_inline_data = caps.max_inline_data;
+        attr.sq_sig_all = 0;
+        // SAFETY: live id, live pd and CQs (kept alive below), valid attr.
+        cvt("rdma_create_qp", unsafe { sys::rdma_create_qp(self.raw(), pd.raw(), &mut attr) })?;
+        self.qp = Some(QpParts {
+            _pd: pd.clone(),
+            _send_cq: send_cq.clone(),
+            _recv_cq: recv_cq.clone(),
+            mrs: Mutex::new(Vec::new()),
+        });
+        Ok(())
+    }
+
+    /// The QP number, if a QP was created.
+    pub fn qp_num(&self) -> Option<u32> {
+        self.qp.as_ref()?;
+        // SAFETY: the QP exists while self.qp is Some.
+        Some(unsafe { (*(*self.raw.as_ptr()).qp).qp_num })
+    }
+
+    /// `rdma_connect`.
+    pub fn connect(&self, params: &ConnectParams<'_>) -> Result<()> {
+        let mut p = params.to_raw("rdma_connect")?;
+        // SAFETY: live id; p and its private data are valid for the call
+        // (librdmacm copies the data).
+        cvt("rdma_connect", unsafe { sys::rdma_connect(self.raw(), &mut p) })
+    }
+
+    /// `rdma_disconnect`.
+    pub fn disconnect(&self) -> Result<()> {
+        // SAFETY: live id.
+        cvt("rdma_disconnect", unsafe { sys::rdma_disconnect(self.raw()) })
+    }
+
+    fn keep_mr(&self, mr: &Mr) -> Result<*mut sys::ibv_qp> {
+        let parts = self.qp.as_ref().ok_or(Error::new("ibv_post", libc::EINVAL))?;
+        let mut mrs = parts.mrs.lock().unwrap_or_else(|e| e.into_inner());
+        if !mrs.iter().any(|m| m.same(mr)) {
+            mrs.push(mr.clone());
+        }
+        // SAFETY: the QP exists while self.qp is Some.
+        Ok(unsafe { (*self.raw.as_ptr()).qp })
+    }
+
+    /// Posts one receive of `len` bytes at `offset` in `mr`. The MR is kept
+    /// alive until the QP is destroyed.
+    pub fn post_recv(&self, mr: &Mr, offset: usize, len: u32, wr_id: u64) -> Result<()> {
+        let qp = self.keep_mr(mr)?;
+        let mut sge = mr.sge(offset, len).ok_or(Error::new("ibv_post_recv", libc::EINVAL))?;
+        // SAFETY: ibv_recv_wr is plain data; zero is valid.
+        let mut wr: sys::ibv_recv_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = wr_id;
+        wr.sg_list = &mut sge;
+        wr.num_sge = 1;
+        let mut bad = null_mut();
+        // SAFETY: live QP; wr and sge valid for the call; the MR memory stays
+        // registered and allocated while the QP exists (kept above).
+        let r = unsafe { sys::ibv_post_recv(qp, &mut wr, &mut bad) };
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(Error::new("ibv_post_recv", r))
+        }
+    }
+
+    /// Posts one signaled SEND of `len` bytes at `offset` in `mr`.
+    pub fn post_send(&self, mr: &Mr, offset: usize, len: u32, wr_id: u64) -> Result<()> {
+        let qp = self.keep_mr(mr)?;
+        let mut sge = mr.sge(offset, len).ok_or(Error::new("ibv_post_send", libc::EINVAL))?;
+        // SAFETY: ibv_send_wr is plain data; zero is valid.
+        let mut wr: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = wr_id;
+        wr.sg_list = &mut sge;
+        wr.num_sge = 1;
+        wr.opcode = sys::ibv_wr_opcode::IBV_WR_SEND;
+        wr.send_flags = sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
+        let mut bad = null_mut();
+        // SAFETY: as for post_recv.
+        let r = unsafe { sys::ibv_post_send(qp, &mut wr, &mut bad) };
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(Error::new("ibv_post_send", r))
+        }
+    }
+
+    /// `rdma_accept`. For the new id of a [`ConnectRequest`], use
+    /// [`ConnectRequest::accept`] instead.
+    fn accept_raw(&self, params: &ConnectParams<'_>) -> Result<()> {
+        let mut p = params.to_raw("rdma_accept")?;
+        // SAFETY: live id; p valid for the call.
+        cvt("rdma_accept", unsafe { sys::rdma_accept(self.raw(), &mut p) })
+    }
+
+    fn reject_raw(&self, data: &[u8]) -> Result<()> {
+        let len = u8::try_from(data.len()).map_err(|_| Error::new("rdma_reject", libc::EINVAL))?;
+        let ptr = if data.is_empty() { std::ptr::null() } else { data.as_ptr().cast() };
+        // SAFETY: live id; data valid for the call.
+        cvt("rdma_reject", unsafe { sys::rdma_reject(self.raw(), ptr, len) })
+    }
+}
+
+impl Drop for CmId {
+    fn drop(&mut self) {
+        // SAFETY: the id is live and ours; the QP (if any) was created on it.
+        // Events were acked when copied, so neither call waits on rdmasafe.
+        unsafe {
+            if self.qp.is_some() {
+                sys::rdma_destroy_qp(self.raw());
+            }
+            sys::rdma_destroy_id(self.raw());
+        }
+        // QP keep-alives (PD, CQs, MRs) and the channel drop after this.
+    }
+}
+
+impl std::fmt::Debug for CmId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CmId(token {}, {:p})", self.token.get(), self.raw)
+    }
+}
+
+/// The new id of an incoming CONNECT_REQUEST, taken from its event with
+/// [`super::CmEvent::take_request`]. Create a QP on it ([`ConnectRequest::id_mut`]),
+/// then [`accept`](ConnectRequest::accept) or [`reject`](ConnectRequest::reject).
+/// Dropped without either, the request is rejected and the id destroyed.
+pub struct ConnectRequest {
+    id: Option<CmId>,
+}
+
+impl ConnectRequest {
+    pub(crate) fn new(id: CmId) -> ConnectRequest {
+        ConnectRequest { id: Some(id) }
+    }
+
+    /// The new id, e.g. to create its QP before accepting.
+    pub fn id_mut(&mut self) -> &mut CmId {
+        self.id.as_mut().expect("ConnectRequest holds its id until consumed")
+    }
+
+    /// The new id's token (its events carry it).
+    pub fn token(&self) -> IdToken {
+        self.id.as_ref().expect("ConnectRequest holds its id until consumed").token()
+    }
+
+    /// Accepts (`rdma_accept`) and hands over the connected id. On failure
+    /// the id is destroyed (after a reject) and the error returned.
+    pub fn accept(mut self, params: &ConnectParams<'_>) -> Result<CmId> {
+        let id = self.id.take().expect("ConnectRequest holds its id until consumed");
+        match id.accept_raw(params) {
+            Ok(()) => Ok(id),
+            Err(e) => {
+                let _ = id.reject_raw(&[]);
+                Err(e)
+            }
+        }
+    }
+
+    /// Rejects with private data (`rdma_reject`) and destroys the id.
+    pub fn reject(mut self, private_data: &[u8]) -> Result<()> {
+        let id = self.id.take().expect("ConnectRequest holds its id until consumed");
+        id.reject_raw(private_data)
+    }
+}
+
+impl Drop for ConnectRequest {
+    fn drop(&mut self) {
+        if let Some(id) = self.id.take() {
+            let _ = id.reject_raw(&[]);
+        }
+    }
+}
+
+impl std::fmt::Debug for ConnectRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ConnectRequest({:?})", self.id)
+    }
+}

@@ -1,0 +1,281 @@
+//! The raw layer: every librdmacm / libibverbs / libc item rdmasafe uses is
+//! reached through this module, and nothing outside it declares FFI.
+//!
+//! Bindings come from the `rdma-sys` crate (bindgen over Debian's rdma-core
+//! headers, plus hand-written Rust versions of verbs.h's static inline
+//! functions such as `ibv_poll_cq`). Where rdma-sys gets something wrong for
+//! our purposes, the fix lives here, with the reason next to it:
+//!
+//! * `rdma_sys::ibv_async_event::event_type` is a Rust enum; a kernel newer
+//!   than the headers can report a value outside it, which would be undefined
+//!   behaviour to read. [`RawAsyncEvent`] declares the same C layout with a
+//!   plain `u32` and [`ibv_get_async_event`] / [`ibv_ack_async_event`] are
+//!   declared against it.
+//! * CM event types are a `u32` in rdma-sys already (constified enum); we keep
+//!   them that way (see [`crate::cm::EventType`]).
+//!
+//! The C struct layouts rdmasafe relies on (`struct rdma_cm_event`, the
+//! `param` union, `struct ibv_wc`) are checked against the real C headers by
+//! the `layout_matches_c_headers` test, which compiles a C probe with `cc`.
+
+#![allow(unused_imports)]
+
+use std::os::raw::{c_int, c_void};
+use std::time::{Duration, Instant};
+
+pub use rdma_sys::{
+    ibv_ack_cq_events, ibv_alloc_pd, ibv_comp_channel, ibv_context, ibv_cq, ibv_create_comp_channel, ibv_create_cq,
+    ibv_dealloc_pd, ibv_dereg_mr, ibv_destroy_comp_channel, ibv_destroy_cq, ibv_device, ibv_free_device_list,
+    ibv_get_cq_event, ibv_get_device_list, ibv_get_device_name, ibv_mr, ibv_pd, ibv_poll_cq, ibv_post_recv,
+    ibv_post_send, ibv_qp, ibv_qp_init_attr, ibv_qp_type, ibv_recv_wr, ibv_reg_mr, ibv_req_notify_cq, ibv_send_flags,
+    ibv_send_wr, ibv_sge, ibv_wc, ibv_wc_opcode, ibv_wc_status, ibv_wr_opcode, param_t, rdma_accept, rdma_ack_cm_event,
+    rdma_bind_addr, rdma_cm_event, rdma_cm_event_type, rdma_cm_id, rdma_conn_param, rdma_connect,
+    rdma_create_event_channel, rdma_create_id, rdma_create_qp, rdma_destroy_event_channel, rdma_destroy_id,
+    rdma_destroy_qp, rdma_disconnect, rdma_event_channel, rdma_get_cm_event, rdma_get_src_port, rdma_listen,
+    rdma_port_space, rdma_reject, rdma_resolve_addr, rdma_resolve_route, rdma_ud_param,
+};
+
+/// `RDMA_MAX_PRIVATE_DATA` from librdmacm: the largest private data any CM
+/// event can carry (the field is a `u8` length, so 255 in practice).
+pub const RDMA_MAX_PRIVATE_DATA: usize = 256;
+
+/// `struct ibv_async_event` with the event type as a plain number.
+/// rdma-sys models the type as a Rust enum, which a value from a newer
+/// kernel would make undefined behaviour.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct RawAsyncEvent {
+    /// Union of `ibv_cq *`, `ibv_qp *`, `ibv_srq *`, `ibv_wq *`, `int port_num`.
+    pub element: *mut c_void,
+    /// `enum ibv_event_type` as reported.
+    pub event_type: u32,
+}
+
+extern "C" {
+    /// libibverbs' `ibv_get_async_event`, declared with [`RawAsyncEvent`].
+    #[link_name = "ibv_get_async_event"]
+    pub fn ibv_get_async_event(context: *mut ibv_context, event: *mut RawAsyncEvent) -> c_int;
+    /// libibverbs' `ibv_ack_async_event`, declared with [`RawAsyncEvent`].
+    #[link_name = "ibv_ack_async_event"]
+    pub fn ibv_ack_async_event(event: *mut RawAsyncEvent);
+}
+
+/// The calling thread's errno.
+pub fn errno() -> i32 {
+    std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)
+}
+
+/// Sets the calling thread's errno (the C API's -1/errno convention).
+pub fn set_errno(value: i32) {
+    // SAFETY: __errno_location always returns the calling thread's errno slot.
+    unsafe { *libc::__errno_location() = value };
+}
+
+/// Reads an fd's status flags (`fcntl(F_GETFL)`).
+pub fn fd_flags(fd: c_int) -> std::io::Result<c_int> {
+    // SAFETY: F_GETFL takes no pointer argument; a bad fd gives EBADF.
+    let r = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if r < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+/// True if the fd has O_NONBLOCK set.
+pub fn is_nonblocking(fd: c_int) -> std::io::Result<bool> {
+    Ok(fd_flags(fd)? & libc::O_NONBLOCK != 0)
+}
+
+/// Sets O_NONBLOCK on an fd rdmasafe owns.
+pub fn set_nonblocking(fd: c_int) -> std::io::Result<()> {
+    let flags = fd_flags(fd)?;
+    // SAFETY: F_SETFL with an integer argument; a bad fd gives EBADF.
+    if unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// How long a wait may last.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Wait {
+    /// Do not wait at all.
+    None,
+    /// Wait at most this long.
+    For(Duration),
+    /// Wait until ready.
+    Forever,
+}
+
+impl Wait {
+    /// Maps the C convention (`< 0` forever, `0` no wait, `> 0` milliseconds).
+    pub fn from_millis(ms: i64) -> Wait {
+        match ms {
+            m if m < 0 => Wait::Forever,
+            0 => Wait::None,
+            m => Wait::For(Duration::from_millis(m as u64)),
+        }
+    }
+}
+
+/// Waits until one of `fds` is readable, for at most `wait`.
+/// Returns the readiness of each fd (`true` = readable or error/hangup), all
+/// `false` on timeout. EINTR restarts the wait with the time that is left.
+pub fn poll_readable<const N: usize>(fds: [c_int; N], wait: Wait) -> std::io::Result<[bool; N]> {
+    let deadline = match wait {
+        Wait::For(d) => Some(Instant::now() + d),
+        _ => None,
+    };
+    let mut pfds = fds.map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
+    loop {
+        let timeout_ms: c_int = match (wait, deadline) {
+            (Wait::None, _) => 0,
+            (Wait::Forever, _) => -1,
+            (Wait::For(_), Some(dl)) => {
+                let left = dl.saturating_duration_since(Instant::now());
+                // Round up so that a 0.4 ms remainder does not become a busy 0.
+                left.as_micros().div_ceil(1000).min(c_int::MAX as u128) as c_int
+            }
+            (Wait::For(_), None) => unreachable!("deadline is set for Wait::For"),
+        };
+        // SAFETY: pfds is a valid array of N pollfd structs for the call.
+        let r = unsafe { libc::poll(pfds.as_mut_ptr(), N as libc::nfds_t, timeout_ms) };
+        if r >= 0 {
+            return Ok(pfds.map(|p| p.revents != 0));
+        }
+        let err = std::io::Error::last_os_error();
+        if err.raw_os_error() != Some(libc::EINTR) {
+            return Err(err);
+        }
+    }
+}
+
+/// An eventfd used to wake a thread blocked in poll() (closing an fd does
+/// not wake a thread blocked on it, so stop requests go through this).
+#[derive(Debug)]
+pub struct WakeFd(std::os::fd::OwnedFd);
+
+impl WakeFd {
+    /// A non-blocking, close-on-exec eventfd.
+    pub fn new() -> std::io::Result<WakeFd> {
+        use std::os::fd::FromRawFd;
+        // SAFETY: eventfd takes no pointers; a negative result is an error.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: fd is a fresh descriptor that nothing else owns.
+        Ok(WakeFd(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }))
+    }
+
+    /// Makes the fd readable (wakes pollers).
+    pub fn wake(&self) {
+        use std::os::fd::AsRawFd;
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a valid u64; failure (counter full)
+        // still leaves the fd readable, which is all a wake needs.
+        unsafe { libc::write(self.0.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
+
+    /// Resets the fd to not readable.
+    pub fn drain(&self) {
+        use std::os::fd::AsRawFd;
+        let mut v: u64 = 0;
+        // SAFETY: reads 8 bytes into a valid u64; EAGAIN when already reset.
+        unsafe { libc::read(self.0.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+    }
+
+    /// The fd, for poll().
+    pub fn fd(&self) -> c_int {
+        use std::os::fd::AsRawFd;
+        self.0.as_raw_fd()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::mem::{offset_of, size_of};
+    use std::process::Command;
+
+    /// Compiles a C probe against the installed rdma-core headers and checks
+    /// that the Rust definitions rdmasafe relies on have the same layout.
+    #[test]
+    fn layout_matches_c_headers() {
+        let dir = std::env::temp_dir().join(format!("rdmasafe-layout-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let src = dir.join("probe.c");
+        std::fs::write(
+            &src,
+            r#"#include <stdio.h>
+#include <stddef.h>
+#include <rdma/rdma_cma.h>
+int main(void) {
+  printf("%zu %zu %zu %zu %zu\n", sizeof(struct rdma_cm_event), offsetof(struct rdma_cm_event, param),
+         offsetof(struct rdma_cm_event, status), sizeof(struct rdma_ud_param), offsetof(struct rdma_ud_param, qkey));
+  printf("%zu %zu %zu %zu\n", sizeof(struct rdma_conn_param), offsetof(struct rdma_conn_param, qp_num),
+         sizeof(struct ibv_wc), offsetof(struct ibv_wc, qp_num));
+  printf("%zu %zu %zu\n", sizeof(struct ibv_async_event), offsetof(struct ibv_async_event, event_type),
+         offsetof(struct rdma_cm_id, context));
+  return 0;
+}
+"#,
+        )
+        .unwrap();
+        let exe = dir.join("probe");
+        let st = Command::new("cc").arg("-o").arg(&exe).arg(&src).status().expect("run cc");
+        assert!(st.success(), "C layout probe did not compile");
+        let out = Command::new(&exe).output().expect("run probe");
+        let text = String::from_utf8(out.stdout).unwrap();
+        let c: Vec<usize> = text.split_whitespace().map(|v| v.parse().unwrap()).collect();
+        let rust = vec![
+            size_of::<rdma_cm_event>(),
+            offset_of!(rdma_cm_event, param),
+            offset_of!(rdma_cm_event, status),
+            size_of::<rdma_ud_param>(),
+            offset_of!(rdma_ud_param, qkey),
+            size_of::<rdma_conn_param>(),
+            offset_of!(rdma_conn_param, qp_num),
+            size_of::<ibv_wc>(),
+            offset_of!(ibv_wc, qp_num),
+            size_of::<RawAsyncEvent>(),
+            offset_of!(RawAsyncEvent, event_type),
+            offset_of!(rdma_cm_id, context),
+        ];
+        assert_eq!(c, rust, "C vs Rust layout (sizes/offsets)");
+        // private_data pointer and length sit at the same offsets in both
+        // union arms: the copy relies on it.
+        assert_eq!(offset_of!(rdma_conn_param, private_data), offset_of!(rdma_ud_param, private_data));
+        assert_eq!(offset_of!(rdma_conn_param, private_data_len), offset_of!(rdma_ud_param, private_data_len));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn poll_times_out_and_sees_readable() {
+        let mut fds = [0; 2];
+        // SAFETY: fds has room for the two pipe ends.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        let r = poll_readable([fds[0]], Wait::For(Duration::from_millis(5))).unwrap();
+        assert_eq!(r, [false]);
+        // SAFETY: writing one byte from a valid buffer to the pipe.
+        assert_eq!(unsafe { libc::write(fds[1], b"x".as_ptr().cast(), 1) }, 1);
+        let r = poll_readable([fds[1], fds[0]], Wait::None).unwrap();
+        assert_eq!(r, [false, true]);
+        assert!(!is_nonblocking(fds[0]).unwrap());
+        set_nonblocking(fds[0]).unwrap();
+        assert!(is_nonblocking(fds[0]).unwrap());
+        // SAFETY: closing the fds this test opened.
+        unsafe {
+            libc::close(fds[0]);
+            libc::close(fds[1]);
+        }
+    }
+
+    #[test]
+    fn wait_from_millis_follows_the_c_convention() {
+        assert_eq!(Wait::from_millis(-1), Wait::Forever);
+        assert_eq!(Wait::from_millis(0), Wait::None);
+        assert_eq!(Wait::from_millis(7), Wait::For(Duration::from_millis(7)));
+    }
+}
