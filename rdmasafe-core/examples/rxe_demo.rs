@@ -9,7 +9,7 @@ fn main() {
     let addr = match std::env::var("RDMASAFE_TEST_ADDR").ok().and_then(|a| a.parse().ok()) {
         Some(a) => a,
         None => {
-            eprintln!("demo: RDMASAFE_TEST_ADDR is not set; run it through tests/demo.sh (Soft-RoCE guest)");
+            eprintln!("demo: RDMASAFE_TEST_ADDR is not set; run it with tests/demo.sh or cargo run --example rxe_demo (the runner boots the Soft-RoCE guest)");
             std::process::exit(2);
         }
     };

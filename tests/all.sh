@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Runs every test: sets up (tests/setup.sh), checks formatting, lints,
+# then `cargo test` for the whole workspace. Integration tests named rxe_*
+# run inside a throw-away Soft-RoCE guest (one boot per test binary, see
+# tests/bed/); a test that needs RDMA and finds none fails.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+start=$SECONDS
+step() { echo "== [$((SECONDS - start)) s] $*" >&2; }
+
+step "setup"
+tests/setup.sh
+[[ -x $HOME/.cargo/bin/cargo ]] && export PATH=$HOME/.cargo/bin:$PATH
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+step "cargo clippy -D warnings"
+cargo clippy --locked --workspace --all-targets -q -- -D warnings
+step "cargo test (rxe_* in the Soft-RoCE guest)"
+cargo test --locked --workspace --all-targets
+step "doc tests"
+cargo test --locked --workspace --doc
+step "all tests passed"
