@@ -75,8 +75,12 @@ extern "C" {
  * Returns 0, or -1 with errno: EINVAL (`channel` or `event` NULL), EAGAIN
  * (non-blocking fd, nothing ready), or the error of `rdma_get_cm_event`.
  * `*event` is left untouched on failure.
+ *
+ * # Safety
+ * `channel` must be NULL or a live channel from `rdma_create_event_channel`; `event` NULL or writable.
  */
-int rdmasafe_get_event(struct rdma_event_channel *channel, struct rdma_cm_event **event);
+int rdmasafe_get_event(struct rdma_event_channel *channel,
+                       struct rdma_cm_event **event);
 
 /**
  * Like `rdmasafe_get_event`, waiting at most `timeout_ms` milliseconds
@@ -88,6 +92,9 @@ int rdmasafe_get_event(struct rdma_event_channel *channel, struct rdma_cm_event 
  * Returns 0, or -1 with errno: EINVAL (NULL argument, `timeout_ms < -1`),
  * EAGAIN (`timeout_ms == 0`, nothing ready), ETIMEDOUT (nothing within
  * `timeout_ms`), or the error of `rdma_get_cm_event`.
+ *
+ * # Safety
+ * As for `rdmasafe_get_event`.
  */
 int rdmasafe_get_event_timeout(struct rdma_event_channel *channel,
                                struct rdma_cm_event **event,
@@ -103,6 +110,9 @@ int rdmasafe_get_event_timeout(struct rdma_event_channel *channel,
  * Returns n >= 1, or -1 with errno: EINVAL (NULL argument, `max < 1`,
  * `timeout_ms < -1`), EAGAIN, ETIMEDOUT, or the error of
  * `rdma_get_cm_event`. Nothing is stored on failure.
+ *
+ * # Safety
+ * `channel` NULL or live; `events` NULL or writable for `max` pointers.
  */
 int rdmasafe_get_events(struct rdma_event_channel *channel,
                         struct rdma_cm_event **events,
@@ -122,6 +132,9 @@ int rdmasafe_get_events(struct rdma_event_channel *channel,
  * old pointer cannot be told apart from a free of the new copy.
  *
  * Returns 0, or -1 with errno EINVAL.
+ *
+ * # Safety
+ * None beyond C's: any pointer value is checked before use.
  */
 int rdmasafe_event_free(struct rdma_cm_event *event);
 
@@ -135,6 +148,9 @@ const char *rdmasafe_event_str(int event);
 /**
  * Reads the CM copy counters into `*out`. Never blocks; thread-safe.
  * Returns 0, or -EINVAL if `out` is NULL.
+ *
+ * # Safety
+ * `out` must be NULL or writable.
  */
 int rdmasafe_cm_counters(struct rdmasafe_cm_counters *out);
 

@@ -71,8 +71,11 @@ fn wait_of(timeout_ms: c_int) -> Option<Wait> {
 /// Returns 0, or -1 with errno: EINVAL (`channel` or `event` NULL), EAGAIN
 /// (non-blocking fd, nothing ready), or the error of `rdma_get_cm_event`.
 /// `*event` is left untouched on failure.
+///
+/// # Safety
+/// `channel` must be NULL or a live channel from `rdma_create_event_channel`; `event` NULL or writable.
 #[no_mangle]
-pub extern "C" fn rdmasafe_get_event(channel: *mut rdma_event_channel, event: *mut *mut rdma_cm_event) -> c_int {
+pub unsafe extern "C" fn rdmasafe_get_event(channel: *mut rdma_event_channel, event: *mut *mut rdma_cm_event) -> c_int {
     guard(fail_errno(libc::EIO), || {
         let (Some(ch), false) = (self::channel(channel, false), event.is_null()) else {
             return fail_errno(libc::EINVAL);
@@ -98,8 +101,11 @@ pub extern "C" fn rdmasafe_get_event(channel: *mut rdma_event_channel, event: *m
 /// Returns 0, or -1 with errno: EINVAL (NULL argument, `timeout_ms < -1`),
 /// EAGAIN (`timeout_ms == 0`, nothing ready), ETIMEDOUT (nothing within
 /// `timeout_ms`), or the error of `rdma_get_cm_event`.
+///
+/// # Safety
+/// As for `rdmasafe_get_event`.
 #[no_mangle]
-pub extern "C" fn rdmasafe_get_event_timeout(
+pub unsafe extern "C" fn rdmasafe_get_event_timeout(
     channel: *mut rdma_event_channel,
     event: *mut *mut rdma_cm_event,
     timeout_ms: c_int,
@@ -129,8 +135,11 @@ pub extern "C" fn rdmasafe_get_event_timeout(
 /// Returns n >= 1, or -1 with errno: EINVAL (NULL argument, `max < 1`,
 /// `timeout_ms < -1`), EAGAIN, ETIMEDOUT, or the error of
 /// `rdma_get_cm_event`. Nothing is stored on failure.
+///
+/// # Safety
+/// `channel` NULL or live; `events` NULL or writable for `max` pointers.
 #[no_mangle]
-pub extern "C" fn rdmasafe_get_events(
+pub unsafe extern "C" fn rdmasafe_get_events(
     channel: *mut rdma_event_channel,
     events: *mut *mut rdma_cm_event,
     max: c_int,
@@ -180,8 +189,11 @@ pub extern "C" fn rdmasafe_get_events(
 /// old pointer cannot be told apart from a free of the new copy.
 ///
 /// Returns 0, or -1 with errno EINVAL.
+///
+/// # Safety
+/// None beyond C's: any pointer value is checked before use.
 #[no_mangle]
-pub extern "C" fn rdmasafe_event_free(event: *mut rdma_cm_event) -> c_int {
+pub unsafe extern "C" fn rdmasafe_event_free(event: *mut rdma_cm_event) -> c_int {
     guard(fail_errno(libc::EIO), || {
         if event.is_null() {
             return 0;
@@ -225,8 +237,11 @@ pub struct rdmasafe_cm_counters {
 
 /// Reads the CM copy counters into `*out`. Never blocks; thread-safe.
 /// Returns 0, or -EINVAL if `out` is NULL.
+///
+/// # Safety
+/// `out` must be NULL or writable.
 #[no_mangle]
-pub extern "C" fn rdmasafe_cm_counters(out: *mut rdmasafe_cm_counters) -> c_int {
+pub unsafe extern "C" fn rdmasafe_cm_counters(out: *mut rdmasafe_cm_counters) -> c_int {
     guard(-libc::EIO, || {
         if out.is_null() {
             return -libc::EINVAL;
@@ -270,15 +285,15 @@ mod tests {
     #[test]
     fn null_arguments_give_einval_and_touch_nothing() {
         let mut ev: *mut rdma_cm_event = std::ptr::null_mut();
-        assert_eq!(rdmasafe_get_event(std::ptr::null_mut(), &mut ev), -1);
+        assert_eq!(unsafe { rdmasafe_get_event(std::ptr::null_mut(), &mut ev) }, -1);
         assert_eq!(errno(), libc::EINVAL);
         assert!(ev.is_null());
-        assert_eq!(rdmasafe_get_event_timeout(std::ptr::null_mut(), &mut ev, 0), -1);
+        assert_eq!(unsafe { rdmasafe_get_event_timeout(std::ptr::null_mut(), &mut ev, 0) }, -1);
         assert_eq!(errno(), libc::EINVAL);
-        assert_eq!(rdmasafe_get_events(std::ptr::null_mut(), &mut ev, 1, 0), -1);
+        assert_eq!(unsafe { rdmasafe_get_events(std::ptr::null_mut(), &mut ev, 1, 0) }, -1);
         assert_eq!(errno(), libc::EINVAL);
-        assert_eq!(rdmasafe_event_free(std::ptr::null_mut()), 0);
-        assert_eq!(rdmasafe_cm_counters(std::ptr::null_mut()), -libc::EINVAL);
+        assert_eq!(unsafe { rdmasafe_event_free(std::ptr::null_mut()) }, 0);
+        assert_eq!(unsafe { rdmasafe_cm_counters(std::ptr::null_mut()) }, -libc::EINVAL);
         assert_eq!(rdmasafe_cm_reserve(-1), -libc::EINVAL);
     }
 
@@ -286,15 +301,15 @@ mod tests {
     fn foreign_pointer_and_double_free_are_einval() {
         // A pointer rdmasafe never handed out: rejected without a read.
         let mut foreign = [0u64; 64];
-        assert_eq!(rdmasafe_event_free(foreign.as_mut_ptr().cast()), -1);
+        assert_eq!(unsafe { rdmasafe_event_free(foreign.as_mut_ptr().cast()) }, -1);
         assert_eq!(errno(), libc::EINVAL);
         // A real copy: freed once, then the second free is EINVAL.
         // SAFETY: a zeroed event has no pointers to follow.
         let raw: rdma_cm_event = unsafe { std::mem::zeroed() };
         // SAFETY: as above.
         let p = hand_out(unsafe { rdmasafe_core::cm::copy_synthetic(&raw) });
-        assert_eq!(rdmasafe_event_free(p), 0);
-        assert_eq!(rdmasafe_event_free(p), -1);
+        assert_eq!(unsafe { rdmasafe_event_free(p) }, 0);
+        assert_eq!(unsafe { rdmasafe_event_free(p) }, -1);
         assert_eq!(errno(), libc::EINVAL);
     }
 
@@ -313,11 +328,11 @@ mod tests {
         // the argument checks run before the channel is touched.
         let mut ev: *mut rdma_cm_event = std::ptr::null_mut();
         let fake = NonNull::<rdma_event_channel>::dangling().as_ptr();
-        assert_eq!(rdmasafe_get_events(fake, &mut ev, 0, 0), -1);
+        assert_eq!(unsafe { rdmasafe_get_events(fake, &mut ev, 0, 0) }, -1);
         assert_eq!(errno(), libc::EINVAL);
-        assert_eq!(rdmasafe_get_event_timeout(fake, &mut ev, -2), -1);
+        assert_eq!(unsafe { rdmasafe_get_event_timeout(fake, &mut ev, -2) }, -1);
         assert_eq!(errno(), libc::EINVAL);
-        assert_eq!(rdmasafe_get_events(fake, std::ptr::null_mut(), 4, 0), -1);
+        assert_eq!(unsafe { rdmasafe_get_events(fake, std::ptr::null_mut(), 4, 0) }, -1);
         assert_eq!(errno(), libc::EINVAL);
     }
 }
