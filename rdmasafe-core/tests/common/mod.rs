@@ -2,6 +2,7 @@
 //! which the cargo runner in tests/bed runs inside the Soft-RoCE guest).
 #![allow(dead_code)]
 
+pub mod cm;
 pub mod proof;
 
 use std::net::{IpAddr, SocketAddr};

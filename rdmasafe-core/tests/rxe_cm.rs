@@ -1,0 +1,245 @@
+//! CM event copies on Soft-RoCE: private data sizes both ways, the
+//! transport limits, reject data, unreachable ports and addresses, UD
+//! parameters, and teardown while copies are held (vs raw librdmacm events
+//! held, which block rdma_destroy_id).
+
+mod common;
+
+use std::ptr::null_mut;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use common::cm::{add_qp, assert_data, expect, listen, params, pattern, resolved};
+use rdmasafe_core::cm::{EventChannel, EventType as E, PortSpace};
+use rdmasafe_core::sys;
+
+fn connect_with(c_len: usize, s_len: usize) {
+    let bed = common::bed();
+    let l = listen(bed.addr, PortSpace::Tcp, 8);
+    let cch = EventChannel::new().unwrap();
+    let mut client = resolved(&cch, PortSpace::Tcp, bed.addr, l.port);
+    add_qp(&mut client, false);
+    let hello = pattern(c_len, 3);
+    let welcome = pattern(s_len, 101);
+    client.connect(&params(&hello)).expect("connect");
+
+    let mut req = expect(&l.ch, E::CONNECT_REQUEST);
+    assert_eq!(req.listen_token(), Some(l.id.token()));
+    assert_eq!(req.private_data().len(), 56, "received length is the padded RoCE maximum");
+    assert_data(req.private_data(), &hello, "CONNECT_REQUEST data");
+    assert!(!req.is_ud());
+    let mut r = req.take_request().expect("owned request");
+    add_qp(r.id_mut(), false);
+    let server = r.accept(&params(&welcome)).expect("accept");
+
+    let est = expect(&cch, E::ESTABLISHED);
+    assert_eq!(est.token(), Some(client.token()));
+    assert_eq!(est.private_data().len(), 196, "received length is the padded RoCE maximum");
+    assert_data(est.private_data(), &welcome, "ESTABLISHED data");
+    let sest = expect(&l.ch, E::ESTABLISHED);
+    assert_eq!(sest.token(), Some(server.token()));
+
+    client.disconnect().unwrap();
+    assert_eq!(expect(&l.ch, E::DISCONNECTED).token(), Some(server.token()));
+    server.disconnect().unwrap();
+    assert_eq!(expect(&cch, E::DISCONNECTED).token(), Some(client.token()));
+    println!("connect {c_len} B / accept {s_len} B: sequence and bytes ok");
+}
+
+#[test]
+fn private_data_0_bytes_both_ways() {
+    connect_with(0, 0);
+}
+
+#[test]
+fn private_data_1_byte_both_ways() {
+    connect_with(1, 1);
+}
+
+#[test]
+fn private_data_at_the_roce_maximum_56_and_196() {
+    connect_with(56, 196);
+}
+
+#[test]
+fn connect_with_57_bytes_fails_with_einval() {
+    let bed = common::bed();
+    let l = listen(bed.addr, PortSpace::Tcp, 8);
+    let cch = EventChannel::new().unwrap();
+    let mut client = resolved(&cch, PortSpace::Tcp, bed.addr, l.port);
+    add_qp(&mut client, false);
+    let err = client.connect(&params(&pattern(57, 9))).expect_err("57 bytes exceed a RoCE connect's private data");
+    assert_eq!(err.errno(), libc::EINVAL, "{err}");
+    assert!(l.ch.try_get().unwrap().is_none(), "the listener saw nothing");
+    println!("57-byte connect: {err}");
+}
+
+#[test]
+fn reject_with_148_bytes_reaches_the_client() {
+    let bed = common::bed();
+    let l = listen(bed.addr, PortSpace::Tcp, 8);
+    let cch = EventChannel::new().unwrap();
+    let mut client = resolved(&cch, PortSpace::Tcp, bed.addr, l.port);
+    add_qp(&mut client, false);
+    client.connect(&params(b"let me in")).unwrap();
+    let mut req = expect(&l.ch, E::CONNECT_REQUEST);
+    let why = pattern(148, 55);
+    req.take_request().unwrap().reject(&why).expect("reject with 148 bytes");
+    let rej = expect(&cch, E::REJECTED);
+    // IB CM reject reason 28: consumer defined.
+    assert_eq!(rej.status(), 28, "status is the IB CM reject reason");
+    assert_data(rej.private_data(), &why, "REJECTED data");
+    println!("REJECTED status {} with {} bytes of private data", rej.status(), rej.private_data().len());
+}
+
+#[test]
+fn dropping_an_unaccepted_request_rejects_it() {
+    let bed = common::bed();
+    let l = listen(bed.addr, PortSpace::Tcp, 8);
+    let cch = EventChannel::new().unwrap();
+    let mut client = resolved(&cch, PortSpace::Tcp, bed.addr, l.port);
+    add_qp(&mut client, false);
+    client.connect(&params(b"ignored")).unwrap();
+    drop(expect(&l.ch, E::CONNECT_REQUEST)); // never accepted
+    let rej = expect(&cch, E::REJECTED);
+    assert_eq!(rej.status(), 28, "consumer-defined reject");
+}
+
+#[test]
+fn connect_to_a_port_nobody_listens_on_is_rejected() {
+    let bed = common::bed();
+    // Bind then free a port so that nobody listens on it.
+    let port = {
+        let l = listen(bed.addr, PortSpace::Tcp, 1);
+        l.port
+    };
+    let cch = EventChannel::new().unwrap();
+    let mut client = resolved(&cch, PortSpace::Tcp, bed.addr, port);
+    add_qp(&mut client, false);
+    client.connect(&params(b"anyone?")).unwrap();
+    let rej = expect(&cch, E::REJECTED);
+    // IB CM reject reason 8: invalid service ID.
+    assert_eq!(rej.status(), 8, "status is the IB CM reject reason");
+}
+
+#[test]
+fn off_subnet_address_fails_synchronously() {
+    let bed = common::bed();
+    if !bed.in_guest {
+        eprintln!("off-subnet check uses the guest's routing table (no default route); host run: checked in the guest");
+        return;
+    }
+    let ch = EventChannel::new().unwrap();
+    let id = ch.create_id(PortSpace::Tcp).unwrap();
+    let err = id
+        .resolve_addr(None, "10.99.0.1:4000".parse().unwrap(), Duration::from_secs(2))
+        .expect_err("no route to an off-subnet address in the guest");
+    println!("off-subnet resolve: {err}");
+    assert_eq!(err.op(), "rdma_resolve_addr");
+    assert!(ch.try_get().unwrap().is_none(), "no event follows a synchronous failure");
+}
+
+#[test]
+fn ud_ids_deliver_ud_params() {
+    let bed = common::bed();
+    let l = listen(bed.addr, PortSpace::Udp, 8);
+    let cch = EventChannel::new().unwrap();
+    let mut client = resolved(&cch, PortSpace::Udp, bed.addr, l.port);
+    add_qp(&mut client, true);
+    let hello = pattern(40, 17);
+    client.connect(&params(&hello)).expect("UD connect (SIDR)");
+
+    let mut req = expect(&l.ch, E::CONNECT_REQUEST);
+    assert!(req.is_ud(), "UD request fills param.ud");
+    assert_data(req.private_data(), &hello, "UD request data");
+    let mut r = req.take_request().unwrap();
+    add_qp(r.id_mut(), true);
+    let server_qpn = r.id_mut().qp_num().unwrap();
+    let reply = pattern(100, 5);
+    let server = r.accept(&params(&reply)).expect("UD accept");
+
+    let est = expect(&cch, E::ESTABLISHED);
+    assert!(est.is_ud());
+    let ud = est.ud_param();
+    println!("UD ESTABLISHED: {ud:?}, private data {} bytes", est.private_data().len());
+    assert_eq!(ud.qp_num, server_qpn, "peer QP number");
+    assert_eq!(ud.qkey, 0x0123_4567, "RDMA_UDP_QKEY");
+    assert_eq!(ud.ah_attr.is_global, 1, "RoCE address handles are global");
+    assert_data(est.private_data(), &reply, "UD reply data");
+    drop((client, server));
+}
+
+/// 1000 copies held while their ids are destroyed: every destroy returns.
+#[test]
+fn holding_1000_copies_never_blocks_destroy() {
+    let bed = common::bed();
+    let _dog = common::watchdog("destroying 1000 ids with copies held", Duration::from_secs(300));
+    let ch = EventChannel::new().unwrap();
+    let ids: Vec<_> = (0..1000).map(|_| ch.create_id(PortSpace::Tcp).unwrap()).collect();
+    for id in &ids {
+        id.resolve_addr(None, (bed.addr, 4791).into(), Duration::from_secs(5)).unwrap();
+    }
+    let mut held = Vec::with_capacity(1000);
+    while held.len() < 1000 {
+        ch.get_batch(&mut held, 1000, sys::Wait::For(common::cm::STEP)).expect("ADDR_RESOLVED events");
+    }
+    assert!(held.iter().all(|e| e.event_type() == E::ADDR_RESOLVED));
+    let start = Instant::now();
+    let mut slowest = Duration::ZERO;
+    for id in ids {
+        let t = Instant::now();
+        drop(id); // rdma_destroy_id
+        slowest = slowest.max(t.elapsed());
+    }
+    println!("destroyed 1000 ids with 1000 copies held in {:?} (slowest {:?})", start.elapsed(), slowest);
+    // Reading the copies after their ids are gone is safe: they own their data.
+    assert_eq!(held.iter().filter(|e| e.private_data().is_empty()).count(), 1000);
+    drop(held);
+}
+
+/// The contrast: one raw librdmacm event held blocks rdma_destroy_id until
+/// it is acked.
+#[test]
+fn a_raw_librdmacm_event_held_blocks_destroy_until_acked() {
+    let bed = common::bed();
+    let _dog = common::watchdog("raw destroy after ack", Duration::from_secs(120));
+    // SAFETY (whole block): raw librdmacm use, as a plain C program would
+    // do it; every pointer comes from the library and is used per its API.
+    unsafe {
+        let ch = sys::rdma_create_event_channel();
+        assert!(!ch.is_null());
+        let mut id = null_mut();
+        assert_eq!(sys::rdma_create_id(ch, &mut id, null_mut(), sys::rdma_port_space::RDMA_PS_TCP), 0);
+        let mut dst = libc::sockaddr_in {
+            sin_family: libc::AF_INET as u16,
+            sin_port: 4791u16.to_be(),
+            sin_addr: libc::in_addr {
+                s_addr: u32::from_ne_bytes(match bed.addr {
+                    std::net::IpAddr::V4(a) => a.octets(),
+                    _ => panic!("IPv4 test address expected"),
+                }),
+            },
+            sin_zero: [0; 8],
+        };
+        assert_eq!(sys::rdma_resolve_addr(id, null_mut(), (&mut dst as *mut libc::sockaddr_in).cast(), 5000), 0);
+        let mut ev = null_mut();
+        assert_eq!(sys::rdma_get_cm_event(ch, &mut ev), 0);
+        assert_eq!((*ev).event, E::ADDR_RESOLVED.0);
+
+        let (tx, rx) = mpsc::channel();
+        let id_addr = id as usize;
+        let t = std::thread::spawn(move || {
+            sys::rdma_destroy_id(id_addr as *mut sys::rdma_cm_id);
+            let _ = tx.send(());
+        });
+        let blocked = rx.recv_timeout(Duration::from_secs(2)).is_err();
+        assert!(blocked, "rdma_destroy_id returned while a raw event for the id was held");
+        println!("raw: rdma_destroy_id still blocked after 2 s with one unacked event");
+        let acked = Instant::now();
+        sys::rdma_ack_cm_event(ev);
+        rx.recv_timeout(Duration::from_secs(60)).expect("destroy returns once the event is acked");
+        println!("raw: destroy returned {:?} after the ack", acked.elapsed());
+        t.join().unwrap();
+        sys::rdma_destroy_event_channel(ch);
+    }
+}
