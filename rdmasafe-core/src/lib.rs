@@ -15,3 +15,8 @@ pub mod sys;
 pub mod verbs;
 
 pub use error::{Error, Result};
+
+/// The README's code blocks, compiled as doc tests so they stay true.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct ReadmeDoctests;

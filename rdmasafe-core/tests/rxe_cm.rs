@@ -243,3 +243,44 @@ fn a_raw_librdmacm_event_held_blocks_destroy_until_acked() {
         sys::rdma_destroy_event_channel(ch);
     }
 }
+
+/// A copy held for an id does not make rdma_migrate_id wait; the id's next
+/// events arrive on the new channel.
+#[test]
+fn migrating_an_id_with_a_copy_held_returns_and_events_follow() {
+    let bed = common::bed();
+    let _dog = common::watchdog("rdma_migrate_id", Duration::from_secs(120));
+    let l = listen(bed.addr, PortSpace::Tcp, 8);
+    let a = EventChannel::new().unwrap();
+    let b = EventChannel::new().unwrap();
+    let mut id = a.create_id(PortSpace::Tcp).unwrap();
+    id.resolve_addr(None, (bed.addr, l.port).into(), Duration::from_secs(5)).unwrap();
+    let held = expect(&a, E::ADDR_RESOLVED);
+    id.migrate(&b).expect("migrate returns with a copy held");
+    id.resolve_route(Duration::from_secs(5)).unwrap();
+    let ev = expect(&b, E::ROUTE_RESOLVED);
+    assert_eq!(ev.token(), Some(id.token()));
+    assert!(a.try_get().unwrap().is_none(), "nothing more on the old channel");
+    drop((held, id, a));
+}
+
+/// Listener and channel dropped while a connect request is still queued in
+/// the kernel: the drops return and the client is told (REJECTED).
+#[test]
+fn dropping_a_listener_with_a_request_queued_rejects_the_client() {
+    let bed = common::bed();
+    let _dog = common::watchdog("channel teardown with a queued request", Duration::from_secs(120));
+    let l = listen(bed.addr, PortSpace::Tcp, 8);
+    let cch = EventChannel::new().unwrap();
+    let mut client = resolved(&cch, PortSpace::Tcp, bed.addr, l.port);
+    add_qp(&mut client, false);
+    client.connect(&params(b"nobody will fetch this")).unwrap();
+    // Wait until the request is queued for the server (its fd is readable).
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&l.ch);
+    let [ready] = sys::poll_readable([fd], sys::Wait::For(common::cm::STEP)).unwrap();
+    assert!(ready, "the request reached the server's channel");
+    drop(l); // listener id, then the channel: neither waits on anything
+    let ev = cch.get_timeout(common::cm::STEP).expect("the client hears about it");
+    println!("client after the server dropped a queued request: {} status {}", ev.event_type(), ev.status());
+    assert_eq!(ev.event_type(), E::REJECTED);
+}

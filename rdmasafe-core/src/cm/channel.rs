@@ -60,9 +60,15 @@ impl Drop for ChannelInner {
 /// An event channel that rdmasafe created and owns.
 ///
 /// Its fd is non-blocking (the get calls wait with poll() when asked to).
-/// It can be shared between threads (`&EventChannel` is enough to get).
-/// Dropping it destroys the librdmacm channel once the last [`CmId`] made on
-/// it is gone.
+/// It can be shared between threads (`&EventChannel` is enough to get), and
+/// clones share the channel.
+///
+/// Teardown: every [`CmId`] keeps its channel alive, so the librdmacm
+/// channel is destroyed only after the last id made on it (and the last
+/// clone) is gone. Events still queued in the kernel then can only be
+/// connect requests that raced with their listener's destruction: the drop
+/// acks them, rejects their new ids and destroys them, so nothing leaks and
+/// the clients get REJECTED instead of waiting for a timeout.
 #[derive(Clone)]
 pub struct EventChannel {
     pub(crate) inner: Arc<ChannelInner>,

@@ -333,6 +333,17 @@ impl CmId {
         cvt("rdma_connect", unsafe { sys::rdma_connect(self.raw(), &mut p) })
     }
 
+    /// Moves the id to another rdmasafe channel (`rdma_migrate_id`); later
+    /// events of the id arrive there. librdmacm waits until every event
+    /// already reported for the id is acked: rdmasafe acks at copy time, so
+    /// this never waits on copies the app still holds.
+    pub fn migrate(&mut self, to: &EventChannel) -> Result<()> {
+        // SAFETY: live id and live target channel.
+        cvt("rdma_migrate_id", unsafe { sys::rdma_migrate_id(self.raw(), to.inner.raw()) })?;
+        self._channel = to.inner.clone();
+        Ok(())
+    }
+
     /// `rdma_disconnect`.
     pub fn disconnect(&self) -> Result<()> {
         // SAFETY: live id.
