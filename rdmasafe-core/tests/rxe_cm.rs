@@ -284,3 +284,44 @@ fn dropping_a_listener_with_a_request_queued_rejects_the_client() {
     println!("client after the server dropped a queued request: {} status {}", ev.event_type(), ev.status());
     assert_eq!(ev.event_type(), E::REJECTED);
 }
+
+/// The dispatcher thread waits in poll() on the channel and a wakeup fd:
+/// stop returns promptly when idle, and a stop requested from inside the
+/// callback ends the thread after that callback.
+#[test]
+fn dispatcher_stops_when_idle_and_from_its_callback() {
+    use rdmasafe_core::cm::Dispatcher;
+    let bed = common::bed();
+    let _dog = common::watchdog("dispatcher stop", Duration::from_secs(120));
+
+    let idle = EventChannel::new().unwrap();
+    let d = Dispatcher::with_callback(&idle, |_| panic!("no event expected")).unwrap();
+    std::thread::sleep(Duration::from_millis(100)); // let it block in poll()
+    d.stop().expect("idle dispatcher stops");
+
+    // Stop from the callback: the first event stops it; the second stays
+    // in the kernel for whoever gets next.
+    let ch = EventChannel::new().unwrap();
+    let (tx, rx) = mpsc::channel();
+    let slot: std::sync::Arc<std::sync::Mutex<Option<rdmasafe_core::cm::StopHandle>>> = Default::default();
+    let s2 = slot.clone();
+    let d = Dispatcher::with_callback(&ch, move |ev| {
+        tx.send(ev.event_type()).unwrap();
+        if let Some(h) = s2.lock().unwrap().as_ref() {
+            h.stop();
+        }
+    })
+    .unwrap();
+    *slot.lock().unwrap() = Some(d.stop_handle());
+    let a = ch.create_id(PortSpace::Tcp).unwrap();
+    a.resolve_addr(None, (bed.addr, 4791).into(), Duration::from_secs(5)).unwrap();
+    assert_eq!(rx.recv_timeout(common::cm::STEP).unwrap(), E::ADDR_RESOLVED);
+    // The thread has ended by itself: a later event is not consumed.
+    let b = ch.create_id(PortSpace::Tcp).unwrap();
+    b.resolve_addr(None, (bed.addr, 4791).into(), Duration::from_secs(5)).unwrap();
+    let ev = expect(&ch, E::ADDR_RESOLVED);
+    assert_eq!(ev.token(), Some(b.token()), "the stopped dispatcher left the event in the kernel");
+    assert!(rx.try_recv().is_err());
+    assert_eq!(d.stats().events, 1);
+    d.stop().unwrap();
+}
