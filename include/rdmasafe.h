@@ -73,7 +73,8 @@ extern "C" {
  * librdmacm's own business and never seen here.
  *
  * Returns 0, or -1 with errno: EINVAL (`channel` or `event` NULL), EAGAIN
- * (non-blocking fd, nothing ready), or the error of `rdma_get_cm_event`.
+ * (non-blocking fd, nothing ready), EINTR (a signal interrupted the wait),
+ * or the error of `rdma_get_cm_event`.
  * `*event` is left untouched on failure.
  *
  * # Safety
@@ -89,9 +90,15 @@ int rdmasafe_get_event(struct rdma_event_channel *channel,
  * one blocking-mode channel, a thread that saw an event another thread
  * took then blocks: set O_NONBLOCK on channels shared between threads.
  *
+ * On a blocking-mode fd the timeout bounds the wait for the fd to become
+ * readable; librdmacm may then consume an internal event (e.g. one for an
+ * id it is tearing down) and block in its read. For strict timeouts set
+ * O_NONBLOCK on the channel's fd. A signal ends the wait with EINTR, as
+ * with `rdma_get_cm_event`.
+ *
  * Returns 0, or -1 with errno: EINVAL (NULL argument, `timeout_ms < -1`),
  * EAGAIN (`timeout_ms == 0`, nothing ready), ETIMEDOUT (nothing within
- * `timeout_ms`), or the error of `rdma_get_cm_event`.
+ * `timeout_ms`), EINTR (a signal), or the error of `rdma_get_cm_event`.
  *
  * # Safety
  * As for `rdmasafe_get_event`.
@@ -157,7 +164,8 @@ int rdmasafe_cm_counters(struct rdmasafe_cm_counters *out);
 /**
  * Pre-allocates storage for `n` copies so the first `n` live copies
  * allocate nothing (at most 4096 are kept). Returns the number of free
- * slots held afterwards, or -EINVAL if `n < 0`. Thread-safe.
+ * slots held afterwards, -EINVAL if `n < 0`, or -ENOMEM. Larger `n` are
+ * treated as 4096. Thread-safe.
  */
 int rdmasafe_cm_reserve(int n);
 

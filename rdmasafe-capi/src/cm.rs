@@ -69,7 +69,8 @@ fn wait_of(timeout_ms: c_int) -> Option<Wait> {
 /// librdmacm's own business and never seen here.
 ///
 /// Returns 0, or -1 with errno: EINVAL (`channel` or `event` NULL), EAGAIN
-/// (non-blocking fd, nothing ready), or the error of `rdma_get_cm_event`.
+/// (non-blocking fd, nothing ready), EINTR (a signal interrupted the wait),
+/// or the error of `rdma_get_cm_event`.
 /// `*event` is left untouched on failure.
 ///
 /// # Safety
@@ -98,9 +99,15 @@ pub unsafe extern "C" fn rdmasafe_get_event(channel: *mut rdma_event_channel, ev
 /// one blocking-mode channel, a thread that saw an event another thread
 /// took then blocks: set O_NONBLOCK on channels shared between threads.
 ///
+/// On a blocking-mode fd the timeout bounds the wait for the fd to become
+/// readable; librdmacm may then consume an internal event (e.g. one for an
+/// id it is tearing down) and block in its read. For strict timeouts set
+/// O_NONBLOCK on the channel's fd. A signal ends the wait with EINTR, as
+/// with `rdma_get_cm_event`.
+///
 /// Returns 0, or -1 with errno: EINVAL (NULL argument, `timeout_ms < -1`),
 /// EAGAIN (`timeout_ms == 0`, nothing ready), ETIMEDOUT (nothing within
-/// `timeout_ms`), or the error of `rdma_get_cm_event`.
+/// `timeout_ms`), EINTR (a signal), or the error of `rdma_get_cm_event`.
 ///
 /// # Safety
 /// As for `rdmasafe_get_event`.
@@ -261,15 +268,23 @@ pub unsafe extern "C" fn rdmasafe_cm_counters(out: *mut rdmasafe_cm_counters) ->
 
 /// Pre-allocates storage for `n` copies so the first `n` live copies
 /// allocate nothing (at most 4096 are kept). Returns the number of free
-/// slots held afterwards, or -EINVAL if `n < 0`. Thread-safe.
+/// slots held afterwards, -EINVAL if `n < 0`, or -ENOMEM. Larger `n` are
+/// treated as 4096. Thread-safe.
 #[no_mangle]
 pub extern "C" fn rdmasafe_cm_reserve(n: c_int) -> c_int {
     guard(-libc::EIO, || {
         if n < 0 {
             return -libc::EINVAL;
         }
-        live().lock().unwrap_or_else(|e| e.into_inner()).reserve(n as usize);
-        cm::reserve(n as usize) as c_int
+        // At most the pool's capacity: more would only grow the live set.
+        let n = (n as usize).min(cm::FREE_LIST_CAPACITY);
+        let mut set = live().lock().unwrap_or_else(|e| e.into_inner());
+        let more = n.saturating_sub(set.capacity());
+        if set.try_reserve(more).is_err() {
+            return -libc::ENOMEM;
+        }
+        drop(set);
+        cm::reserve(n) as c_int
     })
 }
 
@@ -311,6 +326,12 @@ mod tests {
         assert_eq!(unsafe { rdmasafe_event_free(p) }, 0);
         assert_eq!(unsafe { rdmasafe_event_free(p) }, -1);
         assert_eq!(errno(), libc::EINVAL);
+    }
+
+    #[test]
+    fn huge_reserve_is_capped_not_an_abort() {
+        let n = rdmasafe_cm_reserve(c_int::MAX);
+        assert_eq!(n as usize, cm::FREE_LIST_CAPACITY);
     }
 
     #[test]

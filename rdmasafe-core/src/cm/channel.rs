@@ -42,7 +42,7 @@ impl Drop for ChannelInner {
         // No id of ours is left (each holds an Arc of this). Events still
         // queued in the kernel can only be connect requests that raced with
         // the listener's destruction: ack them, reject and destroy their ids.
-        let r = ChannelRef { raw: self.raw, nonblocking: true, _owner: PhantomData };
+        let r = ChannelRef { raw: self.raw, nonblocking: true, retry_eintr: true, _owner: PhantomData };
         while let Ok(ev) = r.fetch(None) {
             if ev.event_type() == EventType::CONNECT_REQUEST && !ev.raw_id().is_null() {
                 // SAFETY: the new id belongs to nobody but this channel now.
@@ -87,7 +87,7 @@ impl EventChannel {
     }
 
     fn getter(&self) -> ChannelRef<'_> {
-        ChannelRef { raw: self.inner.raw, nonblocking: true, _owner: PhantomData }
+        ChannelRef { raw: self.inner.raw, nonblocking: true, retry_eintr: true, _owner: PhantomData }
     }
 
     /// The raw librdmacm channel (still owned by this value).
@@ -168,12 +168,16 @@ impl AsFd for EventChannel {
 /// it as with plain librdmacm. With several threads getting from one
 /// blocking-mode channel, a thread whose poll() saw an event that another
 /// thread took blocks in the get: set O_NONBLOCK on shared channels.
+/// A signal interrupts a wait with EINTR, as with `rdma_get_cm_event`.
 #[derive(Clone, Copy)]
 pub struct ChannelRef<'a> {
     raw: NonNull<rdma_event_channel>,
     /// The fd is known to be non-blocking (try the get first, poll only on
     /// EAGAIN). Otherwise poll first whenever a get must not block.
     nonblocking: bool,
+    /// Restart waits and gets interrupted by a signal (rdmasafe's own
+    /// channels) or report EINTR like librdmacm (app channels).
+    retry_eintr: bool,
     _owner: PhantomData<&'a rdma_event_channel>,
 }
 
@@ -189,7 +193,7 @@ impl<'a> ChannelRef<'a> {
     /// `raw` must be a channel from `rdma_create_event_channel` that stays
     /// alive (not destroyed) for `'a`.
     pub unsafe fn from_raw(raw: NonNull<rdma_event_channel>) -> ChannelRef<'a> {
-        ChannelRef { raw, nonblocking: false, _owner: PhantomData }
+        ChannelRef { raw, nonblocking: false, retry_eintr: false, _owner: PhantomData }
     }
 
     /// Like [`ChannelRef::from_raw`], and reads the fd's blocking mode once
@@ -201,7 +205,7 @@ impl<'a> ChannelRef<'a> {
         // SAFETY: raw is live (caller's contract).
         let fd = unsafe { (*raw.as_ptr()).fd };
         let nonblocking = sys::is_nonblocking(fd).unwrap_or(false);
-        ChannelRef { raw, nonblocking, _owner: PhantomData }
+        ChannelRef { raw, nonblocking, retry_eintr: false, _owner: PhantomData }
     }
 
     /// The channel's fd.
@@ -239,7 +243,7 @@ impl<'a> ChannelRef<'a> {
                 break;
             }
             let err = Error::last("rdma_get_cm_event");
-            if err.errno() != libc::EINTR {
+            if err.errno() != libc::EINTR || !self.retry_eintr {
                 return Err(err);
             }
         }
@@ -281,7 +285,7 @@ impl<'a> ChannelRef<'a> {
                     Some(dl) => Wait::For(dl.saturating_duration_since(Instant::now())),
                     None => wait,
                 };
-                let [ready] = sys::poll_readable([self.fd()], left)
+                let [ready] = sys::poll_readable_ex([self.fd()], left, self.retry_eintr)
                     .map_err(|e| Error::new("poll", e.raw_os_error().unwrap_or(libc::EIO)))?;
                 if !ready {
                     let errno = if wait == Wait::None { libc::EAGAIN } else { libc::ETIMEDOUT };

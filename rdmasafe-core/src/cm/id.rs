@@ -325,6 +325,13 @@ impl CmId {
         Some(unsafe { (*(*self.raw.as_ptr()).qp).qp_num })
     }
 
+    /// The raw QP, if one was created (owned by this id).
+    pub fn raw_qp(&self) -> Option<NonNull<sys::ibv_qp>> {
+        self.qp.as_ref()?;
+        // SAFETY: live id; the QP exists while self.qp is Some.
+        NonNull::new(unsafe { (*self.raw.as_ptr()).qp })
+    }
+
     /// `rdma_connect`.
     pub fn connect(&self, params: &ConnectParams<'_>) -> Result<()> {
         let mut p = params.to_raw("rdma_connect")?;

@@ -1,0 +1,430 @@
+//! The C programs on the C API, end to end: builds tests/c/ and examples-c/
+//! with plain make against librdmasafe, then runs all of them in ONE
+//! Soft-RoCE guest (tests/bed/vm-run) through tests/c/run-in-guest.sh:
+//!
+//! 1. `cm_capi_test`: argument errors, timeouts, private data at the
+//!    transport limits (byte by byte), reject data, no listener, 100 copies
+//!    held across rdma_destroy_id, batch gets, counters;
+//! 2. `messenger_server` with 8 connections from 5 `messenger_client`
+//!    processes (one with `-n 4`, four single ones);
+//! 3. `messenger_server` stopped by SIGTERM with 2 held connections;
+//! 4. `rdmasafe_rdma_server` with rdma-core's stock `rdma_client`;
+//! 5. the stock `rdma_server` with `rdmasafe_rdma_client`.
+//!
+//! Asserts on every exit status and on the output (what each side saw).
+//! This binary runs on the host (its name does not start with `rxe_`); it
+//! boots the guest itself, once. With RDMASAFE_DEVICE and RDMASAFE_ADDR set
+//! (real hardware, opt-in) the script runs directly on the host instead.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+/// Seconds the guest may run before vm-run kills it.
+const GUEST_TIMEOUT: u32 = 300;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+/// The profile directory this test was built into (target/debug), where
+/// cargo also put librdmasafe.so: `<target>/<profile>/deps/c_programs-<hash>`.
+fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    exe.parent().and_then(Path::parent).expect("<target>/<profile>/deps/<exe>").to_path_buf()
+}
+
+fn run_logged(what: &str, cmd: &mut Command) -> std::process::Output {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: cannot run {cmd:?}: {e}"));
+    if !out.status.success() {
+        panic!(
+            "{what} failed ({}):\n--- stdout\n{}\n--- stderr\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    out
+}
+
+/// Builds the cdylib the C programs link. Always: `cargo test --test
+/// c_programs` compiles only the rlib this test needs, so an existing
+/// librdmasafe.so may be stale. A no-op when it is up to date.
+fn ensure_library(profile: &Path) -> PathBuf {
+    let lib = profile.join("librdmasafe.so");
+    {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| env!("CARGO").to_string());
+        let mut cmd = Command::new(cargo);
+        cmd.current_dir(root()).args(["build", "-p", "rdmasafe-capi"]);
+        if profile.file_name().is_some_and(|n| n == "release") {
+            cmd.arg("--release");
+        }
+        if let Some(target) = profile.parent() {
+            cmd.env("CARGO_TARGET_DIR", target);
+        }
+        run_logged("cargo build -p rdmasafe-capi", &mut cmd);
+    }
+    assert!(lib.exists(), "{} is missing after the build", lib.display());
+    lib
+}
+
+fn build_c_programs(profile: &Path, bin: &Path) {
+    for dir in ["tests/c", "examples-c"] {
+        run_logged(
+            &format!("make -C {dir}"),
+            Command::new("make")
+                .current_dir(root())
+                .arg("-C")
+                .arg(dir)
+                .arg(format!("LIBDIR={}", profile.display()))
+                .arg(format!("OUT={}", bin.display())),
+        );
+    }
+    for p in ["cm_capi_test", "messenger_server", "messenger_client", "rdmasafe_rdma_server", "rdmasafe_rdma_client"] {
+        assert!(bin.join(p).exists(), "make did not produce {p}");
+    }
+}
+
+/// One program's output block from the script.
+#[derive(Debug, Default)]
+struct Block {
+    out: String,
+    exit: Option<i32>,
+}
+
+impl Block {
+    fn lines(&self) -> impl Iterator<Item = &str> {
+        self.out.lines()
+    }
+    fn has(&self, needle: &str) -> bool {
+        self.out.contains(needle)
+    }
+    fn count(&self, needle: &str) -> usize {
+        self.lines().filter(|l| l.contains(needle)).count()
+    }
+    /// The first line that starts with `prefix`.
+    fn line(&self, prefix: &str) -> Option<&str> {
+        self.lines().find(|l| l.starts_with(prefix))
+    }
+}
+
+/// Splits "==== BEGIN label" / "==== END label exit N" blocks.
+fn blocks(stdout: &str) -> BTreeMap<String, Block> {
+    let mut map = BTreeMap::new();
+    let mut cur: Option<(String, String)> = None;
+    for line in stdout.lines() {
+        if let Some(label) = line.strip_prefix("==== BEGIN ") {
+            cur = Some((label.to_string(), String::new()));
+        } else if let Some(rest) = line.strip_prefix("==== END ") {
+            let exit = rest.rsplit_once(" exit ").and_then(|(_, n)| n.trim().parse().ok());
+            if let Some((label, out)) = cur.take() {
+                map.insert(label, Block { out, exit });
+            }
+        } else if let Some((_, out)) = cur.as_mut() {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    map
+}
+
+/// Collects failed expectations, so one run reports all of them.
+#[derive(Default)]
+struct Checks {
+    failures: Vec<String>,
+    passed: usize,
+}
+
+impl Checks {
+    fn that(&mut self, ok: bool, what: impl Into<String>) -> bool {
+        if ok {
+            self.passed += 1;
+        } else {
+            self.failures.push(what.into());
+        }
+        ok
+    }
+}
+
+/// Value after `key` up to the next space (e.g. "session=0x1 ..." -> "0x1").
+fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    let start = line.find(key)? + key.len();
+    let rest = &line[start..];
+    Some(rest.split([' ', ',', ')']).next().unwrap_or(rest))
+}
+
+fn check_cm_capi_test(c: &mut Checks, b: &Block) {
+    let ok_lines = b.lines().filter(|l| l.starts_with("ok   ")).count();
+    let fail_lines: Vec<&str> = b.lines().filter(|l| l.starts_with("FAIL")).collect();
+    c.that(fail_lines.is_empty(), format!("cm_capi_test failures: {fail_lines:#?}"));
+    let last = b.lines().filter(|l| !l.trim().is_empty()).last().unwrap_or("");
+    c.that(
+        last == format!("cm_capi_test: {ok_lines} passed, 0 failed"),
+        format!("cm_capi_test final line {last:?} (counted {ok_lines} ok lines)"),
+    );
+    c.that(ok_lines >= 150, format!("cm_capi_test ran only {ok_lines} checks"));
+    for needle in [
+        "ok   rdmasafe_get_event(NULL channel) -> -1/EINVAL",
+        "ok   rdmasafe_get_event(NULL out pointer) -> -1/EINVAL",
+        "ok   rdmasafe_event_free(NULL) -> 0",
+        "ok   rdmasafe_event_free(stack pointer) -> -1/EINVAL",
+        "ok   rdmasafe_get_events(max 0) -> -1/EINVAL",
+        "ok   rdmasafe_get_event_timeout(timeout -2) -> -1/EINVAL",
+        "ok   rdmasafe_event_str(9) = RDMA_CM_EVENT_ESTABLISHED",
+        "ok   rdmasafe_event_str(1000) = RDMA_CM_EVENT_UNKNOWN",
+        "ok   blocking channel: rdmasafe_get_event_timeout(0) -> -1/EAGAIN",
+        "ok   non-blocking channel: rdmasafe_get_event_timeout(50) -> -1/ETIMEDOUT",
+        "ok   rdma_connect with 57 bytes of private data -> -1/EINVAL",
+        "ok   server: CONNECT_REQUEST private_data_len is 56",
+        "ok   server: CONNECT_REQUEST private data: all 56 bytes match byte by byte",
+        "ok   client: ESTABLISHED private data (accept's 196): all 196 bytes match byte by byte",
+        "ok   server: request copy's private data after rdma_destroy_id: all 56 bytes match",
+        "ok   server: rdma_reject with 149 bytes -> -1/EINVAL",
+        "ok   reject client: REJECTED private data (148): all 148 bytes match byte by byte",
+        "ok   no-listener: rejected: RDMA_CM_EVENT_REJECTED",
+        "ok   hold: 100 ADDR_RESOLVED copies held, one per id",
+        "ok   hold: rdma_destroy_id returned for all 100 ids while their copies were held",
+        "ok   rdmasafe_event_free(copy) after its id was destroyed -> 0",
+        "ok   rdmasafe_event_free of the same copy again (double free) -> -1/EINVAL",
+        "ok   batch (non-blocking): all 50 ADDR_RESOLVED events came, each id once, none lost",
+        "ok   batch (non-blocking): the first call after 50 were queued returned",
+        "ok   batch (blocking): all 30 ADDR_RESOLVED events came, each id once, none lost",
+        "ok   counters at the end: outstanding 0,",
+    ] {
+        c.that(b.has(needle), format!("cm_capi_test output lacks {needle:?}"));
+    }
+    for l in b.lines().filter(|l| l.starts_with("info batch")) {
+        println!("[c_programs] {l}");
+    }
+}
+
+/// (client id, connection index) of the 8 messenger connections.
+fn messenger_conns() -> Vec<(u32, u32)> {
+    let mut v: Vec<(u32, u32)> = (0..4).map(|i| (100, i)).collect();
+    v.extend([201, 202, 203, 204].map(|id| (id, 0)));
+    v
+}
+
+fn check_messenger(c: &mut Checks, runs: &BTreeMap<String, Block>) {
+    let empty = Block::default();
+    let server = runs.get("messenger_server").unwrap_or(&empty);
+    let mut sessions = BTreeSet::new();
+    let mut numbers = BTreeSet::new();
+    for (id, idx) in messenger_conns() {
+        let name = format!("client-{id}.{idx}");
+        let client = runs.get(&format!("messenger_client_{id}")).unwrap_or(&empty);
+        // the server saw the hello (its own length 37 inside the padded 56)
+        let hello = server.line(&format!("server: hello from client_id={id} conn={idx} name=\"{name}\" "));
+        if !c.that(hello.is_some(), format!("server did not report the hello of {name}")) {
+            continue;
+        }
+        let hello = hello.unwrap();
+        c.that(
+            hello.contains("(hello len 37, private_data_len 56)"),
+            format!("hello of {name}: own length 37 in padded 56: {hello}"),
+        );
+        let session = field(hello, "-> session ").unwrap_or("?").to_string();
+        let number = field(hello, " number ").unwrap_or("?").to_string();
+        c.that(sessions.insert(session.clone()), format!("session {session} assigned twice"));
+        numbers.insert(number.clone());
+        // the client saw the welcome built from it
+        let welcome = client.line(&format!("client {id} conn {idx}: welcome "));
+        if c.that(welcome.is_some(), format!("{name} reported no welcome")) {
+            let w = welcome.unwrap();
+            c.that(
+                field(w, "session=") == Some(session.as_str()),
+                format!("{name}: welcome session vs server's {session}: {w}"),
+            );
+            c.that(
+                field(w, "number=") == Some(number.as_str()),
+                format!("{name}: welcome number vs server's {number}: {w}"),
+            );
+            c.that(
+                w.contains("banner=\"rdmasafe messenger on ") && w.contains(&format!(" welcomes {name}\"")),
+                format!("{name}: banner: {w}"),
+            );
+            // its own length: the 40-byte header plus the banner and its NUL
+            let banner = w.split_once("banner=\"").and_then(|(_, r)| r.split_once('"')).map_or("", |(b, _)| b);
+            let own = 40 + banner.len() + 1;
+            c.that(
+                w.contains(&format!("(welcome len {own}, private_data_len 196)")),
+                format!("{name}: welcome own length {own} in padded 196: {w}"),
+            );
+        }
+        // one PING, one PONG built from the server's per-connection state
+        c.that(
+            server.has(&format!(
+                "server: message from client {id} conn {idx} session {session} seq 1 (55 bytes): \"ping from {name}\""
+            )),
+            format!("server did not receive the PING of {name}"),
+        );
+        c.that(
+            client.has(&format!(
+                "client {id} conn {idx}: reply OK (107 bytes): \"pong to {name} (client {id} conn {idx}, number {number}): ping from {name}\""
+            )),
+            format!("{name} did not get its PONG"),
+        );
+        c.that(
+            server.has(&format!("({name}) session {session} disconnected, served")),
+            format!("server did not finish {name} as served"),
+        );
+        c.that(
+            client.has(&format!("client {id} conn {idx}: disconnected, done")),
+            format!("{name} did not end cleanly"),
+        );
+    }
+    c.that(sessions.len() == 8, format!("8 distinct sessions, got {sessions:?}"));
+    let want: BTreeSet<String> = (1..=8).map(|n| n.to_string()).collect();
+    c.that(numbers == want, format!("connection numbers 1..8, got {numbers:?}"));
+    c.that(
+        server.has("server: done: 8 served, 0 failed, 0 refused, all expected clients finished"),
+        "messenger_server did not serve all 8",
+    );
+    c.that(
+        server.has("server: counters copied=") && server.has(" outstanding=0 "),
+        "messenger_server counters: outstanding not 0",
+    );
+    for (id, n) in [(100, 4), (201, 1), (202, 1), (203, 1), (204, 1)] {
+        let client = runs.get(&format!("messenger_client_{id}")).unwrap_or(&empty);
+        c.that(
+            client.has(&format!("client {id}: {n} of {n} connections OK; counters ")) && client.has(" outstanding=0 "),
+            format!("messenger_client {id}: summary / counters"),
+        );
+    }
+    if let Some(l) = server.line("server: CM events ") {
+        println!("[c_programs] messenger {l}");
+    }
+
+    // SIGTERM with two held connections
+    let server = runs.get("messenger_sigterm_server").unwrap_or(&empty);
+    let client = runs.get("messenger_sigterm_client").unwrap_or(&empty);
+    c.that(
+        server.has("server: SIGTERM: disconnecting 2 live connection(s)"),
+        "SIGTERM server: did not disconnect 2 live connections",
+    );
+    c.that(server.count("disconnected, served") == 2, "SIGTERM server: both held connections served");
+    c.that(server.has("server: done: 2 served, 0 failed, 0 refused, stopped by signal"), "SIGTERM server: summary");
+    c.that(server.has(" outstanding=0 "), "SIGTERM server: counters outstanding not 0");
+    c.that(
+        client.count("disconnected by the server (while holding)") == 2,
+        "SIGTERM client: not disconnected by the server twice",
+    );
+    c.that(
+        client.has("client 300: 2 of 2 connections OK;") && client.has(" outstanding=0 "),
+        "SIGTERM client: summary / counters",
+    );
+}
+
+fn check_interop(c: &mut Checks, runs: &BTreeMap<String, Block>) {
+    let empty = Block::default();
+    let zeros16 = format!("received 16 bytes:{}", " 00".repeat(16));
+
+    // stock rdma_client -> rdmasafe_rdma_server
+    let ours = runs.get("rdmasafe_rdma_server").unwrap_or(&empty);
+    let stock = runs.get("rdma_client").unwrap_or(&empty);
+    c.that(stock.has("rdma_client: start") && stock.has("rdma_client: end 0"), "stock rdma_client did not end 0");
+    for needle in [
+        "rdmasafe_rdma_server: RDMA_CM_EVENT_CONNECT_REQUEST (status 0",
+        "rdmasafe_rdma_server: RDMA_CM_EVENT_ESTABLISHED (status 0",
+        // what the stock client sends: its 16-byte static buffer, zeroed
+        &format!("rdmasafe_rdma_server: {zeros16}"),
+        "rdmasafe_rdma_server: sent 16 bytes \"rdmasafe server!\"",
+        "rdmasafe_rdma_server: RDMA_CM_EVENT_DISCONNECTED (status 0",
+        "rdmasafe_rdma_server: 1 of 1 connections OK, exit 0",
+    ] {
+        c.that(ours.has(needle), format!("rdmasafe_rdma_server output lacks {needle:?}"));
+    }
+    c.that(ours.has("rdmasafe_rdma_server: counters copied=3 freed=3 outstanding=0"), "rdmasafe_rdma_server counters");
+
+    // rdmasafe_rdma_client -> stock rdma_server
+    let ours = runs.get("rdmasafe_rdma_client").unwrap_or(&empty);
+    let stock = runs.get("rdma_server").unwrap_or(&empty);
+    c.that(stock.has("rdma_server: start") && stock.has("rdma_server: end 0"), "stock rdma_server did not end 0");
+    for needle in [
+        "rdmasafe_rdma_client: RDMA_CM_EVENT_ADDR_RESOLVED (status 0",
+        "rdmasafe_rdma_client: RDMA_CM_EVENT_ROUTE_RESOLVED (status 0",
+        "rdmasafe_rdma_client: RDMA_CM_EVENT_ESTABLISHED (status 0",
+        "rdmasafe_rdma_client: sent 16 bytes \"rdmasafe client!\"",
+        &format!("rdmasafe_rdma_client: {zeros16}"),
+        "rdmasafe_rdma_client: RDMA_CM_EVENT_DISCONNECTED (status 0",
+        "rdmasafe_rdma_client: OK, exit 0",
+    ] {
+        c.that(ours.has(needle), format!("rdmasafe_rdma_client output lacks {needle:?}"));
+    }
+    c.that(ours.has("rdmasafe_rdma_client: counters copied=4 freed=4 outstanding=0"), "rdmasafe_rdma_client counters");
+}
+
+#[test]
+fn c_programs_on_rdma() {
+    let t0 = Instant::now();
+    let root = root();
+    let profile = profile_dir();
+    let lib = ensure_library(&profile);
+    let bin = profile.parent().expect("<target>").join("c");
+    build_c_programs(&profile, &bin);
+    println!("[c_programs] built against {} in {:.1} s", lib.display(), t0.elapsed().as_secs_f64());
+
+    let script = root.join("tests/c/run-in-guest.sh");
+    let hw = match (std::env::var("RDMASAFE_DEVICE"), std::env::var("RDMASAFE_ADDR")) {
+        (Ok(d), Ok(a)) if !d.is_empty() && !a.is_empty() => Some((d, a)),
+        _ => None,
+    };
+    let mut cmd;
+    if let Some((device, addr)) = &hw {
+        println!("[c_programs] real hardware: {device} ({addr}), on the host");
+        cmd = Command::new("timeout");
+        cmd.args(["-k", "10", &GUEST_TIMEOUT.to_string(), "bash"])
+            .arg(&script)
+            .env("RDMASAFE_TEST_DEVICE", device)
+            .env("RDMASAFE_TEST_ADDR", addr)
+            .env("RDMASAFE_TEST_GID_INDEX", std::env::var("RDMASAFE_GID_INDEX").unwrap_or_else(|_| "0".into()));
+    } else {
+        cmd = Command::new(root.join("tests/bed/vm-run"));
+        cmd.args(["--timeout", &GUEST_TIMEOUT.to_string(), "--", "bash"]).arg(&script);
+    }
+    cmd.current_dir(&root).env("RDMASAFE_C_BIN", &bin);
+    let t1 = Instant::now();
+    let out = cmd.output().expect("run tests/c/run-in-guest.sh");
+    let run_secs = t1.elapsed().as_secs_f64();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    println!("{stdout}");
+    eprintln!("{stderr}");
+    println!("[c_programs] guest run {run_secs:.1} s, total {:.1} s", t0.elapsed().as_secs_f64());
+
+    let runs = blocks(&stdout);
+    let mut c = Checks::default();
+    c.that(out.status.success(), format!("run-in-guest.sh exit status {}", out.status));
+    c.that(stdout.contains("==== SUMMARY 0 failed"), "the script's summary does not say 0 failed");
+    let mut labels = vec![
+        "cm_capi_test",
+        "messenger_server",
+        "messenger_sigterm_server",
+        "messenger_sigterm_client",
+        "rdmasafe_rdma_server",
+        "rdma_client",
+        "rdma_server",
+        "rdmasafe_rdma_client",
+    ]
+    .into_iter()
+    .map(String::from)
+    .collect::<Vec<_>>();
+    labels.extend([100, 201, 202, 203, 204].map(|id| format!("messenger_client_{id}")));
+    for label in &labels {
+        let exit = runs.get(label).and_then(|b| b.exit);
+        c.that(exit == Some(0), format!("{label}: exit {exit:?} (want Some(0); None = did not run)"));
+    }
+    let empty = Block::default();
+    check_cm_capi_test(&mut c, runs.get("cm_capi_test").unwrap_or(&empty));
+    check_messenger(&mut c, &runs);
+    check_interop(&mut c, &runs);
+
+    println!("[c_programs] {} expectations met, {} failed", c.passed, c.failures.len());
+    assert!(
+        c.failures.is_empty(),
+        "C programs on RDMA: {} failed expectations:\n  {}",
+        c.failures.len(),
+        c.failures.join("\n  ")
+    );
+}

@@ -1,0 +1,160 @@
+#!/usr/bin/env bash
+# Runs every C program of the rdmasafe C API tests against one RDMA device,
+# in one go (one guest boot): normally inside the Soft-RoCE guest
+#   tests/bed/vm-run --timeout 300 -- bash tests/c/run-in-guest.sh
+# or on the host with real hardware (RDMASAFE_TEST_ADDR set by the caller).
+#
+# Scenarios:
+#   1. cm_capi_test
+#   2. messenger_server -n 8 with 8 connections from 5 client processes
+#      (one with -n 4, four single ones), all at once
+#   3. messenger_server stopped by SIGTERM while 2 connections are held (-H)
+#   4. examples-c rdmasafe_rdma_server with the stock rdma_client
+#   5. the stock rdma_server with examples-c rdmasafe_rdma_client
+#
+# Each program's output is printed as one block:
+#   ==== BEGIN <label>
+#   ...
+#   ==== END <label> exit <status>
+# then "==== SUMMARY <n> failed"; the exit status is 0 only if every
+# program exited 0. Listeners are waited for by polling `rdma res show
+# cm_id` for their LISTEN id, never by a fixed sleep.
+#
+# Env: RDMASAFE_TEST_ADDR (required), RDMASAFE_C_BIN (default
+# <repo>/target/c), RDMASAFE_C_PORT_BASE (default 7471).
+set -u
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+bin=${RDMASAFE_C_BIN:-$root/target/c}
+addr=${RDMASAFE_TEST_ADDR:?RDMASAFE_TEST_ADDR must name the RDMA device address}
+base=${RDMASAFE_C_PORT_BASE:-7471}
+logs=$(mktemp -d "${TMPDIR:-/tmp}/rdmasafe-c.XXXXXX") || exit 1
+trap 'rm -rf "$logs"' EXIT
+failed=0
+declare -A pid_of
+
+now_ms() { local t=${EPOCHREALTIME/./}; echo $((t / 1000)); }
+t_start=$(now_ms)
+
+# start LABEL CMD ARGS...: runs CMD in the background, output to a log
+start() {
+	local label=$1
+	shift
+	"$@" >"$logs/$label.out" 2>&1 &
+	pid_of[$label]=$!
+}
+
+# finish LABEL [WANT_STATUS]: waits for it and prints its block
+finish() {
+	local label=$1 want=${2:-0} rc=0
+	wait "${pid_of[$label]}" || rc=$?
+	echo "==== BEGIN $label"
+	cat "$logs/$label.out"
+	echo "==== END $label exit $rc"
+	if [[ $rc -ne $want ]]; then
+		failed=$((failed + 1))
+	fi
+}
+
+# run LABEL CMD ARGS...: in the foreground
+run() {
+	start "$@"
+	finish "$1"
+}
+
+# wait_listen PORT LABEL: until a LISTEN cm_id on PORT exists (or LABEL died)
+wait_listen() {
+	local port=$1 label=$2 i
+	for ((i = 0; i < 400; i++)); do
+		if rdma res show cm_id 2>/dev/null | grep -Eq "state LISTEN .*src-addr [^ ]*:$port( |$)"; then
+			echo "# $label listening on port $port (after $i polls)"
+			return 0
+		fi
+		kill -0 "${pid_of[$label]}" 2>/dev/null || break
+		sleep 0.05
+	done
+	echo "# $label: no LISTEN id on port $port"
+	return 1
+}
+
+# wait_lines FILE PATTERN COUNT LABEL: until FILE has COUNT lines matching
+wait_lines() {
+	local file=$1 pattern=$2 count=$3 label=$4 i
+	for ((i = 0; i < 400; i++)); do
+		if [[ $(grep -c -- "$pattern" "$file" 2>/dev/null) -ge $count ]]; then
+			return 0
+		fi
+		kill -0 "${pid_of[$label]}" 2>/dev/null || break
+		sleep 0.05
+	done
+	echo "# $label: wanted $count lines of '$pattern'"
+	return 1
+}
+
+scenario() {
+	echo "# ---- $* (t=$(($(now_ms) - t_start)) ms)"
+}
+
+echo "# rdmasafe C programs on $addr (bin $bin, device ${RDMASAFE_TEST_DEVICE:-?})"
+
+# 1. -----------------------------------------------------------------------
+scenario "cm_capi_test"
+run cm_capi_test "$bin/cm_capi_test"
+
+# 2. -----------------------------------------------------------------------
+scenario "messenger: 8 connections from 5 client processes"
+port=$((base + 10))
+start messenger_server "$bin/messenger_server" -a "$addr" -p "$port" -n 8 -t 90
+if wait_listen "$port" messenger_server; then
+	start messenger_client_100 "$bin/messenger_client" -a "$addr" -p "$port" -i 100 -n 4 -t 60
+	for id in 201 202 203 204; do
+		start "messenger_client_$id" "$bin/messenger_client" -a "$addr" -p "$port" -i "$id" -t 60
+	done
+	for id in 100 201 202 203 204; do
+		finish "messenger_client_$id"
+	done
+else
+	kill -TERM "${pid_of[messenger_server]}" 2>/dev/null
+fi
+finish messenger_server
+
+# 3. -----------------------------------------------------------------------
+scenario "messenger: SIGTERM with 2 held connections"
+port=$((base + 11))
+start messenger_sigterm_server "$bin/messenger_server" -a "$addr" -p "$port" -n 1000 -t 60
+if wait_listen "$port" messenger_sigterm_server; then
+	start messenger_sigterm_client "$bin/messenger_client" -a "$addr" -p "$port" -i 300 -n 2 -H -t 60
+	wait_lines "$logs/messenger_sigterm_client.out" "holding the connection" 2 messenger_sigterm_client
+	echo "# sending SIGTERM to messenger_server"
+	kill -TERM "${pid_of[messenger_sigterm_server]}"
+	finish messenger_sigterm_client
+else
+	kill -TERM "${pid_of[messenger_sigterm_server]}" 2>/dev/null
+fi
+finish messenger_sigterm_server
+
+# 4. -----------------------------------------------------------------------
+scenario "rdmasafe_rdma_server with the stock rdma_client"
+port=$base
+start rdmasafe_rdma_server "$bin/rdmasafe_rdma_server" -s "$addr" -p "$port" -t 60
+if wait_listen "$port" rdmasafe_rdma_server; then
+	run rdma_client timeout -k 5 60 rdma_client -s "$addr" -p "$port"
+else
+	kill -TERM "${pid_of[rdmasafe_rdma_server]}" 2>/dev/null
+fi
+finish rdmasafe_rdma_server
+
+# 5. -----------------------------------------------------------------------
+scenario "the stock rdma_server with rdmasafe_rdma_client"
+port=$((base + 1))
+start rdma_server timeout -k 5 60 rdma_server -s "$addr" -p "$port"
+if wait_listen "$port" rdma_server; then
+	run rdmasafe_rdma_client "$bin/rdmasafe_rdma_client" -s "$addr" -p "$port" -t 60
+else
+	kill -TERM "${pid_of[rdma_server]}" 2>/dev/null
+fi
+finish rdma_server
+
+scenario "end"
+echo "==== SUMMARY $failed failed ($(($(now_ms) - t_start)) ms)"
+[[ $failed -eq 0 ]]
