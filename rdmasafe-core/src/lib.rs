@@ -9,6 +9,7 @@
 #![warn(missing_docs)]
 
 pub mod cm;
+pub mod cq;
 pub mod error;
 pub mod log;
 pub mod sys;

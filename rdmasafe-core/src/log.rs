@@ -77,6 +77,13 @@ pub(crate) fn trace_cm_event(t: crate::cm::EventType, status: i32) {
     }
 }
 
+#[inline]
+pub(crate) fn trace_cq_wakeup(completions: usize) {
+    if enabled(Level::Trace) {
+        log(Level::Trace, format_args!("CQ loop wakeup: {completions} completions"));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -123,6 +123,12 @@ impl Wait {
 /// Returns the readiness of each fd (`true` = readable or error/hangup), all
 /// `false` on timeout. EINTR restarts the wait with the time that is left.
 pub fn poll_readable<const N: usize>(fds: [c_int; N], wait: Wait) -> std::io::Result<[bool; N]> {
+    poll_readable_ex(fds, wait, true)
+}
+
+/// Like [`poll_readable`]; with `retry_eintr == false` a signal ends the
+/// wait with an EINTR error, as the blocking librdmacm calls do.
+pub fn poll_readable_ex<const N: usize>(fds: [c_int; N], wait: Wait, retry_eintr: bool) -> std::io::Result<[bool; N]> {
     let deadline = match wait {
         Wait::For(d) => Some(Instant::now() + d),
         _ => None,
@@ -145,7 +151,7 @@ pub fn poll_readable<const N: usize>(fds: [c_int; N], wait: Wait) -> std::io::Re
             return Ok(pfds.map(|p| p.revents != 0));
         }
         let err = std::io::Error::last_os_error();
-        if err.raw_os_error() != Some(libc::EINTR) {
+        if err.raw_os_error() != Some(libc::EINTR) || !retry_eintr {
             return Err(err);
         }
     }
@@ -191,6 +197,100 @@ impl WakeFd {
         use std::os::fd::AsRawFd;
         self.0.as_raw_fd()
     }
+}
+
+/// Pins the calling thread to one CPU (`sched_setaffinity`).
+pub fn pin_current_thread(cpu: usize) -> std::io::Result<()> {
+    if cpu >= libc::CPU_SETSIZE as usize {
+        return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
+    }
+    // SAFETY: cpu_set_t is plain data; CPU_SET stays in bounds (checked).
+    let r = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// CPUs of the NUMA node an RDMA device sits on, from sysfs
+/// (`/sys/class/infiniband/DEV/device/numa_node`). `None` when the device
+/// has no node (Soft-RoCE, single-node machines).
+pub fn device_numa_cpus(device: &str) -> Option<Vec<usize>> {
+    let node = std::fs::read_to_string(format!("/sys/class/infiniband/{device}/device/numa_node")).ok()?;
+    let node: i32 = node.trim().parse().ok()?;
+    if node < 0 {
+        return None;
+    }
+    let list = std::fs::read_to_string(format!("/sys/devices/system/node/node{node}/cpulist")).ok()?;
+    parse_cpu_list(list.trim())
+}
+
+/// Parses a kernel CPU list such as `0-3,8,10-11`.
+pub fn parse_cpu_list(s: &str) -> Option<Vec<usize>> {
+    let mut cpus = Vec::new();
+    for part in s.split(',').filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => cpus.extend(a.parse::<usize>().ok()?..=b.parse::<usize>().ok()?),
+            None => cpus.push(part.parse().ok()?),
+        }
+    }
+    Some(cpus)
+}
+
+/// Moves a QP to the error state and posts drain markers: if `recv`, a
+/// receive without buffers with `recv_wr_id`, and a signaled zero-length
+/// SEND with `send_wr_id`. Both complete (with IBV_WC_WR_FLUSH_ERR, or the
+/// receive marker with whatever a message that raced in gave it) after
+/// every request posted before them on their queue.
+///
+/// The receive marker is posted *before* the transition: rxe in Linux 6.1
+/// does not flush receives posted while the QP is already in the error
+/// state (measured in the test bed; the send marker posted after it is
+/// flushed), whereas receives queued before it are flushed in order.
+///
+/// # Safety
+/// `qp` must be a live QP.
+pub unsafe fn qp_to_error_and_post_markers(
+    qp: *mut ibv_qp,
+    recv: bool,
+    send_wr_id: u64,
+    recv_wr_id: u64,
+) -> crate::Result<()> {
+    use crate::Error;
+    // SAFETY (whole block): qp is live; the attr and WR structs are plain
+    // data, zero-initialised, valid for the calls.
+    unsafe {
+        if recv {
+            let mut wr: ibv_recv_wr = std::mem::zeroed();
+            wr.wr_id = recv_wr_id;
+            let mut bad = std::ptr::null_mut();
+            let r = ibv_post_recv(qp, &mut wr, &mut bad);
+            if r != 0 {
+                return Err(Error::new("ibv_post_recv(drain marker)", r));
+            }
+        }
+        let mut attr: rdma_sys::ibv_qp_attr = std::mem::zeroed();
+        attr.qp_state = rdma_sys::ibv_qp_state::IBV_QPS_ERR;
+        let r = rdma_sys::ibv_modify_qp(qp, &mut attr, rdma_sys::ibv_qp_attr_mask::IBV_QP_STATE.0 as i32);
+        if r != 0 {
+            return Err(Error::new("ibv_modify_qp(IBV_QPS_ERR)", r));
+        }
+        let mut wr: ibv_send_wr = std::mem::zeroed();
+        wr.wr_id = send_wr_id;
+        wr.opcode = ibv_wr_opcode::IBV_WR_SEND;
+        wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+        let mut bad = std::ptr::null_mut();
+        let r = ibv_post_send(qp, &mut wr, &mut bad);
+        if r != 0 {
+            return Err(Error::new("ibv_post_send(drain marker)", r));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -270,6 +370,13 @@ int main(void) {
             libc::close(fds[0]);
             libc::close(fds[1]);
         }
+    }
+
+    #[test]
+    fn cpu_lists_parse() {
+        assert_eq!(parse_cpu_list("0-3,8,10-11"), Some(vec![0, 1, 2, 3, 8, 10, 11]));
+        assert_eq!(parse_cpu_list("5"), Some(vec![5]));
+        assert_eq!(parse_cpu_list("x"), None);
     }
 
     #[test]

@@ -4,6 +4,7 @@
 
 pub mod cm;
 pub mod proof;
+pub mod rc;
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::mpsc;

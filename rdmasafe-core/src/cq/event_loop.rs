@@ -1,0 +1,736 @@
+//! The CQ notification loop.
+//!
+//! One loop serves one completion channel and any number of CQs bound to
+//! it, each with its own handler. The cycle in event mode:
+//!
+//! 1. wait in poll() on the channel fd and the loop's wakeup fd;
+//! 2. read every ready CQ event (the fd is non-blocking) and count one
+//!    pending ack on the CQ the event *names*;
+//! 3. for each CQ that fired: re-arm it (`ibv_req_notify_cq`), *then* poll
+//!    it until it is empty, handing batches of work completions to its
+//!    handler. Re-arming before the final drain closes the window in which
+//!    a completion lands after the last empty poll and no event follows;
+//! 4. ack in batches (`ibv_ack_cq_events(cq, n)` once a CQ has `ack_batch`
+//!    pending), and always everything before stop, removal and drop.
+//!
+//! Busy-poll mode never arms and never sleeps. Adaptive mode polls while
+//! completions keep coming and for `spin` after the last one, then arms,
+//! drains once more, and sleeps like event mode.
+//!
+//! Ownership: the loop does not own the CQs' memory. A CQ must be removed
+//! from the loop (or the loop dropped) before the CQ is destroyed, because
+//! `ibv_destroy_cq` waits for acks that only the loop can give.
+
+use std::collections::HashSet;
+use std::os::fd::{AsRawFd, RawFd};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use super::stats::{Counters, LoopStats};
+use crate::sys::{self, ibv_comp_channel, ibv_cq, ibv_wc, Wait, WakeFd};
+use crate::verbs::{empty_wc, CompChannel, Cq};
+use crate::{Error, Result};
+
+/// How the loop waits for completions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Arm, sleep until notified, re-arm, drain. Lowest CPU use.
+    Event,
+    /// Poll continuously; never arm, never sleep. Lowest latency, one core.
+    BusyPoll,
+    /// Poll while busy and for `spin` after the last completion, then arm
+    /// and sleep until the next event.
+    Adaptive {
+        /// How long to keep polling after the last completion.
+        spin: Duration,
+    },
+}
+
+/// Options of a loop.
+#[derive(Clone, Copy, Debug)]
+pub struct LoopOptions {
+    /// How to wait.
+    pub mode: Mode,
+    /// Arm for solicited completions only (`ibv_req_notify_cq(cq, 1)`).
+    pub solicited_only: bool,
+    /// Work completions per `ibv_poll_cq` call and per handler call (1..=4096).
+    pub poll_batch: usize,
+    /// CQ events counted on a CQ before one `ibv_ack_cq_events` call
+    /// (1..=65536). Pending acks are always flushed before stop, removal
+    /// and drop.
+    pub ack_batch: u32,
+    /// If set: when no event arrived within this time while the app reports
+    /// outstanding work ([`LoopControl::set_outstanding`]), poll every CQ
+    /// anyway and count it in [`LoopStats::watchdog_polls`].
+    pub watchdog: Option<Duration>,
+}
+
+impl Default for LoopOptions {
+    fn default() -> Self {
+        LoopOptions { mode: Mode::Event, solicited_only: false, poll_batch: 16, ack_batch: 16, watchdog: None }
+    }
+}
+
+impl LoopOptions {
+    fn check(&self) -> Result<()> {
+        let ok = (1..=4096).contains(&self.poll_batch) && (1..=65536).contains(&self.ack_batch);
+        if ok {
+            Ok(())
+        } else {
+            Err(Error::new("rdmasafe_cq_loop options", libc::EINVAL))
+        }
+    }
+}
+
+/// wr_id of the send-queue marker posted by [`CqLoop::drain_qp`].
+pub const DRAIN_SEND_WR_ID: u64 = u64::MAX;
+/// wr_id of the receive-queue marker posted by [`CqLoop::drain_qp`].
+pub const DRAIN_RECV_WR_ID: u64 = u64::MAX - 1;
+
+struct Shared {
+    stop: AtomicBool,
+    wake: WakeFd,
+    counters: Counters,
+    outstanding: AtomicU64,
+    /// Set while a handler of this loop runs (for "not from inside a handler").
+    in_handler: AtomicBool,
+}
+
+/// A handle to a loop usable from any thread, and from inside handlers:
+/// stop it, report outstanding work for the watchdog, read its figures.
+#[derive(Clone)]
+pub struct LoopControl(Arc<Shared>);
+
+impl LoopControl {
+    /// Asks the loop to stop: `run` returns after the current batch, with
+    /// every pending ack flushed. Thread-safe, never blocks.
+    pub fn stop(&self) {
+        self.0.stop.store(true, SeqCst);
+        self.0.wake.wake();
+    }
+
+    /// Tells the watchdog how much work the app has outstanding (0: none).
+    pub fn set_outstanding(&self, n: u64) {
+        self.0.outstanding.store(n, Relaxed);
+    }
+
+    /// The loop's figures now.
+    pub fn stats(&self) -> LoopStats {
+        self.0.counters.snapshot()
+    }
+
+    /// True while one of this loop's handlers is running (on any thread).
+    pub fn in_handler(&self) -> bool {
+        self.0.in_handler.load(SeqCst)
+    }
+}
+
+/// A CQ's handler: gets each batch of work completions (error completions
+/// included, never dropped) and the loop's control.
+pub type Handler = Box<dyn FnMut(&[ibv_wc], &LoopControl) + Send>;
+
+struct Entry {
+    cq: NonNull<ibv_cq>,
+    _keep: Option<Cq>,
+    handler: Handler,
+    pending_acks: u32,
+    armed: bool,
+    fired: bool,
+}
+
+/// CQs currently in some loop: the same CQ in two loops is refused.
+fn registry() -> &'static Mutex<HashSet<usize>> {
+    static R: OnceLock<Mutex<HashSet<usize>>> = OnceLock::new();
+    R.get_or_init(Default::default)
+}
+
+/// Markers of a drain in progress: (qp_num, send seen, recv seen).
+struct DrainWatch {
+    qp_num: u32,
+    send: bool,
+    recv: bool,
+}
+
+/// The loop; see the module docs. Driven by `&mut self` from one thread
+/// ([`CqLoop::run`], [`CqLoop::process_once`], or [`CqLoop::spawn`]);
+/// controlled from anywhere through [`LoopControl`].
+pub struct CqLoop {
+    chan: NonNull<ibv_comp_channel>,
+    _chan_keep: Option<CompChannel>,
+    entries: Vec<Entry>,
+    opts: LoopOptions,
+    ctl: LoopControl,
+    wcs: Vec<ibv_wc>,
+    /// Adaptive mode: `Some(time of last activity)` while polling.
+    polling_since: Option<Instant>,
+    drain: Option<DrainWatch>,
+    hook: Option<Box<dyn FnMut() + Send>>,
+}
+
+// SAFETY: the raw CQ / channel pointers are only used by the thread that
+// holds `&mut CqLoop`; libibverbs allows these calls from any thread.
+unsafe impl Send for CqLoop {}
+
+fn io_err(op: &'static str, e: std::io::Error) -> Error {
+    Error::new(op, e.raw_os_error().unwrap_or(libc::EIO))
+}
+
+impl CqLoop {
+    /// A loop on `channel`. The loop puts the channel's fd in non-blocking
+    /// mode and from now on is the only reader of the channel.
+    pub fn new(channel: &CompChannel, opts: LoopOptions) -> Result<CqLoop> {
+        // SAFETY: the CompChannel is live, and kept alive by the loop.
+        let mut l = unsafe { Self::from_raw(NonNull::new(channel.raw()).expect("live channel"), opts)? };
+        l._chan_keep = Some(channel.clone());
+        Ok(l)
+    }
+
+    /// A loop on a channel the app owns (the C API).
+    ///
+    /// # Safety
+    /// `chan` must be a live completion channel that outlives the loop.
+    pub unsafe fn from_raw(chan: NonNull<ibv_comp_channel>, opts: LoopOptions) -> Result<CqLoop> {
+        opts.check()?;
+        // SAFETY: chan is live (caller's contract).
+        let fd = unsafe { (*chan.as_ptr()).fd };
+        sys::set_nonblocking(fd).map_err(|e| io_err("fcntl", e))?;
+        let wake = WakeFd::new().map_err(|e| io_err("eventfd", e))?;
+        let shared = Shared {
+            stop: AtomicBool::new(false),
+            wake,
+            counters: Counters::default(),
+            outstanding: AtomicU64::new(0),
+            in_handler: AtomicBool::new(false),
+        };
+        Ok(CqLoop {
+            chan,
+            _chan_keep: None,
+            entries: Vec::new(),
+            opts,
+            ctl: LoopControl(Arc::new(shared)),
+            wcs: (0..opts.poll_batch).map(|_| empty_wc()).collect(),
+            polling_since: None,
+            drain: None,
+            hook: None,
+        })
+    }
+
+    /// The loop's control handle.
+    pub fn control(&self) -> LoopControl {
+        self.ctl.clone()
+    }
+
+    /// The loop's figures now.
+    pub fn stats(&self) -> LoopStats {
+        self.ctl.stats()
+    }
+
+    /// The options in force.
+    pub fn options(&self) -> LoopOptions {
+        self.opts
+    }
+
+    /// Adds a CQ (kept alive by the loop) with its handler.
+    pub fn add_cq<F>(&mut self, cq: &Cq, handler: F) -> Result<()>
+    where
+        F: FnMut(&[ibv_wc], &LoopControl) + Send + 'static,
+    {
+        // SAFETY: the Cq is live and kept alive by the entry.
+        unsafe { self.add_entry(NonNull::new(cq.raw()).expect("live CQ"), Some(cq.clone()), Box::new(handler)) }
+    }
+
+    /// Adds a CQ the app owns (the C API).
+    ///
+    /// # Safety
+    /// `cq` must be a live CQ that stays alive until it is removed from the
+    /// loop or the loop is dropped.
+    pub unsafe fn add_raw_cq(&mut self, cq: NonNull<ibv_cq>, handler: Handler) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.add_entry(cq, None, handler) }
+    }
+
+    /// # Safety
+    /// `cq` live while in the loop.
+    unsafe fn add_entry(&mut self, cq: NonNull<ibv_cq>, keep: Option<Cq>, handler: Handler) -> Result<()> {
+        // SAFETY: cq and the channel are live.
+        let (cq_chan, cq_ctx, chan_ctx) =
+            unsafe { ((*cq.as_ptr()).channel, (*cq.as_ptr()).context, (*self.chan.as_ptr()).context) };
+        if cq_ctx != chan_ctx {
+            return Err(Error::new("rdmasafe_cq_loop_add_cq: CQ of another device context", libc::EINVAL));
+        }
+        if cq_chan != self.chan.as_ptr() {
+            return Err(Error::new("rdmasafe_cq_loop_add_cq: CQ not bound to this loop's channel", libc::EINVAL));
+        }
+        if !registry().lock().unwrap_or_else(|e| e.into_inner()).insert(cq.as_ptr() as usize) {
+            return Err(Error::new("rdmasafe_cq_loop_add_cq: CQ already in a loop", libc::EBUSY));
+        }
+        self.entries.push(Entry { cq, _keep: keep, handler, pending_acks: 0, armed: false, fired: false });
+        Ok(())
+    }
+
+    /// Removes a CQ: flushes its pending acks and forgets it. Any event for
+    /// it read later is acked at once. After this returns the app may
+    /// destroy the CQ. ENOENT if the CQ is not in this loop.
+    pub fn remove_cq(&mut self, cq: *mut ibv_cq) -> Result<()> {
+        let i = self
+            .entries
+            .iter()
+            .position(|e| e.cq.as_ptr() == cq)
+            .ok_or(Error::new("rdmasafe_cq_loop_remove_cq", libc::ENOENT))?;
+        self.flush_entry(i);
+        let e = self.entries.swap_remove(i);
+        registry().lock().unwrap_or_else(|e| e.into_inner()).remove(&(e.cq.as_ptr() as usize));
+        Ok(())
+    }
+
+    /// Number of CQs in the loop.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// True if the loop has no CQ.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Test hook: called after the loop's last empty poll, right before it
+    /// sleeps (event mode, and adaptive mode's sleep phase).
+    #[doc(hidden)]
+    pub fn set_before_sleep_hook(&mut self, hook: Option<Box<dyn FnMut() + Send>>) {
+        self.hook = hook;
+    }
+
+    fn fd(&self) -> RawFd {
+        // SAFETY: the channel is live while the loop is.
+        unsafe { (*self.chan.as_ptr()).fd }
+    }
+
+    fn ack(&self, cq: NonNull<ibv_cq>, n: u32) {
+        if n == 0 {
+            return;
+        }
+        // SAFETY: n events were read for this CQ and not acked; the CQ is
+        // live (in the loop, or its destroy is waiting for exactly this ack).
+        unsafe { sys::ibv_ack_cq_events(cq.as_ptr(), n) };
+        let c = &self.ctl.0.counters;
+        c.ack_calls.fetch_add(1, Relaxed);
+        c.acked_events.fetch_add(n as u64, Relaxed);
+        c.unacked.fetch_sub(n as u64, Relaxed);
+    }
+
+    fn flush_entry(&mut self, i: usize) {
+        let (cq, n) = (self.entries[i].cq, std::mem::take(&mut self.entries[i].pending_acks));
+        self.ack(cq, n);
+    }
+
+    /// Acks every pending CQ event now.
+    pub fn flush_acks(&mut self) {
+        for i in 0..self.entries.len() {
+            self.flush_entry(i);
+        }
+    }
+
+    fn arm(&self, cq: NonNull<ibv_cq>) -> Result<()> {
+        self.ctl.0.counters.arms.fetch_add(1, Relaxed);
+        // SAFETY: live CQ.
+        match unsafe { sys::ibv_req_notify_cq(cq.as_ptr(), self.opts.solicited_only as i32) } {
+            0 => Ok(()),
+            r => Err(Error::new("ibv_req_notify_cq", r)),
+        }
+    }
+
+    /// Polls entry `i` until it is empty, handing batches to its handler.
+    fn drain_entry(&mut self, i: usize) -> Result<usize> {
+        let mut total = 0;
+        loop {
+            let cq = self.entries[i].cq;
+            // SAFETY: live CQ; wcs has poll_batch entries.
+            let n = unsafe { sys::ibv_poll_cq(cq.as_ptr(), self.wcs.len() as i32, self.wcs.as_mut_ptr()) };
+            if n < 0 {
+                return Err(Error::new("ibv_poll_cq", -n));
+            }
+            let n = n as usize;
+            if n == 0 {
+                break;
+            }
+            let batch = &self.wcs[..n];
+            let errors = batch.iter().filter(|w| w.status != sys::ibv_wc_status::IBV_WC_SUCCESS).count();
+            if let Some(d) = self.drain.as_mut() {
+                for w in batch.iter().filter(|w| w.qp_num == d.qp_num) {
+                    d.send |= w.wr_id == DRAIN_SEND_WR_ID;
+                    d.recv |= w.wr_id == DRAIN_RECV_WR_ID;
+                }
+            }
+            let c = &self.ctl.0.counters;
+            c.completions.fetch_add(n as u64, Relaxed);
+            c.error_completions.fetch_add(errors as u64, Relaxed);
+            let t = Instant::now();
+            self.ctl.0.in_handler.store(true, SeqCst);
+            (self.entries[i].handler)(batch, &self.ctl);
+            self.ctl.0.in_handler.store(false, SeqCst);
+            c.handler_time(t.elapsed());
+            total += n;
+            // Fewer than asked: the CQ was empty at that moment. In event
+            // mode it was re-armed before this drain, so a later completion
+            // raises an event; in polling modes the next cycle polls again.
+            if n < self.wcs.len() || self.ctl.0.stop.load(Relaxed) {
+                break;
+            }
+        }
+        Ok(total)
+    }
+
+    fn drain_all(&mut self) -> Result<usize> {
+        let mut n = 0;
+        for i in 0..self.entries.len() {
+            n += self.drain_entry(i)?;
+        }
+        Ok(n)
+    }
+
+    /// Arms every CQ not armed yet, then drains it (completions that came
+    /// before the arm raise no event).
+    fn arm_and_drain_unarmed(&mut self) -> Result<usize> {
+        let mut n = 0;
+        for i in 0..self.entries.len() {
+            if !self.entries[i].armed {
+                self.arm(self.entries[i].cq)?;
+                self.entries[i].armed = true;
+                n += self.drain_entry(i)?;
+            }
+        }
+        Ok(n)
+    }
+
+    /// Reads every ready CQ event; counts acks on the CQ each names and
+    /// marks it fired. Events for CQs not in the loop are acked at once.
+    fn read_events(&mut self) -> Result<()> {
+        loop {
+            let mut cq = std::ptr::null_mut();
+            let mut ctx = std::ptr::null_mut();
+            // SAFETY: live channel (non-blocking fd); out-pointers valid.
+            if unsafe { sys::ibv_get_cq_event(self.chan.as_ptr(), &mut cq, &mut ctx) } != 0 {
+                let err = Error::last("ibv_get_cq_event");
+                return match err.errno() {
+                    libc::EAGAIN => Ok(()),
+                    libc::EINTR => continue,
+                    _ => Err(err),
+                };
+            }
+            let c = &self.ctl.0.counters;
+            c.cq_events.fetch_add(1, Relaxed);
+            c.unacked.fetch_add(1, Relaxed);
+            let Some(cq) = NonNull::new(cq) else { continue };
+            match self.entries.iter().position(|e| e.cq == cq) {
+                Some(i) => {
+                    let e = &mut self.entries[i];
+                    e.pending_acks += 1;
+                    e.fired = true;
+                    e.armed = false;
+                    if e.pending_acks >= self.opts.ack_batch {
+                        self.flush_entry(i);
+                    }
+                }
+                // Removed earlier (or never added): ack now so its destroy
+                // cannot hang.
+                None => self.ack(cq, 1),
+            }
+        }
+    }
+
+    fn wait_fds(&mut self, wait: Wait) -> Result<(bool, bool, bool)> {
+        let mut wait = wait;
+        let watchdog = match self.opts.watchdog {
+            Some(t) if self.ctl.0.outstanding.load(Relaxed) > 0 => {
+                wait = match wait {
+                    Wait::For(d) if d <= t => wait,
+                    Wait::None => wait,
+                    _ => Wait::For(t),
+                };
+                true
+            }
+            _ => false,
+        };
+        if let Some(h) = self.hook.as_mut() {
+            h();
+        }
+        let [ch, woke] = sys::poll_readable([self.fd(), self.ctl.0.wake.fd()], wait).map_err(|e| io_err("poll", e))?;
+        if woke {
+            self.ctl.0.wake.drain();
+        }
+        Ok((ch, woke, watchdog && !ch && !woke))
+    }
+
+    fn record_wakeup(&self, n: usize, t0: Instant) {
+        let c = &self.ctl.0.counters;
+        c.wakeups.fetch_add(1, Relaxed);
+        if n == 0 {
+            c.empty_wakeups.fetch_add(1, Relaxed);
+        }
+        c.per_wakeup.record(n as u64);
+        c.cycle_us.record(t0.elapsed().as_micros() as u64);
+        crate::log::trace_cq_wakeup(n);
+    }
+
+    /// One cycle: wait per `wait`, then handle what arrived. Returns the
+    /// number of completions delivered (0 on timeout or stop). For
+    /// embedding in the app's own epoll: watch the completion channel's fd
+    /// and call `process_once(Wait::None)` when it is readable (event mode).
+    pub fn process_once(&mut self, wait: Wait) -> Result<usize> {
+        if self.ctl.0.stop.load(SeqCst) {
+            return Ok(0);
+        }
+        match self.opts.mode {
+            Mode::Event => self.event_cycle(wait),
+            Mode::BusyPoll => self.poll_cycle(wait, None),
+            Mode::Adaptive { spin } => self.adaptive_cycle(wait, spin),
+        }
+    }
+
+    fn event_cycle(&mut self, wait: Wait) -> Result<usize> {
+        let t0 = Instant::now();
+        let n = self.arm_and_drain_unarmed()?;
+        if n > 0 {
+            self.record_wakeup(n, t0);
+            return Ok(n);
+        }
+        self.sleep_and_handle(wait, true)
+    }
+
+    /// Sleeps on the fds, then reads events and drains the CQs that fired,
+    /// re-arming each before its drain when `rearm`.
+    fn sleep_and_handle(&mut self, wait: Wait, rearm: bool) -> Result<usize> {
+        let (ch, _woke, watchdog_due) = self.wait_fds(wait)?;
+        let t0 = Instant::now();
+        if watchdog_due {
+            self.ctl.0.counters.watchdog_polls.fetch_add(1, Relaxed);
+            let n = self.drain_all()?;
+            if n > 0 {
+                self.record_wakeup(n, t0);
+            }
+            return Ok(n);
+        }
+        if !ch {
+            return Ok(0);
+        }
+        self.read_events()?;
+        let mut n = 0;
+        for i in 0..self.entries.len() {
+            if std::mem::take(&mut self.entries[i].fired) {
+                if rearm {
+                    self.arm(self.entries[i].cq)?;
+                    self.entries[i].armed = true;
+                }
+                n += self.drain_entry(i)?;
+            }
+        }
+        self.record_wakeup(n, t0);
+        Ok(n)
+    }
+
+    /// Polls every CQ until completions arrive, `wait` runs out, the
+    /// adaptive `spin` passes without completions, or stop.
+    fn poll_cycle(&mut self, wait: Wait, spin: Option<Duration>) -> Result<usize> {
+        let deadline = match wait {
+            Wait::For(d) => Some(Instant::now() + d),
+            Wait::None => Some(Instant::now()),
+            Wait::Forever => None,
+        };
+        let idle_from = self.polling_since.unwrap_or_else(Instant::now);
+        loop {
+            let t0 = Instant::now();
+            let n = self.drain_all()?;
+            if n > 0 {
+                self.polling_since = Some(Instant::now());
+                self.record_wakeup(n, t0);
+                return Ok(n);
+            }
+            if self.ctl.0.stop.load(Relaxed) {
+                return Ok(0);
+            }
+            let now = Instant::now();
+            if spin.is_some_and(|s| now.duration_since(idle_from) >= s) {
+                self.polling_since = None;
+                return Ok(0);
+            }
+            if deadline.is_some_and(|d| now >= d) {
+                return Ok(0);
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    fn adaptive_cycle(&mut self, wait: Wait, spin: Duration) -> Result<usize> {
+        if self.polling_since.is_some() {
+            let n = self.poll_cycle(wait, Some(spin))?;
+            if n > 0 || self.polling_since.is_some() {
+                return Ok(n);
+            }
+            // Idle for `spin`: go to sleep. Arm everything again below.
+            for e in &mut self.entries {
+                e.armed = false;
+            }
+        }
+        let t0 = Instant::now();
+        let n = self.arm_and_drain_unarmed()?;
+        if n > 0 {
+            self.polling_since = Some(Instant::now());
+            self.record_wakeup(n, t0);
+            return Ok(n);
+        }
+        // Woken: drain what fired without re-arming and poll from now on;
+        // CQs that fired stay unarmed until the next sleep arms them.
+        let n = self.sleep_and_handle(wait, false)?;
+        if n > 0 {
+            self.polling_since = Some(Instant::now());
+        }
+        Ok(n)
+    }
+
+    /// Runs cycles until [`LoopControl::stop`]; then flushes every pending
+    /// ack and returns. The stop request is consumed: the loop can run
+    /// again.
+    pub fn run(&mut self) -> Result<()> {
+        let r = (|| {
+            while !self.ctl.0.stop.load(SeqCst) {
+                self.process_once(Wait::Forever)?;
+            }
+            Ok(())
+        })();
+        self.finish_stop();
+        r
+    }
+
+    /// Flushes acks, forgets arm state (the next run re-arms and drains, so
+    /// completions left in a CQ at stop are delivered then) and clears the
+    /// stop request.
+    fn finish_stop(&mut self) {
+        self.flush_acks();
+        for e in &mut self.entries {
+            e.armed = false;
+        }
+        self.polling_since = None;
+        self.ctl.0.stop.store(false, SeqCst);
+    }
+
+    /// Starts a thread that runs the loop, optionally pinned to `cpu`.
+    /// [`LoopThread::stop`] stops it and gives the loop back.
+    pub fn spawn(mut self, cpu: Option<usize>) -> Result<LoopThread> {
+        let ctl = self.control();
+        let t = std::thread::Builder::new()
+            .name("rdmasafe-cq".into())
+            .spawn(move || {
+                let pinned = cpu.map(sys::pin_current_thread).transpose();
+                let r = pinned.map_err(|e| io_err("sched_setaffinity", e)).and_then(|_| self.run());
+                (self, r)
+            })
+            .map_err(|e| io_err("pthread_create", e))?;
+        Ok(LoopThread { ctl, thread: t })
+    }
+
+    /// Drains a QP before teardown, like the kernel's `ib_drain_qp`: moves
+    /// it to the error state, posts a marker on its send queue
+    /// ([`DRAIN_SEND_WR_ID`]) and, unless `srq`, on its receive queue
+    /// ([`DRAIN_RECV_WR_ID`]), then runs the loop until both flush
+    /// completions were delivered (to the handlers, like every completion)
+    /// or `timeout` passes (ETIMEDOUT). Flush completions are in order per
+    /// queue, so when this returns every request posted before it has
+    /// completed. The QP's CQs must be in this loop (EINVAL otherwise).
+    ///
+    /// # Safety
+    /// `qp` must be a live QP with a free slot on each queue.
+    pub unsafe fn drain_qp(&mut self, qp: NonNull<sys::ibv_qp>, srq: bool, timeout: Duration) -> Result<()> {
+        // SAFETY: live QP (caller's contract).
+        let (send_cq, recv_cq, qp_num) =
+            unsafe { ((*qp.as_ptr()).send_cq, (*qp.as_ptr()).recv_cq, (*qp.as_ptr()).qp_num) };
+        let ours = |cq| self.entries.iter().any(|e| e.cq.as_ptr() == cq);
+        if !ours(send_cq) || (!srq && !ours(recv_cq)) {
+            return Err(Error::new("rdmasafe drain_qp: QP's CQs not in this loop", libc::EINVAL));
+        }
+        // SAFETY: live QP; marker WRs without buffers.
+        unsafe { sys::qp_to_error_and_post_markers(qp.as_ptr(), !srq, DRAIN_SEND_WR_ID, DRAIN_RECV_WR_ID)? };
+        self.drain = Some(DrainWatch { qp_num, send: false, recv: srq });
+        let deadline = Instant::now() + timeout;
+        let result = loop {
+            if self.drain.as_ref().is_some_and(|d| d.send && d.recv) {
+                break Ok(());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break Err(Error::new("rdmasafe drain_qp", libc::ETIMEDOUT));
+            }
+            // Markers may already sit in a CQ that is armed and quiet: poll
+            // directly as well as waiting for events.
+            let t0 = Instant::now();
+            let n = self.drain_all()?;
+            if n > 0 {
+                self.record_wakeup(n, t0);
+                continue;
+            }
+            let wait = Wait::For(left.min(Duration::from_millis(10)));
+            match self.opts.mode {
+                Mode::Event => self.event_cycle(wait)?,
+                _ => self.poll_cycle(wait, None)?,
+            };
+        };
+        self.drain = None;
+        result
+    }
+}
+
+impl AsRawFd for CqLoop {
+    /// The completion channel's fd: readable when a CQ event is ready.
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd()
+    }
+}
+
+impl Drop for CqLoop {
+    fn drop(&mut self) {
+        // Ack every pending event, then read and ack whatever is still in
+        // the channel (events of CQs armed earlier), so no CQ destroy waits.
+        self.flush_acks();
+        let _ = self.read_events();
+        self.flush_acks();
+        let mut reg = registry().lock().unwrap_or_else(|e| e.into_inner());
+        for e in &self.entries {
+            reg.remove(&(e.cq.as_ptr() as usize));
+        }
+    }
+}
+
+/// A loop running on its own thread.
+pub struct LoopThread {
+    ctl: LoopControl,
+    thread: std::thread::JoinHandle<(CqLoop, Result<()>)>,
+}
+
+impl LoopThread {
+    /// The loop's control handle.
+    pub fn control(&self) -> LoopControl {
+        self.ctl.clone()
+    }
+
+    /// Stops the loop, waits for the thread, and gives the loop back (it
+    /// can be run again). The error is the one `run` ended with, if any.
+    pub fn stop(self) -> Result<CqLoop> {
+        self.ctl.stop();
+        let (l, r) = self.thread.join().map_err(|_| Error::new("rdmasafe-cq thread panicked", libc::EIO))?;
+        r.map(|_| l)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_are_checked() {
+        assert!(LoopOptions::default().check().is_ok());
+        assert!(LoopOptions { poll_batch: 0, ..Default::default() }.check().is_err());
+        assert!(LoopOptions { poll_batch: 5000, ..Default::default() }.check().is_err());
+        assert!(LoopOptions { ack_batch: 0, ..Default::default() }.check().is_err());
+    }
+}

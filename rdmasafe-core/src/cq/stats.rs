@@ -1,0 +1,141 @@
+//! Figures of a CQ loop, kept in atomics so any thread can read them while
+//! the loop runs.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+/// Number of buckets in each histogram.
+pub const BUCKETS: usize = 16;
+
+/// A histogram with power-of-two buckets: bucket 0 counts the value 0,
+/// bucket `i` counts values in `[2^(i-1), 2^i)`, the last bucket everything
+/// from `2^(BUCKETS-2)` up.
+#[derive(Default)]
+pub(crate) struct Histogram([AtomicU64; BUCKETS]);
+
+impl Histogram {
+    pub(crate) fn record(&self, v: u64) {
+        let i = (u64::BITS - v.leading_zeros()) as usize;
+        self.0[i.min(BUCKETS - 1)].fetch_add(1, Relaxed);
+    }
+
+    fn snapshot(&self) -> [u64; BUCKETS] {
+        std::array::from_fn(|i| self.0[i].load(Relaxed))
+    }
+}
+
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub(crate) wakeups: AtomicU64,
+    pub(crate) empty_wakeups: AtomicU64,
+    pub(crate) cq_events: AtomicU64,
+    pub(crate) completions: AtomicU64,
+    pub(crate) error_completions: AtomicU64,
+    pub(crate) ack_calls: AtomicU64,
+    pub(crate) acked_events: AtomicU64,
+    pub(crate) unacked: AtomicU64,
+    pub(crate) longest_handler_ns: AtomicU64,
+    pub(crate) watchdog_polls: AtomicU64,
+    pub(crate) arms: AtomicU64,
+    pub(crate) per_wakeup: Histogram,
+    pub(crate) cycle_us: Histogram,
+}
+
+impl Counters {
+    pub(crate) fn handler_time(&self, d: Duration) {
+        self.longest_handler_ns.fetch_max(d.as_nanos().min(u64::MAX as u128) as u64, Relaxed);
+    }
+
+    pub(crate) fn snapshot(&self) -> LoopStats {
+        LoopStats {
+            wakeups: self.wakeups.load(Relaxed),
+            empty_wakeups: self.empty_wakeups.load(Relaxed),
+            cq_events: self.cq_events.load(Relaxed),
+            completions: self.completions.load(Relaxed),
+            error_completions: self.error_completions.load(Relaxed),
+            ack_calls: self.ack_calls.load(Relaxed),
+            acked_events: self.acked_events.load(Relaxed),
+            unacked_now: self.unacked.load(Relaxed),
+            longest_handler_ns: self.longest_handler_ns.load(Relaxed),
+            watchdog_polls: self.watchdog_polls.load(Relaxed),
+            arm_calls: self.arms.load(Relaxed),
+            completions_per_wakeup: self.per_wakeup.snapshot(),
+            cycle_time_us: self.cycle_us.snapshot(),
+        }
+    }
+}
+
+/// A snapshot of a loop's figures.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LoopStats {
+    /// Times the loop woke up with something to do (an fd was readable, or
+    /// a busy/adaptive poll found completions).
+    pub wakeups: u64,
+    /// Wakeups that delivered no completion.
+    pub empty_wakeups: u64,
+    /// CQ events read from the completion channel.
+    pub cq_events: u64,
+    /// Work completions delivered to handlers (error completions included).
+    pub completions: u64,
+    /// Of those, completions with a status other than success.
+    pub error_completions: u64,
+    /// `ibv_ack_cq_events` calls.
+    pub ack_calls: u64,
+    /// CQ events acked by those calls.
+    pub acked_events: u64,
+    /// CQ events read and not acked yet (0 after stop).
+    pub unacked_now: u64,
+    /// Longest single handler call, in nanoseconds.
+    pub longest_handler_ns: u64,
+    /// Polls made by the watchdog because no event came while the app
+    /// reported outstanding work.
+    pub watchdog_polls: u64,
+    /// `ibv_req_notify_cq` calls.
+    pub arm_calls: u64,
+    /// Histogram of completions delivered per wakeup (power-of-two
+    /// buckets, see [`BUCKETS`]).
+    pub completions_per_wakeup: [u64; BUCKETS],
+    /// Histogram of loop cycle times in microseconds (wakeup to done,
+    /// sleep excluded).
+    pub cycle_time_us: [u64; BUCKETS],
+}
+
+impl LoopStats {
+    /// Completions per wakeup, on average (0 without wakeups).
+    pub fn completions_per_wakeup_avg(&self) -> f64 {
+        if self.wakeups == 0 {
+            0.0
+        } else {
+            self.completions as f64 / self.wakeups as f64
+        }
+    }
+
+    /// Ack calls per CQ event (0 without events).
+    pub fn ack_calls_per_event(&self) -> f64 {
+        if self.cq_events == 0 {
+            0.0
+        } else {
+            self.ack_calls as f64 / self.cq_events as f64
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_are_powers_of_two() {
+        let h = Histogram::default();
+        for v in [0, 1, 2, 3, 4, 7, 8, 1 << 40] {
+            h.record(v);
+        }
+        let s = h.snapshot();
+        assert_eq!(s[0], 1, "0");
+        assert_eq!(s[1], 1, "1");
+        assert_eq!(s[2], 2, "2..3");
+        assert_eq!(s[3], 2, "4..7");
+        assert_eq!(s[4], 1, "8..15");
+        assert_eq!(s[BUCKETS - 1], 1, "huge values land in the last bucket");
+    }
+}
