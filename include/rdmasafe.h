@@ -22,6 +22,62 @@
 #include <rdma/rdma_cma.h>
 
 /**
+ * Event mode: arm, sleep until notified, re-arm, drain.
+ */
+#define RDMASAFE_MODE_EVENT 0
+
+/**
+ * Busy-poll mode: poll continuously, never arm or sleep.
+ */
+#define RDMASAFE_MODE_BUSY_POLL 1
+
+/**
+ * Adaptive mode: poll while busy and for `adaptive_spin_us` after the
+ * last completion, then arm and sleep.
+ */
+#define RDMASAFE_MODE_ADAPTIVE 2
+
+/**
+ * What an async event concerns (`rdmasafe_async_event.element_kind`).
+ */
+#define RDMASAFE_ASYNC_CQ 1
+
+/**
+ * The element is a QP (`element` = struct ibv_qp *, `qp_num` set).
+ */
+#define RDMASAFE_ASYNC_QP 2
+
+/**
+ * The element is an SRQ (`struct ibv_srq *`).
+ */
+#define RDMASAFE_ASYNC_SRQ 3
+
+/**
+ * The element is a WQ (`struct ibv_wq *`).
+ */
+#define RDMASAFE_ASYNC_WQ 4
+
+/**
+ * The element is a port (`port_num` set).
+ */
+#define RDMASAFE_ASYNC_PORT 5
+
+/**
+ * The whole device (IBV_EVENT_DEVICE_FATAL).
+ */
+#define RDMASAFE_ASYNC_DEVICE 6
+
+/**
+ * An event type rdmasafe does not know; `element` is the raw value.
+ */
+#define RDMASAFE_ASYNC_UNKNOWN 0
+
+/**
+ * A CQ loop (opaque).
+ */
+struct rdmasafe_cq_loop;
+
+/**
  * Process-wide CM copy figures.
  */
 struct rdmasafe_cm_counters {
@@ -41,6 +97,133 @@ struct rdmasafe_cm_counters {
    * Storage slots ever allocated (flat in steady state).
    */
   uint64_t slots_allocated;
+};
+
+/**
+ * Options of `rdmasafe_cq_loop_create`. Zero-initialise and set what you
+ * need: 0 in a field means its default.
+ */
+struct rdmasafe_cq_loop_options {
+  /**
+   * RDMASAFE_MODE_EVENT (default), RDMASAFE_MODE_BUSY_POLL or RDMASAFE_MODE_ADAPTIVE.
+   */
+  int mode;
+  /**
+   * Non-zero: arm for solicited completions only.
+   */
+  int solicited_only;
+  /**
+   * Completions per poll and per callback, 1..4096 (default 16).
+   */
+  int poll_batch;
+  /**
+   * CQ events counted per CQ before one ack call, 1..65536 (default 16).
+   */
+  int ack_batch;
+  /**
+   * Adaptive mode: microseconds of polling after the last completion
+   * (default 50).
+   */
+  int adaptive_spin_us;
+  /**
+   * Watchdog: poll anyway after this many ms without an event while
+   * outstanding work is reported (0: off).
+   */
+  int watchdog_ms;
+};
+
+/**
+ * Called with each batch of work completions of one CQ (error completions
+ * included): `wc[0..n]` is valid only during the call. Runs on the thread
+ * that runs the loop. It may call `rdmasafe_cq_loop_stop` (the loop stops
+ * after this batch) and post work requests; it must not add or remove CQs,
+ * run or destroy the loop.
+ */
+typedef void (*rdmasafe_wc_cb)(void *ctx, const struct ibv_wc *wc, int n);
+
+/**
+ * Figures of a loop (see `rdmasafe_cq_loop_stats`).
+ */
+struct rdmasafe_cq_loop_stats {
+  /**
+   * Wakeups with something to do.
+   */
+  uint64_t wakeups;
+  /**
+   * Wakeups that delivered no completion.
+   */
+  uint64_t empty_wakeups;
+  /**
+   * CQ events read from the channel.
+   */
+  uint64_t cq_events;
+  /**
+   * Completions delivered (errors included).
+   */
+  uint64_t completions;
+  /**
+   * Completions with a status other than IBV_WC_SUCCESS.
+   */
+  uint64_t error_completions;
+  /**
+   * ibv_ack_cq_events calls.
+   */
+  uint64_t ack_calls;
+  /**
+   * CQ events acked by them.
+   */
+  uint64_t acked_events;
+  /**
+   * CQ events read and not acked yet (0 after stop).
+   */
+  uint64_t unacked_now;
+  /**
+   * Longest callback, nanoseconds.
+   */
+  uint64_t longest_handler_ns;
+  /**
+   * Watchdog polls.
+   */
+  uint64_t watchdog_polls;
+  /**
+   * ibv_req_notify_cq calls.
+   */
+  uint64_t arm_calls;
+  /**
+   * Completions per wakeup: bucket 0 counts 0, bucket i counts
+   * [2^(i-1), 2^i), bucket 15 everything from 2^14.
+   */
+  uint64_t completions_per_wakeup[16];
+  /**
+   * Cycle time in microseconds, same buckets.
+   */
+  uint64_t cycle_time_us[16];
+};
+
+/**
+ * A copy of one async event; the original is already acked.
+ */
+struct rdmasafe_async_event {
+  /**
+   * `enum ibv_event_type` value (unknown values pass through).
+   */
+  uint32_t event_type;
+  /**
+   * One of RDMASAFE_ASYNC_*.
+   */
+  int element_kind;
+  /**
+   * The CQ / QP / SRQ / WQ pointer (a value: compare, do not free).
+   */
+  void *element;
+  /**
+   * For QP events: the QP number.
+   */
+  uint32_t qp_num;
+  /**
+   * For port events: the port number.
+   */
+  uint8_t port_num;
 };
 
 #ifdef __cplusplus
@@ -168,6 +351,151 @@ int rdmasafe_cm_counters(struct rdmasafe_cm_counters *out);
  * treated as 4096. Thread-safe.
  */
 int rdmasafe_cm_reserve(int n);
+
+/**
+ * Creates a loop on `channel` (a completion channel the app created with
+ * `ibv_create_comp_channel`, which must outlive the loop). The loop puts
+ * the channel's fd in non-blocking mode and is from now on its only
+ * reader. `opts` may be NULL for the defaults (event mode).
+ *
+ * Returns 0 and stores the loop in `*out`, or -EINVAL (NULL `channel` or
+ * `out`, an option out of range), -ENOMEM, or another negative errno.
+ *
+ * # Safety
+ * `channel` NULL or live; `opts` NULL or readable; `out` NULL or writable.
+ */
+int rdmasafe_cq_loop_create(struct ibv_comp_channel *channel,
+                            const struct rdmasafe_cq_loop_options *opts,
+                            struct rdmasafe_cq_loop **out);
+
+/**
+ * Adds `cq` with its callback. The CQ must have been created on this
+ * loop's channel and must not be destroyed before it is removed
+ * (`rdmasafe_cq_loop_remove_cq`) or the loop destroyed: `ibv_destroy_cq`
+ * waits for acks only the loop can give, and libibverbs cannot be
+ * intercepted. Not while the loop runs.
+ *
+ * Returns 0, -EINVAL (NULL argument, unknown loop, CQ not bound to this
+ * loop's channel or of another device context), -EBUSY (the CQ is in a
+ * loop already, or the loop is running), -EDEADLK (from a callback).
+ *
+ * # Safety
+ * `cq` NULL or a live CQ.
+ */
+int rdmasafe_cq_loop_add_cq(struct rdmasafe_cq_loop *cq_loop,
+                            struct ibv_cq *cq,
+                            rdmasafe_wc_cb cb,
+                            void *ctx);
+
+/**
+ * Removes `cq`: acks its pending events and forgets it; events for it read
+ * later are acked at once. Afterwards the app may destroy the CQ. Not
+ * while the loop runs.
+ *
+ * Returns 0, -EINVAL (NULL, unknown loop), -ENOENT (CQ not in this loop),
+ * -EBUSY (running), -EDEADLK (from a callback).
+ */
+int rdmasafe_cq_loop_remove_cq(struct rdmasafe_cq_loop *cq_loop, struct ibv_cq *cq);
+
+/**
+ * Runs the loop on the calling thread until `rdmasafe_cq_loop_stop`, then
+ * acks everything outstanding and returns 0. A stopped loop can be run
+ * again. Blocks.
+ *
+ * Returns 0, -EINVAL (unknown loop), -EBUSY (another thread runs it),
+ * -EDEADLK (from a callback), or the negative errno of a failed verbs call.
+ */
+int rdmasafe_cq_loop_run(struct rdmasafe_cq_loop *cq_loop);
+
+/**
+ * One cycle: waits at most `timeout_ms` (-1 forever, 0 not at all), then
+ * delivers what arrived. For driving the loop from the app's own epoll:
+ * watch `rdmasafe_cq_loop_fd` and call this with 0 when it is readable.
+ *
+ * Returns the number of completions delivered (>= 0), -EINVAL (unknown
+ * loop, `timeout_ms < -1`), -EBUSY, -EDEADLK, or a negative errno.
+ */
+int rdmasafe_cq_loop_run_once(struct rdmasafe_cq_loop *cq_loop, int timeout_ms);
+
+/**
+ * The completion channel's fd (readable when a CQ event is ready), for the
+ * app's own poll/epoll. Returns the fd (>= 0) or -EINVAL. Thread-safe.
+ */
+int rdmasafe_cq_loop_fd(struct rdmasafe_cq_loop *cq_loop);
+
+/**
+ * Asks the loop to stop; `rdmasafe_cq_loop_run` returns after the current
+ * batch with every ack flushed. Thread-safe, callable from a callback,
+ * never blocks. Returns 0 or -EINVAL.
+ */
+int rdmasafe_cq_loop_stop(struct rdmasafe_cq_loop *cq_loop);
+
+/**
+ * Reports how much work the app has outstanding (for the watchdog).
+ * Thread-safe. Returns 0 or -EINVAL.
+ */
+int rdmasafe_cq_loop_set_outstanding(struct rdmasafe_cq_loop *cq_loop, uint64_t n);
+
+/**
+ * Reads the loop's figures into `*out` without stopping it. Thread-safe.
+ * Returns 0 or -EINVAL.
+ *
+ * # Safety
+ * `out` NULL or writable.
+ */
+int rdmasafe_cq_loop_stats(struct rdmasafe_cq_loop *cq_loop, struct rdmasafe_cq_loop_stats *out);
+
+/**
+ * Drains `qp` before teardown (like the kernel's ib_drain_qp): moves it to
+ * the error state, posts marker work requests (wr_id UINT64_MAX on the send
+ * queue, UINT64_MAX - 1 on the receive queue unless `use_srq`), and runs
+ * the loop until both flush completions were delivered to the callbacks.
+ * Then every request posted before has completed. The QP's CQs must be in
+ * this loop. Blocks up to `timeout_ms` (> 0). Not while the loop runs.
+ *
+ * Returns 0, -EINVAL (NULL, unknown loop, CQs not in the loop,
+ * `timeout_ms <= 0`), -ETIMEDOUT, -EBUSY, -EDEADLK, or a negative errno.
+ *
+ * # Safety
+ * `qp` NULL or a live QP with a free slot on each queue.
+ */
+int rdmasafe_cq_loop_drain_qp(struct rdmasafe_cq_loop *cq_loop,
+                              struct ibv_qp *qp,
+                              int use_srq,
+                              int timeout_ms);
+
+/**
+ * Destroys the loop: acks every pending CQ event and every event still in
+ * the channel, so afterwards each of its CQs can be destroyed. Does not
+ * destroy the CQs or the channel (the app's). The pointer is invalid after.
+ *
+ * Returns 0, -EINVAL (NULL or unknown loop, e.g. destroyed twice), -EBUSY
+ * (another thread runs it: stop it first), -EDEADLK (from its callback).
+ */
+int rdmasafe_cq_loop_destroy(struct rdmasafe_cq_loop *cq_loop);
+
+/**
+ * Gets one async event of `context`, copies it into `*out` and acks it at
+ * once, so no held copy can block a destroy. Waits at most `timeout_ms`
+ * (-1 forever, 0 not at all) with poll() on `context->async_fd`, whose
+ * mode is not changed. One reader per context.
+ *
+ * Returns 0, -EINVAL (NULL argument, `timeout_ms < -1`), -EAGAIN
+ * (`timeout_ms == 0`, none), -ETIMEDOUT, or a negative errno.
+ *
+ * # Safety
+ * `context` NULL or a live device context; `out` NULL or writable.
+ */
+int rdmasafe_async_get(struct ibv_context *context,
+                       struct rdmasafe_async_event *out,
+                       int timeout_ms);
+
+/**
+ * The name of an async event type, e.g. "IBV_EVENT_CQ_ERR";
+ * "IBV_EVENT_UNKNOWN" for values rdmasafe does not know. Never NULL,
+ * static. Thread-safe.
+ */
+const char *rdmasafe_async_event_str(uint32_t event_type);
 
 #ifdef __cplusplus
 }  // extern "C"

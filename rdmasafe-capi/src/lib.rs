@@ -7,10 +7,14 @@
 //! calls, a negative errno return for everything else).
 
 #![deny(unsafe_op_in_unsafe_fn)]
+// Exported types carry their C names (rdmasafe_cq_loop, ...).
+#![allow(non_camel_case_types)]
 
 mod cm;
+mod cq;
 
 pub use cm::*;
+pub use cq::*;
 
 use std::os::raw::c_int;
 use std::panic::{catch_unwind, AssertUnwindSafe};

@@ -44,6 +44,15 @@ impl DeviceContext {
         NonNull::new(raw).map(DeviceContext)
     }
 
+    /// Wraps a context the app opened (e.g. `id->verbs`).
+    ///
+    /// # Safety
+    /// `raw` must be NULL or a live context that stays open while the
+    /// returned handle (and anything made from it) is used.
+    pub unsafe fn from_raw_checked(raw: *mut ibv_context) -> Option<DeviceContext> {
+        Self::from_raw(raw)
+    }
+
     /// The raw context.
     pub fn raw(&self) -> *mut ibv_context {
         self.0.as_ptr()

@@ -31,6 +31,19 @@ macro_rules! async_types {
             pub fn name(self) -> &'static str {
                 match self { $( AsyncEventType::$name => stringify!($name), )* _ => "UNKNOWN" }
             }
+            /// The C name, e.g. `"IBV_EVENT_CQ_ERR"`, NUL-terminated.
+            pub fn c_name(self) -> &'static std::ffi::CStr {
+                match self {
+                    $( AsyncEventType::$name => {
+                        const S: &str = concat!("IBV_EVENT_", stringify!($name), "\0");
+                        match std::ffi::CStr::from_bytes_with_nul(S.as_bytes()) {
+                            Ok(s) => s,
+                            Err(_) => c"IBV_EVENT_UNKNOWN",
+                        }
+                    } )*
+                    _ => c"IBV_EVENT_UNKNOWN",
+                }
+            }
         }
     };
 }
