@@ -13,7 +13,7 @@ use common::rc::{rc_pair, RcPair, SLOT};
 use rdmasafe_core::cm::{EventChannel, PortSpace};
 use rdmasafe_core::cq::{CqLoop, LoopOptions, LoopStats, Mode, DRAIN_RECV_WR_ID, DRAIN_SEND_WR_ID};
 use rdmasafe_core::sys::{ibv_wc_opcode, ibv_wc_status, Wait};
-use rdmasafe_core::verbs::{empty_wc, CompChannel, DeviceContext};
+use rdmasafe_core::verbs::{empty_wc, CompChannel, Cq, DeviceContext};
 
 const DEPTH: u32 = 128;
 const WINDOW: u64 = 32;
@@ -274,4 +274,119 @@ fn drain_qp_flushes_everything_and_the_marker_comes_last() {
     assert_eq!(recv, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, DRAIN_RECV_WR_ID], "receives in order, marker last");
     assert!(seen.iter().any(|w| w.0 == DRAIN_SEND_WR_ID), "send marker delivered");
     assert_eq!(lp.stats().error_completions, 12);
+}
+
+/// Errors, not hangs: CQs on another channel or on none, the same CQ in two
+/// loops, removing a CQ that is not there, bad options.
+#[test]
+fn misuse_gives_errors() {
+    let bed = common::bed();
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(ctx).unwrap();
+    let other = CompChannel::new(ctx).unwrap();
+    let mut a = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    let mut b = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    let on_other = Cq::new(ctx, 4, Some(&other)).unwrap();
+    let on_none = Cq::new(ctx, 4, None).unwrap();
+    let mine = Cq::new(ctx, 4, Some(&chan)).unwrap();
+    assert_eq!(a.add_cq(&on_other, |_, _| {}).unwrap_err().errno(), libc::EINVAL, "CQ of another channel");
+    assert_eq!(a.add_cq(&on_none, |_, _| {}).unwrap_err().errno(), libc::EINVAL, "CQ without a channel");
+    a.add_cq(&mine, |_, _| {}).unwrap();
+    assert_eq!(b.add_cq(&mine, |_, _| {}).unwrap_err().errno(), libc::EBUSY, "same CQ in two loops");
+    assert_eq!(a.add_cq(&mine, |_, _| {}).unwrap_err().errno(), libc::EBUSY, "same CQ twice");
+    assert_eq!(a.remove_cq(on_none.raw()).unwrap_err().errno(), libc::ENOENT);
+    a.remove_cq(mine.raw()).unwrap();
+    b.add_cq(&mine, |_, _| {}).expect("free again after removal");
+    let bad = LoopOptions { poll_batch: 0, ..Default::default() };
+    assert_eq!(CqLoop::new(&chan, bad).err().unwrap().errno(), libc::EINVAL);
+}
+
+/// With outstanding work reported and no event within the watchdog time,
+/// the loop polls anyway (and counts it); without outstanding work it just
+/// sleeps.
+#[test]
+fn watchdog_polls_when_work_is_outstanding() {
+    let bed = common::bed();
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(ctx).unwrap();
+    let cq = Cq::new(ctx, 4, Some(&chan)).unwrap();
+    let opts = LoopOptions { watchdog: Some(Duration::from_millis(20)), ..Default::default() };
+    let mut lp = CqLoop::new(&chan, opts).unwrap();
+    lp.add_cq(&cq, |_, _| {}).unwrap();
+    lp.process_once(Wait::For(Duration::from_millis(100))).unwrap();
+    assert_eq!(lp.stats().watchdog_polls, 0, "no outstanding work: no watchdog poll");
+    lp.control().set_outstanding(3);
+    for _ in 0..3 {
+        lp.process_once(Wait::For(Duration::from_secs(30))).unwrap();
+    }
+    assert_eq!(lp.stats().watchdog_polls, 3, "each quiet wait ended in a watchdog poll");
+}
+
+/// Embedding: the app's own epoll watches the loop's fd and calls
+/// process_once(Wait::None) when it is readable.
+#[test]
+fn driven_from_the_apps_own_epoll() {
+    use std::os::fd::AsRawFd;
+    let bed = common::bed();
+    let _dog = common::watchdog("epoll-driven loop", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(ctx).unwrap();
+    let p = Arc::new(rc_pair(bed.addr, &chan, true, DEPTH));
+    let mut lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    let done = Arc::new(AtomicUsize::new(0));
+    add_stream(&mut lp, &p, 500, &done, 2);
+    lp.process_once(Wait::None).unwrap(); // arms the CQs
+                                          // SAFETY: plain epoll calls on fds we own for the test's duration.
+    let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+    assert!(ep >= 0);
+    let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: 1 };
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, lp.as_raw_fd(), &mut ev) }, 0);
+    let mut woke = 0;
+    while done.load(SeqCst) < 2 {
+        let mut out = [libc::epoll_event { events: 0, u64: 0 }; 4];
+        // SAFETY: out has room for 4 events.
+        let n = unsafe { libc::epoll_wait(ep, out.as_mut_ptr(), 4, 30_000) };
+        assert!(n > 0, "epoll saw the loop's fd readable");
+        woke += 1;
+        lp.process_once(Wait::None).unwrap();
+    }
+    // SAFETY: closing our epoll fd.
+    unsafe { libc::close(ep) };
+    lp.flush_acks();
+    assert_eq!(lp.stats().completions, 1000);
+    assert_eq!(lp.stats().unacked_now, 0);
+    println!("epoll-driven: 1000 completions in {woke} epoll wakeups");
+}
+
+/// A loop thread pinned to a CPU runs its handlers there.
+#[test]
+fn spawned_loop_pinned_to_a_cpu() {
+    let bed = common::bed();
+    let _dog = common::watchdog("pinned loop", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(ctx).unwrap();
+    let p = Arc::new(rc_pair(bed.addr, &chan, true, DEPTH));
+    let mut lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    let cpus: Arc<Mutex<Vec<i32>>> = Arc::default();
+    let c2 = cpus.clone();
+    p.server.post_recv(&p.server_mr, 0, SLOT as u32, 1).unwrap();
+    lp.add_cq(&p.server_cq, move |_, ctl| {
+        // SAFETY: sched_getcpu has no preconditions.
+        c2.lock().unwrap().push(unsafe { libc::sched_getcpu() });
+        ctl.stop();
+    })
+    .unwrap();
+    lp.add_cq(&p.client_cq, |_, _| {}).unwrap();
+    let last = std::thread::available_parallelism().map(|n| n.get() - 1).unwrap_or(0);
+    let t = lp.spawn(Some(last)).unwrap();
+    p.client.post_send(&p.client_mr, 0, 8, 1).unwrap();
+    while cpus.lock().unwrap().is_empty() {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let lp = t.stop().unwrap();
+    assert_eq!(*cpus.lock().unwrap(), [last as i32], "handler ran on the pinned CPU");
+    assert_eq!(lp.stats().unacked_now, 0);
+    // No NUMA node for Soft-RoCE: the NUMA helper says so instead of guessing.
+    assert_eq!(rdmasafe_core::sys::device_numa_cpus(&bed.device), None);
 }

@@ -25,6 +25,12 @@ pub struct RcPair {
 /// and is polled directly). Each side's QP uses its one CQ for send and
 /// receive. `depth` sizes queues and CQs.
 pub fn rc_pair(addr: IpAddr, chan: &CompChannel, client_on_chan: bool, depth: u32) -> RcPair {
+    rc_pair_sized(addr, chan, client_on_chan, depth, 2 * depth as i32)
+}
+
+/// Like [`rc_pair`] with the server CQ's size chosen (e.g. smaller than the
+/// receive queue, to overrun it).
+pub fn rc_pair_sized(addr: IpAddr, chan: &CompChannel, client_on_chan: bool, depth: u32, server_cqe: i32) -> RcPair {
     let l = listen(addr, PortSpace::Tcp, 8);
     let cch = rdmasafe_core::cm::EventChannel::new().unwrap();
     let mut client = resolved(&cch, PortSpace::Tcp, addr, l.port);
@@ -40,7 +46,7 @@ pub fn rc_pair(addr: IpAddr, chan: &CompChannel, client_on_chan: bool, depth: u3
     let sctx = r.id_mut().device_context().unwrap();
     assert_eq!(sctx, ctx, "one device");
     let spd = Pd::new(sctx).unwrap();
-    let server_cq = Cq::new(sctx, 2 * depth as i32, Some(chan)).unwrap();
+    let server_cq = Cq::new(sctx, server_cqe, Some(chan)).unwrap();
     r.id_mut().create_qp(&spd, &server_cq, &server_cq, caps, false).unwrap();
     let server_mr = Mr::new(&spd, SLOT * depth as usize).unwrap();
     let server = r.accept(&params(b"ok")).unwrap();
