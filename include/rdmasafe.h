@@ -226,6 +226,14 @@ struct rdmasafe_async_event {
   uint8_t port_num;
 };
 
+/**
+ * Receives each log message: `level` 1 (error) ... 5 (trace), `msg` a
+ * NUL-terminated string valid during the call. Called from whichever
+ * thread logs (the loop's thread for trace messages about CQ wakeups), so
+ * it must be thread-safe.
+ */
+typedef void (*rdmasafe_log_cb)(void *ctx, int level, const char *msg);
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -496,6 +504,21 @@ int rdmasafe_async_get(struct ibv_context *context,
  * static. Thread-safe.
  */
 const char *rdmasafe_async_event_str(uint32_t event_type);
+
+/**
+ * Sets the log level: 0 off, 1 error, 2 warn, 3 info, 4 debug, 5 trace
+ * (every CM event copied and every CQ loop wakeup). Overrides the
+ * RDMASAFE_LOG environment variable (error|warn|info|debug|trace), which is
+ * read at the first log call otherwise. When off, a log site costs one
+ * load and a branch. Thread-safe. Returns 0, or -EINVAL for another value.
+ */
+int rdmasafe_set_log_level(int level);
+
+/**
+ * Sends log messages to `cb(ctx, level, msg)` instead of stderr; NULL `cb`
+ * goes back to stderr. Thread-safe; returns 0.
+ */
+int rdmasafe_set_log_callback(rdmasafe_log_cb cb, void *ctx);
 
 #ifdef __cplusplus
 }  // extern "C"

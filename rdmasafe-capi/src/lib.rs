@@ -12,9 +12,11 @@
 
 mod cm;
 mod cq;
+mod log;
 
 pub use cm::*;
 pub use cq::*;
+pub use log::*;
 
 use std::os::raw::c_int;
 use std::panic::{catch_unwind, AssertUnwindSafe};

@@ -63,11 +63,36 @@ pub fn enabled(l: Level) -> bool {
     v >= l as u8
 }
 
-/// Prints a message at `l` to stderr if enabled.
+/// Where messages go: stderr by default, or a sink the app installs.
+pub type Sink = Box<dyn Fn(Level, &str) + Send + Sync>;
+
+fn sink() -> &'static std::sync::RwLock<Option<Sink>> {
+    static S: std::sync::OnceLock<std::sync::RwLock<Option<Sink>>> = std::sync::OnceLock::new();
+    S.get_or_init(Default::default)
+}
+
+/// Sends messages to `f` instead of stderr (`None`: back to stderr).
+pub fn set_sink(f: Option<Sink>) {
+    *sink().write().unwrap_or_else(|e| e.into_inner()) = f;
+}
+
+/// Emits a message at `l` if enabled (formatting happens only then).
 pub fn log(l: Level, msg: std::fmt::Arguments<'_>) {
-    if enabled(l) {
-        eprintln!("rdmasafe[{l:?}]: {msg}");
+    if !enabled(l) {
+        return;
     }
+    let s = sink().read().unwrap_or_else(|e| e.into_inner());
+    match s.as_ref() {
+        Some(f) => f(l, &msg.to_string()),
+        None => eprintln!("rdmasafe[{l:?}]: {msg}"),
+    }
+}
+
+/// The level for a number (0 off ... 5 trace), `None` outside 0..=5.
+pub fn level_from_i32(v: i32) -> Option<Level> {
+    [Level::Off, Level::Error, Level::Warn, Level::Info, Level::Debug, Level::Trace]
+        .get(usize::try_from(v).ok()?)
+        .copied()
 }
 
 #[inline]
@@ -93,5 +118,22 @@ mod tests {
         assert_eq!(parse("warn"), Level::Warn);
         assert_eq!(parse("nonsense"), Level::Off);
         assert!(Level::Trace > Level::Error);
+        assert_eq!(level_from_i32(5), Some(Level::Trace));
+        assert_eq!(level_from_i32(6), None);
+        assert_eq!(level_from_i32(-1), None);
+    }
+
+    #[test]
+    fn sink_receives_enabled_messages_only() {
+        use std::sync::{Arc, Mutex};
+        let got: Arc<Mutex<Vec<(Level, String)>>> = Arc::default();
+        let g = got.clone();
+        set_sink(Some(Box::new(move |l, m| g.lock().unwrap().push((l, m.to_string())))));
+        set_level(Level::Warn);
+        log(Level::Error, format_args!("bad {}", 1));
+        log(Level::Trace, format_args!("not shown"));
+        set_level(Level::Off);
+        set_sink(None);
+        assert_eq!(*got.lock().unwrap(), [(Level::Error, "bad 1".to_string())]);
     }
 }
