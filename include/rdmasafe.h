@@ -190,6 +190,18 @@ struct rdmasafe_cq_loop_stats {
    */
   uint64_t arm_calls;
   /**
+   * Keepalive probes posted.
+   */
+  uint64_t keepalive_probes;
+  /**
+   * Keepalive probes completed successfully.
+   */
+  uint64_t keepalive_probes_ok;
+  /**
+   * Peers declared dead by a keepalive.
+   */
+  uint64_t keepalive_dead;
+  /**
    * Completions per wakeup: bucket 0 counts 0, bucket i counts
    * [2^(i-1), 2^i), bucket 15 everything from 2^14.
    */
@@ -199,6 +211,13 @@ struct rdmasafe_cq_loop_stats {
    */
   uint64_t cycle_time_us[16];
 };
+
+/**
+ * Called once when a keepalive declares the peer of `qp` dead (after the
+ * QP was moved to the error state). Runs on the loop's thread; it may call
+ * `rdmasafe_cq_loop_stop`, not add/remove/run/destroy.
+ */
+typedef void (*rdmasafe_dead_peer_cb)(void *ctx, struct ibv_qp *qp, uint32_t qp_num);
 
 /**
  * A copy of one async event; the original is already acked.
@@ -471,6 +490,44 @@ int rdmasafe_cq_loop_drain_qp(struct rdmasafe_cq_loop *cq_loop,
                               struct ibv_qp *qp,
                               int use_srq,
                               int timeout_ms);
+
+/**
+ * Dead-peer detection for `qp`, an RC QP whose send CQ is in this loop.
+ * While the loop runs, when the QP has had no successful completion for
+ * `period_ms`, rdmasafe posts a probe (a signaled zero-length RDMA WRITE
+ * with wr_id `probe_wr_id`, using one send-queue slot; the peer's
+ * application sees nothing). If a probe has not completed within
+ * `bound_ms`, or fails, the peer is declared dead: the QP is moved to the
+ * error state (outstanding work flushes to the callbacks) and `on_dead` is
+ * called once. A timer decides, so this works whatever retry_cnt the QP
+ * has. Probe completions are never passed to the CQ callback: pick a
+ * `probe_wr_id` the app does not use on this QP. The QP must stay alive
+ * until `rdmasafe_cq_loop_remove_keepalive` or the loop is destroyed.
+ * Not while the loop runs.
+ *
+ * Returns 0, -EINVAL (NULL, unknown loop, `period_ms` or `bound_ms` <= 0,
+ * send CQ not in this loop), -EBUSY (already registered, or running),
+ * -EDEADLK (from a callback).
+ *
+ * # Safety
+ * `qp` NULL or a live QP.
+ */
+int rdmasafe_cq_loop_add_keepalive(struct rdmasafe_cq_loop *cq_loop,
+                                   struct ibv_qp *qp,
+                                   int period_ms,
+                                   int bound_ms,
+                                   uint64_t probe_wr_id,
+                                   rdmasafe_dead_peer_cb on_dead,
+                                   void *ctx);
+
+/**
+ * Stops dead-peer detection for `qp`. Not while the loop runs.
+ * Returns 0, -EINVAL, -ENOENT (no keepalive for it), -EBUSY, -EDEADLK.
+ *
+ * # Safety
+ * `qp` NULL or a live QP.
+ */
+int rdmasafe_cq_loop_remove_keepalive(struct rdmasafe_cq_loop *cq_loop, struct ibv_qp *qp);
 
 /**
  * Destroys the loop: acks every pending CQ event and every event still in

@@ -14,7 +14,9 @@ use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::sync::{Arc, Mutex, OnceLock, TryLockError};
 use std::time::Duration;
 
-use rdmasafe_core::cq::{self, AsyncElement, AsyncEventType, AsyncEvents, CqLoop, LoopControl, LoopOptions, Mode};
+use rdmasafe_core::cq::{
+    self, AsyncElement, AsyncEventType, AsyncEvents, CqLoop, Keepalive, LoopControl, LoopOptions, Mode,
+};
 use rdmasafe_core::sys::{ibv_comp_channel, ibv_context, ibv_cq, ibv_qp, ibv_wc, Wait};
 use rdmasafe_core::verbs::DeviceContext;
 
@@ -82,6 +84,12 @@ pub struct rdmasafe_cq_loop_stats {
     pub watchdog_polls: u64,
     /// ibv_req_notify_cq calls.
     pub arm_calls: u64,
+    /// Keepalive probes posted.
+    pub keepalive_probes: u64,
+    /// Keepalive probes completed successfully.
+    pub keepalive_probes_ok: u64,
+    /// Peers declared dead by a keepalive.
+    pub keepalive_dead: u64,
     /// Completions per wakeup: bucket 0 counts 0, bucket i counts
     /// [2^(i-1), 2^i), bucket 15 everything from 2^14.
     pub completions_per_wakeup: [u64; 16],
@@ -392,6 +400,9 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_stats(
             longest_handler_ns: s.longest_handler_ns,
             watchdog_polls: s.watchdog_polls,
             arm_calls: s.arm_calls,
+            keepalive_probes: s.keepalive_probes,
+            keepalive_probes_ok: s.keepalive_probes_ok,
+            keepalive_dead: s.keepalive_dead,
             completions_per_wakeup: s.completions_per_wakeup,
             cycle_time_us: s.cycle_time_us,
         };
@@ -432,6 +443,107 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_drain_qp(
                 Err(e) => neg(e),
             }
         })
+    })
+}
+
+/// Called once when a keepalive declares the peer of `qp` dead (after the
+/// QP was moved to the error state). Runs on the loop's thread; it may call
+/// `rdmasafe_cq_loop_stop`, not add/remove/run/destroy.
+pub type rdmasafe_dead_peer_cb = Option<unsafe extern "C" fn(ctx: *mut c_void, qp: *mut ibv_qp, qp_num: u32)>;
+
+struct CDeadPeer {
+    f: unsafe extern "C" fn(*mut c_void, *mut ibv_qp, u32),
+    ctx: *mut c_void,
+    qp: *mut ibv_qp,
+}
+// SAFETY: called only on the loop's thread, as documented.
+unsafe impl Send for CDeadPeer {}
+
+/// Dead-peer detection for `qp`, an RC QP whose send CQ is in this loop.
+/// While the loop runs, when the QP has had no successful completion for
+/// `period_ms`, rdmasafe posts a probe (a signaled zero-length RDMA WRITE
+/// with wr_id `probe_wr_id`, using one send-queue slot; the peer's
+/// application sees nothing). If a probe has not completed within
+/// `bound_ms`, or fails, the peer is declared dead: the QP is moved to the
+/// error state (outstanding work flushes to the callbacks) and `on_dead` is
+/// called once. A timer decides, so this works whatever retry_cnt the QP
+/// has. Probe completions are never passed to the CQ callback: pick a
+/// `probe_wr_id` the app does not use on this QP. The QP must stay alive
+/// until `rdmasafe_cq_loop_remove_keepalive` or the loop is destroyed.
+/// Not while the loop runs.
+///
+/// Returns 0, -EINVAL (NULL, unknown loop, `period_ms` or `bound_ms` <= 0,
+/// send CQ not in this loop), -EBUSY (already registered, or running),
+/// -EDEADLK (from a callback).
+///
+/// # Safety
+/// `qp` NULL or a live QP.
+#[no_mangle]
+pub unsafe extern "C" fn rdmasafe_cq_loop_add_keepalive(
+    cq_loop: *mut rdmasafe_cq_loop,
+    qp: *mut ibv_qp,
+    period_ms: c_int,
+    bound_ms: c_int,
+    probe_wr_id: u64,
+    on_dead: rdmasafe_dead_peer_cb,
+    ctx: *mut c_void,
+) -> c_int {
+    guard(-libc::EIO, || {
+        let (Some(qpp), Some(f), true) = (NonNull::new(qp), on_dead, period_ms > 0 && bound_ms > 0) else {
+            return -libc::EINVAL;
+        };
+        let h = match lookup(cq_loop) {
+            Ok(h) => h,
+            Err(e) => return e,
+        };
+        let mut l = match idle(&h) {
+            Ok(l) => l,
+            Err(e) => return e,
+        };
+        let cfg = Keepalive {
+            period: Duration::from_millis(period_ms as u64),
+            bound: Duration::from_millis(bound_ms as u64),
+            wr_id: probe_wr_id,
+        };
+        let cb = CDeadPeer { f, ctx, qp };
+        let on_dead: cq::DeadPeer = Box::new(move |qpn, _| {
+            let cb = &cb;
+            // SAFETY: the app's callback, called as documented.
+            unsafe { (cb.f)(cb.ctx, cb.qp, qpn) }
+        });
+        // SAFETY: qp live until removed (caller's contract, documented).
+        match unsafe { l.add_keepalive(qpp, cfg, on_dead) } {
+            Ok(()) => 0,
+            Err(e) => neg(e),
+        }
+    })
+}
+
+/// Stops dead-peer detection for `qp`. Not while the loop runs.
+/// Returns 0, -EINVAL, -ENOENT (no keepalive for it), -EBUSY, -EDEADLK.
+///
+/// # Safety
+/// `qp` NULL or a live QP.
+#[no_mangle]
+pub unsafe extern "C" fn rdmasafe_cq_loop_remove_keepalive(cq_loop: *mut rdmasafe_cq_loop, qp: *mut ibv_qp) -> c_int {
+    guard(-libc::EIO, || {
+        if qp.is_null() {
+            return -libc::EINVAL;
+        }
+        let h = match lookup(cq_loop) {
+            Ok(h) => h,
+            Err(e) => return e,
+        };
+        let mut l = match idle(&h) {
+            Ok(l) => l,
+            Err(e) => return e,
+        };
+        // SAFETY: live QP (caller).
+        let qpn = unsafe { (*qp).qp_num };
+        match l.remove_keepalive(qpn) {
+            Ok(()) => 0,
+            Err(e) => neg(e),
+        }
     })
 }
 
@@ -567,6 +679,11 @@ mod tests {
             assert_eq!(rdmasafe_cq_loop_create(std::ptr::null_mut(), std::ptr::null(), &mut out), -libc::EINVAL);
             assert_eq!(rdmasafe_cq_loop_add_cq(p, std::ptr::null_mut(), None, std::ptr::null_mut()), -libc::EINVAL);
             assert_eq!(rdmasafe_cq_loop_drain_qp(p, std::ptr::null_mut(), 0, 10), -libc::EINVAL);
+            assert_eq!(
+                rdmasafe_cq_loop_add_keepalive(p, std::ptr::null_mut(), 1, 1, 0, None, std::ptr::null_mut()),
+                -libc::EINVAL
+            );
+            assert_eq!(rdmasafe_cq_loop_remove_keepalive(p, std::ptr::null_mut()), -libc::EINVAL);
             let mut ev = std::mem::zeroed();
             assert_eq!(rdmasafe_async_get(std::ptr::null_mut(), &mut ev, 0), -libc::EINVAL);
         }

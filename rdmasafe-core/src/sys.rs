@@ -242,6 +242,46 @@ pub fn parse_cpu_list(s: &str) -> Option<Vec<usize>> {
     Some(cpus)
 }
 
+/// Moves a QP to the error state (`ibv_modify_qp`).
+///
+/// # Safety
+/// `qp` must be a live QP.
+pub unsafe fn qp_to_error(qp: *mut ibv_qp) -> crate::Result<()> {
+    // SAFETY: live QP; attr is plain data valid for the call.
+    let r = unsafe {
+        let mut attr: rdma_sys::ibv_qp_attr = std::mem::zeroed();
+        attr.qp_state = rdma_sys::ibv_qp_state::IBV_QPS_ERR;
+        rdma_sys::ibv_modify_qp(qp, &mut attr, rdma_sys::ibv_qp_attr_mask::IBV_QP_STATE.0 as i32)
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(crate::Error::new("ibv_modify_qp(IBV_QPS_ERR)", r))
+    }
+}
+
+/// Posts a signaled zero-length RDMA WRITE (a keepalive probe: zero-length
+/// RDMA operations check no rkey, and the peer's application sees nothing).
+///
+/// # Safety
+/// `qp` must be a live RC QP.
+pub unsafe fn post_zero_length_write(qp: *mut ibv_qp, wr_id: u64) -> crate::Result<()> {
+    // SAFETY: live QP; a WR without buffers, valid for the call.
+    let r = unsafe {
+        let mut wr: ibv_send_wr = std::mem::zeroed();
+        wr.wr_id = wr_id;
+        wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+        wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+        let mut bad = std::ptr::null_mut();
+        ibv_post_send(qp, &mut wr, &mut bad)
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(crate::Error::new("ibv_post_send(keepalive probe)", r))
+    }
+}
+
 /// Moves a QP to the error state and posts drain markers: if `recv`, a
 /// receive without buffers with `recv_wr_id`, and a signaled zero-length
 /// SEND with `send_wr_id`. Both complete (with IBV_WC_WR_FLUSH_ERR, or the
@@ -274,12 +314,7 @@ pub unsafe fn qp_to_error_and_post_markers(
                 return Err(Error::new("ibv_post_recv(drain marker)", r));
             }
         }
-        let mut attr: rdma_sys::ibv_qp_attr = std::mem::zeroed();
-        attr.qp_state = rdma_sys::ibv_qp_state::IBV_QPS_ERR;
-        let r = rdma_sys::ibv_modify_qp(qp, &mut attr, rdma_sys::ibv_qp_attr_mask::IBV_QP_STATE.0 as i32);
-        if r != 0 {
-            return Err(Error::new("ibv_modify_qp(IBV_QPS_ERR)", r));
-        }
+        qp_to_error(qp)?;
         let mut wr: ibv_send_wr = std::mem::zeroed();
         wr.wr_id = send_wr_id;
         wr.opcode = ibv_wr_opcode::IBV_WR_SEND;

@@ -84,6 +84,34 @@ impl LoopOptions {
     }
 }
 
+/// Dead-peer detection for one RC QP (see [`CqLoop::add_keepalive`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Keepalive {
+    /// Probe after the QP has been idle (no successful completion) this long.
+    pub period: Duration,
+    /// Declare the peer dead when a probe has not completed within this.
+    pub bound: Duration,
+    /// The wr_id rdmasafe gives its probes. Probe completions are consumed
+    /// by the loop, never handed to the app's handler, so pick a value the
+    /// app does not use on this QP. rdmasafe keeps at most one probe
+    /// outstanding: it needs one free send-queue slot.
+    pub wr_id: u64,
+}
+
+/// Called once when a keepalive declares a QP's peer dead, after the QP was
+/// moved to the error state; gets the QP number.
+pub type DeadPeer = Box<dyn FnMut(u32, &LoopControl) + Send>;
+
+struct KaEntry {
+    qp: NonNull<sys::ibv_qp>,
+    qp_num: u32,
+    cfg: Keepalive,
+    last_activity: Instant,
+    probe_sent: Option<Instant>,
+    dead: bool,
+    on_dead: DeadPeer,
+}
+
 /// wr_id of the send-queue marker posted by [`CqLoop::drain_qp`].
 pub const DRAIN_SEND_WR_ID: u64 = u64::MAX;
 /// wr_id of the receive-queue marker posted by [`CqLoop::drain_qp`].
@@ -166,6 +194,7 @@ pub struct CqLoop {
     /// Adaptive mode: `Some(time of last activity)` while polling.
     polling_since: Option<Instant>,
     drain: Option<DrainWatch>,
+    keepalives: Vec<KaEntry>,
     hook: Option<Box<dyn FnMut() + Send>>,
 }
 
@@ -213,6 +242,7 @@ impl CqLoop {
             wcs: (0..opts.poll_batch).map(|_| empty_wc()).collect(),
             polling_since: None,
             drain: None,
+            keepalives: Vec::new(),
             hook: None,
         })
     }
@@ -355,6 +385,10 @@ impl CqLoop {
             if n == 0 {
                 break;
             }
+            let n = if self.keepalives.is_empty() { n } else { self.keepalive_filter(n) };
+            if n == 0 {
+                continue;
+            }
             let batch = &self.wcs[..n];
             let errors = batch.iter().filter(|w| w.status != sys::ibv_wc_status::IBV_WC_SUCCESS).count();
             if let Some(d) = self.drain.as_mut() {
@@ -453,6 +487,7 @@ impl CqLoop {
             }
             _ => false,
         };
+        wait = self.keepalive_wait(wait);
         if let Some(h) = self.hook.as_mut() {
             h();
         }
@@ -482,11 +517,15 @@ impl CqLoop {
         if self.ctl.0.stop.load(SeqCst) {
             return Ok(0);
         }
-        match self.opts.mode {
+        let n = match self.opts.mode {
             Mode::Event => self.event_cycle(wait),
             Mode::BusyPoll => self.poll_cycle(wait, None),
             Mode::Adaptive { spin } => self.adaptive_cycle(wait, spin),
+        }?;
+        if !self.keepalives.is_empty() {
+            self.keepalive_tick()?;
         }
+        Ok(n)
     }
 
     fn event_cycle(&mut self, wait: Wait) -> Result<usize> {
@@ -555,7 +594,7 @@ impl CqLoop {
                 self.polling_since = None;
                 return Ok(0);
             }
-            if deadline.is_some_and(|d| now >= d) {
+            if deadline.is_some_and(|d| now >= d) || self.keepalive_due(now) {
                 return Ok(0);
             }
             std::hint::spin_loop();
@@ -587,6 +626,156 @@ impl CqLoop {
             self.polling_since = Some(Instant::now());
         }
         Ok(n)
+    }
+
+    /// Registers dead-peer detection for `qp` (an RC QP whose send CQ is in
+    /// this loop). While the loop runs, when the QP has had no successful
+    /// completion for `cfg.period`, rdmasafe posts a probe: a signaled
+    /// zero-length RDMA WRITE (no rkey is checked for zero length; the
+    /// peer's application sees nothing). A probe that has not completed
+    /// within `cfg.bound` means the peer is dead: rdmasafe moves the QP to
+    /// the error state, so everything outstanding flushes to the handler,
+    /// and calls `on_dead` once. A timer decides, not the retry count, so
+    /// this works whatever `retry_cnt` the QP has (with 7, rxe retries
+    /// forever and reports nothing). A probe that fails with an error status
+    /// (e.g. retry exceeded) declares the peer dead at once.
+    ///
+    /// Errors: EINVAL (zero period or bound, send CQ not in this loop),
+    /// EBUSY (the QP already has a keepalive).
+    ///
+    /// # Safety
+    /// `qp` must be live until [`CqLoop::remove_keepalive`] or the loop is
+    /// dropped.
+    pub unsafe fn add_keepalive(&mut self, qp: NonNull<sys::ibv_qp>, cfg: Keepalive, on_dead: DeadPeer) -> Result<()> {
+        if cfg.period.is_zero() || cfg.bound.is_zero() {
+            return Err(Error::new("rdmasafe keepalive: zero period or bound", libc::EINVAL));
+        }
+        // SAFETY: live QP (caller).
+        let (send_cq, qp_num) = unsafe { ((*qp.as_ptr()).send_cq, (*qp.as_ptr()).qp_num) };
+        if !self.entries.iter().any(|e| e.cq.as_ptr() == send_cq) {
+            return Err(Error::new("rdmasafe keepalive: the QP's send CQ is not in this loop", libc::EINVAL));
+        }
+        if self.keepalives.iter().any(|k| k.qp_num == qp_num) {
+            return Err(Error::new("rdmasafe keepalive: QP already registered", libc::EBUSY));
+        }
+        self.keepalives.push(KaEntry {
+            qp,
+            qp_num,
+            cfg,
+            last_activity: Instant::now(),
+            probe_sent: None,
+            dead: false,
+            on_dead,
+        });
+        Ok(())
+    }
+
+    /// Stops dead-peer detection for the QP with this number (ENOENT if it
+    /// had none). A probe still outstanding completes to the handler.
+    pub fn remove_keepalive(&mut self, qp_num: u32) -> Result<()> {
+        let i = self
+            .keepalives
+            .iter()
+            .position(|k| k.qp_num == qp_num)
+            .ok_or(Error::new("rdmasafe keepalive", libc::ENOENT))?;
+        self.keepalives.swap_remove(i);
+        Ok(())
+    }
+
+    /// Notes activity and takes probe completions out of `wcs[..n]`;
+    /// returns how many completions remain for the handler.
+    fn keepalive_filter(&mut self, n: usize) -> usize {
+        let now = Instant::now();
+        let mut kept = 0;
+        for j in 0..n {
+            let (qpn, wr_id, ok) =
+                (self.wcs[j].qp_num, self.wcs[j].wr_id, self.wcs[j].status == sys::ibv_wc_status::IBV_WC_SUCCESS);
+            let mut probe = false;
+            if let Some(k) = self.keepalives.iter_mut().find(|k| k.qp_num == qpn) {
+                if ok {
+                    k.last_activity = now;
+                }
+                if wr_id == k.cfg.wr_id && k.probe_sent.is_some() {
+                    probe = true;
+                    k.probe_sent = None;
+                    if ok {
+                        self.ctl.0.counters.keepalive_probes_ok.fetch_add(1, Relaxed);
+                    } else if !k.dead {
+                        // Retry exceeded or the like: the timer need not wait.
+                        k.probe_sent = Some(now - k.cfg.bound);
+                    }
+                }
+            }
+            if !probe {
+                self.wcs.swap(kept, j);
+                kept += 1;
+            }
+        }
+        kept
+    }
+
+    fn keepalive_deadline(&self) -> Option<Instant> {
+        self.keepalives
+            .iter()
+            .filter(|k| !k.dead)
+            .map(|k| match k.probe_sent {
+                Some(t) => t + k.cfg.bound,
+                None => k.last_activity + k.cfg.period,
+            })
+            .min()
+    }
+
+    fn keepalive_due(&self, now: Instant) -> bool {
+        self.keepalive_deadline().is_some_and(|d| now >= d)
+    }
+
+    fn keepalive_wait(&self, wait: Wait) -> Wait {
+        let Some(d) = self.keepalive_deadline() else { return wait };
+        let left = d.saturating_duration_since(Instant::now());
+        match wait {
+            Wait::None => Wait::None,
+            Wait::For(w) if w <= left => wait,
+            _ => Wait::For(left),
+        }
+    }
+
+    /// Posts due probes and declares peers dead whose probe is overdue.
+    fn keepalive_tick(&mut self) -> Result<()> {
+        let now = Instant::now();
+        for i in 0..self.keepalives.len() {
+            let k = &mut self.keepalives[i];
+            if k.dead {
+                continue;
+            }
+            let overdue = k.probe_sent.is_some_and(|t| now.duration_since(t) >= k.cfg.bound);
+            if !overdue && k.probe_sent.is_none() && now.duration_since(k.last_activity) >= k.cfg.period {
+                // SAFETY: live QP (add_keepalive's contract).
+                match unsafe { sys::post_zero_length_write(k.qp.as_ptr(), k.cfg.wr_id) } {
+                    Ok(()) => {
+                        k.probe_sent = Some(now);
+                        self.ctl.0.counters.keepalive_probes.fetch_add(1, Relaxed);
+                        continue;
+                    }
+                    // The QP cannot even take a probe: treat as dead.
+                    Err(_) => k.probe_sent = Some(now - k.cfg.bound),
+                }
+            }
+            let k = &mut self.keepalives[i];
+            if k.probe_sent.is_some_and(|t| now.duration_since(t) >= k.cfg.bound) {
+                k.dead = true;
+                // SAFETY: live QP; the error state flushes outstanding work.
+                let _ = unsafe { sys::qp_to_error(k.qp.as_ptr()) };
+                self.ctl.0.counters.keepalive_dead.fetch_add(1, Relaxed);
+                crate::log::log(
+                    crate::log::Level::Warn,
+                    format_args!("keepalive: peer of QP {} declared dead", k.qp_num),
+                );
+                let qpn = k.qp_num;
+                let ctl = self.ctl.clone();
+                (self.keepalives[i].on_dead)(qpn, &ctl);
+            }
+        }
+        Ok(())
     }
 
     /// Runs cycles until [`LoopControl::stop`]; then flushes every pending

@@ -11,5 +11,8 @@ mod event_loop;
 mod stats;
 
 pub use async_events::{AsyncElement, AsyncEvent, AsyncEventType, AsyncEvents};
-pub use event_loop::{CqLoop, Handler, LoopControl, LoopOptions, LoopThread, Mode, DRAIN_RECV_WR_ID, DRAIN_SEND_WR_ID};
+pub use event_loop::{
+    CqLoop, DeadPeer, Handler, Keepalive, LoopControl, LoopOptions, LoopThread, Mode, DRAIN_RECV_WR_ID,
+    DRAIN_SEND_WR_ID,
+};
 pub use stats::{LoopStats, BUCKETS};

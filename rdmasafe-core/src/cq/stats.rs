@@ -37,6 +37,9 @@ pub(crate) struct Counters {
     pub(crate) longest_handler_ns: AtomicU64,
     pub(crate) watchdog_polls: AtomicU64,
     pub(crate) arms: AtomicU64,
+    pub(crate) keepalive_probes: AtomicU64,
+    pub(crate) keepalive_probes_ok: AtomicU64,
+    pub(crate) keepalive_dead: AtomicU64,
     pub(crate) per_wakeup: Histogram,
     pub(crate) cycle_us: Histogram,
 }
@@ -59,6 +62,9 @@ impl Counters {
             longest_handler_ns: self.longest_handler_ns.load(Relaxed),
             watchdog_polls: self.watchdog_polls.load(Relaxed),
             arm_calls: self.arms.load(Relaxed),
+            keepalive_probes: self.keepalive_probes.load(Relaxed),
+            keepalive_probes_ok: self.keepalive_probes_ok.load(Relaxed),
+            keepalive_dead: self.keepalive_dead.load(Relaxed),
             completions_per_wakeup: self.per_wakeup.snapshot(),
             cycle_time_us: self.cycle_us.snapshot(),
         }
@@ -92,6 +98,12 @@ pub struct LoopStats {
     pub watchdog_polls: u64,
     /// `ibv_req_notify_cq` calls.
     pub arm_calls: u64,
+    /// Keepalive probes posted.
+    pub keepalive_probes: u64,
+    /// Keepalive probes that completed successfully.
+    pub keepalive_probes_ok: u64,
+    /// Peers declared dead by a keepalive.
+    pub keepalive_dead: u64,
     /// Histogram of completions delivered per wakeup (power-of-two
     /// buckets, see [`BUCKETS`]).
     pub completions_per_wakeup: [u64; BUCKETS],
