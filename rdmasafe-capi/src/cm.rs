@@ -20,7 +20,7 @@ fn live() -> &'static Mutex<HashSet<usize>> {
     LIVE.get_or_init(|| Mutex::new(HashSet::with_capacity(1024)))
 }
 
-fn hand_out(ev: CmEvent) -> *mut rdma_cm_event {
+pub(crate) fn hand_out(ev: CmEvent) -> *mut rdma_cm_event {
     let p = ev.into_raw();
     live().lock().unwrap_or_else(|e| e.into_inner()).insert(p as usize);
     p

@@ -12,6 +12,8 @@
 
 mod cm;
 mod cq;
+#[doc(hidden)]
+pub mod fuzzing;
 mod log;
 
 pub use cm::*;

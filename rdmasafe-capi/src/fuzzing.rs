@@ -1,0 +1,209 @@
+//! Shared by the cargo-fuzz targets (tests/fuzz, nightly, run by hand) and
+//! the property tests and corpus replay that run on stable in the test
+//! command: both feed arbitrary bytes to the functions below, which decode
+//! them into inputs and check invariants, panicking on a violation.
+//!
+//! Never called by the library itself; not part of the C ABI.
+
+use std::ffi::CStr;
+use std::os::raw::{c_int, c_void};
+
+use rdmasafe_core::cm::{copy_synthetic, EventType};
+use rdmasafe_core::sys::{rdma_cm_event, rdma_cm_id};
+
+use crate::*;
+
+/// Reads fixed-size values from arbitrary bytes; missing bytes read as 0.
+struct Bytes<'a>(&'a [u8]);
+
+impl Bytes<'_> {
+    fn take<const N: usize>(&mut self) -> [u8; N] {
+        let mut out = [0u8; N];
+        let n = N.min(self.0.len());
+        out[..n].copy_from_slice(&self.0[..n]);
+        self.0 = &self.0[n..];
+        out
+    }
+    fn u8(&mut self) -> u8 {
+        self.take::<1>()[0]
+    }
+    fn u32(&mut self) -> u32 {
+        u32::from_le_bytes(self.take())
+    }
+    fn i32(&mut self) -> i32 {
+        i32::from_le_bytes(self.take())
+    }
+    fn u64(&mut self) -> u64 {
+        u64::from_le_bytes(self.take())
+    }
+}
+
+/// Copies a synthetic `rdma_cm_event` built from `data` (random type,
+/// status, ids present or not, contexts, private data length and bytes, or
+/// a multicast context pointer) and checks the copy: fields equal, private
+/// data byte-identical and owned (the C view points into the copy), the
+/// multicast context kept as a value and never read, unknown types passed
+/// through; then hands it to C and frees it once (0) and twice (EINVAL).
+pub fn event_copy_case(data: &[u8]) {
+    let mut b = Bytes(data);
+    let flags = b.u8();
+    // Mostly known types, sometimes anything.
+    let raw_type = b.u32();
+    let event = if flags & 0x80 != 0 { raw_type } else { raw_type % 20 };
+    let status = b.i32();
+    let (ctx, listen_ctx) = (b.u64() as usize, b.u64() as usize);
+    let qp_type = b.u32() % 8;
+    let len = b.u8();
+    let mc_ptr = b.u64() as usize;
+    let mut src = [0u8; 256];
+    for v in src.iter_mut() {
+        *v = b.u8();
+    }
+
+    // SAFETY: plain C data; zero is valid.
+    let mut id: rdma_cm_id = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let mut listen: rdma_cm_id = unsafe { std::mem::zeroed() };
+    id.context = ctx as *mut c_void;
+    id.qp_type = qp_type;
+    listen.context = listen_ctx as *mut c_void;
+    // SAFETY: as above.
+    let mut ev: rdma_cm_event = unsafe { std::mem::zeroed() };
+    ev.event = event;
+    ev.status = status;
+    if flags & 1 != 0 {
+        ev.id = &mut id;
+    }
+    if flags & 2 != 0 {
+        ev.listen_id = &mut listen;
+    }
+    let multicast = matches!(EventType(event), EventType::MULTICAST_JOIN | EventType::MULTICAST_ERROR);
+    let with_data = flags & 4 != 0;
+    if multicast {
+        // The app's context pointer: must be kept as a value, never read.
+        ev.param.ud.private_data = mc_ptr as *const c_void;
+    } else if with_data {
+        ev.param.conn.private_data = src.as_ptr().cast();
+    }
+    ev.param.conn.private_data_len = len;
+
+    // SAFETY: ids are NULL or live locals; private data (when not multicast)
+    // is readable for len bytes (src has 256).
+    let copy = unsafe { copy_synthetic(&ev) };
+    let want = src;
+    let flip = !src[0];
+    src.fill(flip); // the source changes after the copy
+
+    assert_eq!(copy.event_type().0, event);
+    assert_eq!(copy.status(), status);
+    assert_eq!(copy.context(), if flags & 1 != 0 { ctx } else { 0 });
+    assert_eq!(copy.listen_context(), if flags & 2 != 0 { listen_ctx } else { 0 });
+    let c_view = copy.as_raw();
+    // SAFETY: reading pointer values out of a union of plain data.
+    let c_ptr = unsafe { c_view.param.conn.private_data } as usize;
+    if multicast {
+        assert_eq!(copy.multicast_context(), Some(mc_ptr as *mut c_void));
+        assert!(copy.private_data().is_empty());
+        assert_eq!(c_ptr, mc_ptr, "multicast context unchanged in the C view");
+    } else if with_data {
+        assert_eq!(copy.private_data(), &want[..len as usize], "private data byte-identical");
+        assert_eq!(c_ptr, copy.private_data().as_ptr() as usize, "C view points into the copy");
+    } else {
+        assert!(copy.private_data().is_empty());
+        assert_eq!(c_ptr, 0);
+    }
+    // Name of any type: a static C string, never NULL.
+    let name = crate::rdmasafe_event_str(event as c_int);
+    // SAFETY: rdmasafe_event_str returns a static NUL-terminated string.
+    assert!(unsafe { CStr::from_ptr(name) }.to_bytes().starts_with(b"RDMA_CM_EVENT_"));
+
+    let p = crate::cm::hand_out(copy);
+    // SAFETY: p was handed out just above; freeing twice is the point.
+    unsafe {
+        assert_eq!(rdmasafe_event_free(p), 0);
+        assert_eq!(rdmasafe_event_free(p), -1);
+    }
+    assert_eq!(rdmasafe_core::sys::errno(), libc::EINVAL);
+}
+
+/// Calls one exported function chosen by `data` with arguments from `data`
+/// (NULL pointers, pointers rdmasafe never handed out, out-of-range counts,
+/// modes, timeouts and levels) and checks it returns the documented error.
+/// Pointers that the contract says must be valid when non-NULL (channels,
+/// contexts) are only ever NULL here; handle-like pointers (events, loops)
+/// are arbitrary, since rdmasafe looks them up before touching them.
+pub fn c_args_case(data: &[u8]) {
+    let mut b = Bytes(data);
+    let which = b.u8() % 14;
+    let (i, j) = (b.i32(), b.i32());
+    let wild = (b.u64() as usize | 1) as *mut u8; // never NULL, never handed out
+    let einval_errno = |r: c_int| {
+        assert_eq!(r, -1);
+        assert_eq!(rdmasafe_core::sys::errno(), libc::EINVAL);
+    };
+    let mut ev: *mut rdma_sys::rdma_cm_event = std::ptr::null_mut();
+    // SAFETY: every call below passes NULL or a pointer the function looks
+    // up before use, as documented in the header.
+    unsafe {
+        match which {
+            0 => einval_errno(rdmasafe_event_free(wild.cast())),
+            1 => einval_errno(rdmasafe_get_event(std::ptr::null_mut(), &mut ev)),
+            2 => einval_errno(rdmasafe_get_event_timeout(std::ptr::null_mut(), &mut ev, i)),
+            3 => {
+                // Scalars are checked before the channel is touched, so a
+                // bad max / timeout is EINVAL even with a wild channel.
+                if j < 1 || i < -1 {
+                    einval_errno(rdmasafe_get_events(wild.cast(), &mut ev, j, i));
+                } else {
+                    einval_errno(rdmasafe_get_events(std::ptr::null_mut(), &mut ev, j, i));
+                }
+            }
+            4 => assert_eq!(rdmasafe_cq_loop_run(wild.cast()), -libc::EINVAL),
+            5 => assert_eq!(rdmasafe_cq_loop_run_once(wild.cast(), i), -libc::EINVAL),
+            6 => assert_eq!(rdmasafe_cq_loop_stop(wild.cast()), -libc::EINVAL),
+            7 => assert_eq!(rdmasafe_cq_loop_destroy(wild.cast()), -libc::EINVAL),
+            8 => {
+                let opts = rdmasafe_cq_loop_options {
+                    mode: i,
+                    poll_batch: j,
+                    ack_batch: b.i32(),
+                    adaptive_spin_us: b.i32(),
+                    watchdog_ms: b.i32(),
+                    solicited_only: b.i32(),
+                };
+                let mut out = std::ptr::null_mut();
+                assert_eq!(rdmasafe_cq_loop_create(std::ptr::null_mut(), &opts, &mut out), -libc::EINVAL);
+                assert!(out.is_null());
+            }
+            9 => {
+                let r = rdmasafe_cm_reserve(i);
+                if i < 0 {
+                    assert_eq!(r, -libc::EINVAL);
+                } else {
+                    assert!((0..=4096).contains(&r), "reserve({i}) -> {r}");
+                }
+            }
+            10 => {
+                let s = CStr::from_ptr(rdmasafe_async_event_str(i as u32));
+                assert!(s.to_bytes().starts_with(b"IBV_EVENT_"));
+            }
+            11 => {
+                let r = rdmasafe_set_log_level(i);
+                assert_eq!(r, if (0..=5).contains(&i) { 0 } else { -libc::EINVAL });
+                rdmasafe_set_log_level(0);
+            }
+            12 => {
+                let mut a = std::mem::zeroed();
+                assert_eq!(rdmasafe_async_get(std::ptr::null_mut(), &mut a, i), -libc::EINVAL);
+            }
+            _ => {
+                let mut s = rdmasafe_cq_loop_stats::default();
+                assert_eq!(rdmasafe_cq_loop_stats(wild.cast(), &mut s), -libc::EINVAL);
+                assert_eq!(
+                    rdmasafe_cq_loop_add_cq(wild.cast(), std::ptr::null_mut(), None, std::ptr::null_mut()),
+                    -libc::EINVAL
+                );
+            }
+        }
+    }
+}
