@@ -20,4 +20,6 @@ step "cargo test (rxe_* in the Soft-RoCE guest)"
 cargo test --locked --workspace --all-targets
 step "doc tests"
 cargo test --locked --workspace --doc
+step "loom: every interleaving of the work queue's sleep/wake protocol"
+RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --locked --release -p rdmasafe-core --lib loom_tests
 step "all tests passed"

@@ -328,6 +328,40 @@ mod tests {
         assert_eq!(errno(), libc::EINVAL);
     }
 
+    /// Many threads handing out and freeing copies at once, with foreign
+    /// and double frees mixed in: every free of a live copy succeeds once,
+    /// everything else is EINVAL.
+    #[test]
+    fn concurrent_get_free_and_bad_frees() {
+        let threads: Vec<_> = (0..8)
+            .map(|t| {
+                std::thread::spawn(move || {
+                    let mut bogus = [0u64; 8];
+                    for i in 0..5_000u32 {
+                        // SAFETY: a zeroed event has no pointers to follow.
+                        let mut raw: rdma_cm_event = unsafe { std::mem::zeroed() };
+                        raw.status = (t * 100_000 + i) as i32;
+                        // SAFETY: as above.
+                        let p = hand_out(unsafe { rdmasafe_core::cm::copy_synthetic(&raw) });
+                        // SAFETY: p is a live copy; the status is readable.
+                        assert_eq!(unsafe { (*p).status }, (t * 100_000 + i) as i32);
+                        // SAFETY: frees go through the live-set check.
+                        unsafe {
+                            assert_eq!(rdmasafe_event_free(bogus.as_mut_ptr().cast()), -1);
+                            assert_eq!(rdmasafe_event_free(p), 0);
+                            if i % 7 == 0 {
+                                assert_eq!(rdmasafe_event_free(p), -1);
+                            }
+                        }
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+    }
+
     #[test]
     fn huge_reserve_is_capped_not_an_abort() {
         let n = rdmasafe_cm_reserve(c_int::MAX);

@@ -325,3 +325,46 @@ fn dispatcher_stops_when_idle_and_from_its_callback() {
     assert_eq!(d.stats().events, 1);
     d.stop().unwrap();
 }
+
+/// Eight threads getting from one channel at once: 2000 events, each
+/// delivered to exactly one thread, none lost.
+#[test]
+fn eight_threads_share_one_channel() {
+    use std::collections::HashSet;
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    use std::sync::{Arc, Mutex};
+    let bed = common::bed();
+    let _dog = common::watchdog("eight getters", Duration::from_secs(300));
+    let ch = EventChannel::new().unwrap();
+    let ids: Vec<_> = (0..2000).map(|_| ch.create_id(PortSpace::Tcp).unwrap()).collect();
+    let seen: Arc<Mutex<Vec<u64>>> = Arc::default();
+    let count = Arc::new(AtomicUsize::new(0));
+    let threads: Vec<_> = (0..8)
+        .map(|_| {
+            let (ch, seen, count) = (ch.clone(), seen.clone(), count.clone());
+            std::thread::spawn(move || {
+                let mut mine = 0;
+                while count.load(SeqCst) < 2000 {
+                    if let Ok(ev) = ch.get_timeout(Duration::from_millis(50)) {
+                        assert_eq!(ev.event_type(), E::ADDR_RESOLVED);
+                        seen.lock().unwrap().push(ev.token().unwrap().get());
+                        count.fetch_add(1, SeqCst);
+                        mine += 1;
+                    }
+                }
+                mine
+            })
+        })
+        .collect();
+    for id in &ids {
+        id.resolve_addr(None, (bed.addr, 4791).into(), Duration::from_secs(5)).unwrap();
+    }
+    let per_thread: Vec<usize> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    let seen = seen.lock().unwrap();
+    let unique: HashSet<_> = seen.iter().collect();
+    println!("8 getters on one channel: {per_thread:?}");
+    assert_eq!(seen.len(), 2000, "every event delivered");
+    assert_eq!(unique.len(), 2000, "each exactly once");
+    let want: HashSet<u64> = ids.iter().map(|i| i.token().get()).collect();
+    assert_eq!(unique.into_iter().copied().collect::<HashSet<_>>(), want);
+}

@@ -13,12 +13,64 @@
 //!   eventfd, and [`Dispatcher::stop`] (or a [`StopHandle`], also usable
 //!   from inside the callback) writes the eventfd.
 
-use std::sync::atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering::*};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering::*};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crossbeam_queue::ArrayQueue;
+use sync::{fence, ArrayQueue, AtomicBool, AtomicUsize, Condvar, Mutex};
+
+/// The primitives of the queue's sleep/wake protocol. Under `--cfg loom`
+/// they are loom's, and the lock-free queue is replaced by a linearizable
+/// model, so loom explores every interleaving of the protocol and reports a
+/// lost wakeup as a deadlock (see `loom_tests`).
+#[cfg(not(loom))]
+mod sync {
+    pub(super) use crossbeam_queue::ArrayQueue;
+    pub(super) use std::sync::atomic::{fence, AtomicBool, AtomicUsize};
+    pub(super) use std::sync::{Condvar, Mutex};
+}
+
+#[cfg(loom)]
+mod sync {
+    pub(super) use loom::sync::atomic::{fence, AtomicBool, AtomicUsize};
+    pub(super) use loom::sync::{Condvar, Mutex};
+
+    /// Model of crossbeam's ArrayQueue: each operation is atomic.
+    pub(super) struct ArrayQueue<T> {
+        q: Mutex<std::collections::VecDeque<T>>,
+        cap: usize,
+    }
+
+    impl<T> ArrayQueue<T> {
+        pub(super) fn new(cap: usize) -> Self {
+            ArrayQueue { q: Mutex::new(Default::default()), cap }
+        }
+        pub(super) fn push(&self, v: T) -> Result<(), T> {
+            let mut q = self.q.lock().unwrap();
+            if q.len() == self.cap {
+                return Err(v);
+            }
+            q.push_back(v);
+            Ok(())
+        }
+        pub(super) fn pop(&self) -> Option<T> {
+            self.q.lock().unwrap().pop_front()
+        }
+        pub(super) fn len(&self) -> usize {
+            self.q.lock().unwrap().len()
+        }
+        pub(super) fn is_empty(&self) -> bool {
+            self.len() == 0
+        }
+        pub(super) fn is_full(&self) -> bool {
+            self.len() == self.cap
+        }
+        pub(super) fn capacity(&self) -> usize {
+            self.cap
+        }
+    }
+}
 
 use super::{CmEvent, EventChannel};
 use crate::sys::{self, Wait, WakeFd};
@@ -172,7 +224,7 @@ pub struct DispatcherStats {
 
 #[derive(Default)]
 struct Shared {
-    stop: AtomicBool,
+    stop: std::sync::atomic::AtomicBool,
     wakeups: AtomicU64,
     events: AtomicU64,
     max_batch: AtomicU64,
@@ -372,5 +424,62 @@ mod tests {
         assert_eq!(q.pop_timeout(Duration::from_secs(30)).unwrap().status(), 1);
         assert!(t.join().unwrap(), "producer got room after the pop");
         assert_eq!(q.try_pop().unwrap().status(), 2);
+    }
+}
+
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+    use crate::cm::copy_synthetic;
+
+    fn ev(n: i32) -> CmEvent {
+        // SAFETY: a zeroed event has no pointers to follow.
+        let mut raw: crate::sys::rdma_cm_event = unsafe { std::mem::zeroed() };
+        raw.status = n;
+        // SAFETY: as above.
+        unsafe { copy_synthetic(&raw) }
+    }
+
+    /// A consumer that finds the queue empty and sleeps is always woken by
+    /// a push (no lost wakeup in any interleaving).
+    #[test]
+    fn sleeping_consumer_is_woken_by_a_push() {
+        loom::model(|| {
+            let q = WorkQueue::new(1);
+            let q2 = q.clone();
+            let t = loom::thread::spawn(move || q2.pop_timeout(Duration::from_secs(3600)).map(|e| e.status()));
+            let waits = AtomicU64::new(0);
+            assert!(q.push_wait(ev(1), &|| false, &waits).is_ok());
+            assert_eq!(t.join().unwrap(), Some(1));
+        });
+    }
+
+    /// A producer that finds the queue full and sleeps is always woken by a
+    /// pop, and FIFO order holds.
+    #[test]
+    fn sleeping_producer_is_woken_by_a_pop() {
+        loom::model(|| {
+            let q = WorkQueue::new(1);
+            let waits = Arc::new(AtomicU64::new(0));
+            assert!(q.push_wait(ev(1), &|| false, &waits).is_ok());
+            let (q2, w2) = (q.clone(), waits.clone());
+            let t = loom::thread::spawn(move || q2.push_wait(ev(2), &|| false, &w2).is_ok());
+            let a = q.pop_timeout(Duration::from_secs(3600)).map(|e| e.status());
+            let b = q.pop_timeout(Duration::from_secs(3600)).map(|e| e.status());
+            assert!(t.join().unwrap());
+            assert_eq!((a, b), (Some(1), Some(2)));
+        });
+    }
+
+    /// close() wakes a sleeping consumer, which then returns None.
+    #[test]
+    fn close_wakes_a_sleeping_consumer() {
+        loom::model(|| {
+            let q = WorkQueue::new(1);
+            let q2 = q.clone();
+            let t = loom::thread::spawn(move || q2.pop_timeout(Duration::from_secs(3600)).is_none());
+            q.close();
+            assert!(t.join().unwrap());
+        });
     }
 }
