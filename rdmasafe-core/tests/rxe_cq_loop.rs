@@ -390,3 +390,39 @@ fn spawned_loop_pinned_to_a_cpu() {
     // No NUMA node for Soft-RoCE: the NUMA helper says so instead of guessing.
     assert_eq!(rdmasafe_core::sys::device_numa_cpus(&bed.device), None);
 }
+
+/// A CQ removed while armed: the event its next completion raises is read
+/// by the loop (it shares the channel) and acked at once, so the CQ's
+/// destroy returns; the loop's other CQs carry on. Also: a loop spawned
+/// "near" a device without a NUMA node runs unpinned.
+#[test]
+fn event_for_a_removed_cq_is_acked_and_its_destroy_returns() {
+    let bed = common::bed();
+    let _dog = common::watchdog("removed CQ destroy", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(ctx).unwrap();
+    let p = Arc::new(rc_pair(bed.addr, &chan, true, 8));
+    let other = Cq::new(ctx, 4, Some(&chan)).unwrap();
+    let mut lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    lp.add_cq(&p.server_cq, |_, _| panic!("removed CQ's handler must not run")).unwrap();
+    lp.add_cq(&other, |_, _| {}).unwrap();
+    lp.process_once(Wait::None).unwrap(); // arms both
+    lp.remove_cq(p.server_cq.raw()).unwrap();
+    // A completion on the removed (still armed) CQ raises an event.
+    p.server.post_recv(&p.server_mr, 0, SLOT as u32, 5).unwrap();
+    p.client.post_send(&p.client_mr, 0, 8, 5).unwrap();
+    let before = lp.stats();
+    let start = std::time::Instant::now();
+    while lp.stats().cq_events == before.cq_events {
+        assert!(start.elapsed() < Duration::from_secs(60), "the removed CQ's event reached the channel");
+        lp.process_once(Wait::For(Duration::from_millis(100))).unwrap();
+    }
+    let s = lp.stats();
+    assert_eq!(s.unacked_now, 0, "acked at once");
+    assert_eq!(s.completions, before.completions, "nothing delivered for a removed CQ");
+    let (t, cpu) = lp.spawn_near(ctx).unwrap();
+    assert_eq!(cpu, None, "Soft-RoCE has no NUMA node: unpinned");
+    drop(t.stop().unwrap());
+    // Destroying the removed CQ returns (the watchdog turns a hang into a failure).
+    drop(p);
+}

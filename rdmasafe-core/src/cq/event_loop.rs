@@ -819,6 +819,15 @@ impl CqLoop {
         Ok(LoopThread { ctl, thread: t })
     }
 
+    /// Like [`CqLoop::spawn`], pinned to the first CPU of the NUMA node the
+    /// device `ctx` sits on; unpinned when the device reports no node
+    /// (Soft-RoCE, single-node machines). Returns the thread and the CPU
+    /// chosen.
+    pub fn spawn_near(self, ctx: crate::verbs::DeviceContext) -> Result<(LoopThread, Option<usize>)> {
+        let cpu = sys::device_numa_cpus(&ctx.name()).and_then(|c| c.first().copied());
+        Ok((self.spawn(cpu)?, cpu))
+    }
+
     /// Drains a QP before teardown, like the kernel's `ib_drain_qp`: moves
     /// it to the error state, posts a marker on its send queue
     /// ([`DRAIN_SEND_WR_ID`]) and, unless `srq`, on its receive queue
