@@ -18,6 +18,8 @@ step "cargo clippy -D warnings"
 cargo clippy --locked --workspace --all-targets -q -- -D warnings
 step "cargo test (rxe_* in the Soft-RoCE guest)"
 cargo test --locked --workspace --all-targets
+step "rustdoc (warnings are errors)"
+RUSTDOCFLAGS="-D warnings" cargo doc --locked --no-deps -q -p rdmasafe-core -p rdmasafe-capi
 step "doc tests"
 cargo test --locked --workspace --doc
 step "loom: every interleaving of the work queue's sleep/wake protocol"

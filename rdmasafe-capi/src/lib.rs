@@ -2,7 +2,7 @@
 //! `include/rdmasafe.h`).
 //!
 //! A thin layer over `rdmasafe-core`: argument checks, the panic boundary
-//! ([`guard`]) that every export goes through, and the mapping from Rust
+//! (`guard`) that every export goes through, and the mapping from Rust
 //! errors to the two C conventions (librdmacm's -1/errno for the drop-in CM
 //! calls, a negative errno return for everything else).
 
