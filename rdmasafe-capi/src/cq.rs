@@ -10,8 +10,8 @@ use std::collections::HashMap;
 use std::os::fd::AsRawFd;
 use std::os::raw::{c_char, c_int, c_void};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
-use std::sync::{Arc, Mutex, OnceLock, TryLockError};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering::SeqCst};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use rdmasafe_core::cq::{
@@ -99,13 +99,22 @@ pub struct rdmasafe_cq_loop_stats {
 
 /// A CQ loop (opaque).
 pub struct rdmasafe_cq_loop {
-    inner: Mutex<CqLoop>,
+    /// The loop; `None` once destroyed.
+    inner: Mutex<Option<CqLoop>>,
     ctl: LoopControl,
+    /// IDLE, RUNNING (run / run_once / drain: may block), SHORT (add,
+    /// remove, keepalive, destroy: brief), or DEAD.
+    state: AtomicU8,
     /// Id of the thread running the loop now, 0 if none.
     runner: AtomicU64,
     /// The channel's fd (fixed for the loop's life; readable without the lock).
     fd: c_int,
 }
+
+const IDLE: u8 = 0;
+const RUNNING: u8 = 1;
+const SHORT: u8 = 2;
+const DEAD: u8 = 3;
 
 fn thread_tag() -> u64 {
     // SAFETY: pthread_self has no preconditions.
@@ -123,17 +132,47 @@ fn lookup(l: *mut rdmasafe_cq_loop) -> Result<Arc<rdmasafe_cq_loop>, c_int> {
     loops().lock().unwrap_or_else(|e| e.into_inner()).get(&(l as usize)).cloned().ok_or(-libc::EINVAL)
 }
 
-/// Locks the loop for a call that needs it idle: -EDEADLK from inside one
-/// of its callbacks, -EBUSY while another thread runs it.
-fn idle(h: &rdmasafe_cq_loop) -> Result<std::sync::MutexGuard<'_, CqLoop>, c_int> {
+/// Exclusive use of an idle loop; gives the state back when dropped.
+struct Entered<'a> {
+    h: &'a rdmasafe_cq_loop,
+    guard: std::sync::MutexGuard<'a, Option<CqLoop>>,
+    release_to: u8,
+}
+
+impl Entered<'_> {
+    fn lp(&mut self) -> &mut CqLoop {
+        self.guard.as_mut().expect("entered loops are not destroyed")
+    }
+}
+
+impl Drop for Entered<'_> {
+    fn drop(&mut self) {
+        self.h.state.store(self.release_to, SeqCst);
+    }
+}
+
+/// Takes the loop for an operation of `kind` (RUNNING or SHORT):
+/// -EDEADLK from inside one of its callbacks, -EBUSY while another thread
+/// runs it, -EINVAL once destroyed. A brief operation of another thread is
+/// waited for, never reported as busy.
+fn enter(h: &rdmasafe_cq_loop, kind: u8) -> Result<Entered<'_>, c_int> {
     if h.runner.load(SeqCst) == thread_tag() {
         return Err(-libc::EDEADLK);
     }
-    match h.inner.try_lock() {
-        Ok(g) => Ok(g),
-        Err(TryLockError::Poisoned(p)) => Ok(p.into_inner()),
-        Err(TryLockError::WouldBlock) => Err(-libc::EBUSY),
+    loop {
+        match h.state.compare_exchange(IDLE, kind, SeqCst, SeqCst) {
+            Ok(_) => break,
+            Err(RUNNING) => return Err(-libc::EBUSY),
+            Err(DEAD) => return Err(-libc::EINVAL),
+            Err(_) => std::thread::yield_now(),
+        }
     }
+    let guard = h.inner.lock().unwrap_or_else(|e| e.into_inner());
+    if guard.is_none() {
+        h.state.store(DEAD, SeqCst);
+        return Err(-libc::EINVAL);
+    }
+    Ok(Entered { h, guard, release_to: IDLE })
 }
 
 fn options(o: Option<&rdmasafe_cq_loop_options>) -> Result<LoopOptions, c_int> {
@@ -194,7 +233,13 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_create(
             Err(e) => return neg(e),
         };
         let fd = l.as_raw_fd();
-        let h = Arc::new(rdmasafe_cq_loop { ctl: l.control(), inner: Mutex::new(l), runner: AtomicU64::new(0), fd });
+        let h = Arc::new(rdmasafe_cq_loop {
+            ctl: l.control(),
+            inner: Mutex::new(Some(l)),
+            state: AtomicU8::new(IDLE),
+            runner: AtomicU64::new(0),
+            fd,
+        });
         let p = Arc::as_ptr(&h) as *mut rdmasafe_cq_loop;
         loops().lock().unwrap_or_else(|e| e.into_inner()).insert(p as usize, h);
         // SAFETY: out checked non-NULL.
@@ -236,10 +281,11 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_add_cq(
             Ok(h) => h,
             Err(e) => return e,
         };
-        let mut l = match idle(&h) {
-            Ok(l) => l,
-            Err(e) => return e,
+        let mut e = match enter(&h, SHORT) {
+            Ok(e) => e,
+            Err(err) => return err,
         };
+        let l = e.lp();
         let c = CCallback { f, ctx };
         let handler: cq::Handler = Box::new(move |wcs: &[ibv_wc], _ctl: &LoopControl| {
             let c = &c;
@@ -270,10 +316,11 @@ pub extern "C" fn rdmasafe_cq_loop_remove_cq(cq_loop: *mut rdmasafe_cq_loop, cq:
             Ok(h) => h,
             Err(e) => return e,
         };
-        let mut l = match idle(&h) {
-            Ok(l) => l,
-            Err(e) => return e,
+        let mut e = match enter(&h, SHORT) {
+            Ok(e) => e,
+            Err(err) => return err,
         };
+        let l = e.lp();
         match l.remove_cq(cq) {
             Ok(()) => 0,
             Err(e) => neg(e),
@@ -287,12 +334,12 @@ fn with_runner(cq_loop: *mut rdmasafe_cq_loop, f: impl FnOnce(&mut CqLoop) -> c_
         Ok(h) => h,
         Err(e) => return e,
     };
-    let mut l = match idle(&h) {
-        Ok(l) => l,
-        Err(e) => return e,
+    let mut e = match enter(&h, RUNNING) {
+        Ok(e) => e,
+        Err(err) => return err,
     };
     h.runner.store(thread_tag(), SeqCst);
-    let r = f(&mut l);
+    let r = f(e.lp());
     h.runner.store(0, SeqCst);
     r
 }
@@ -496,10 +543,11 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_add_keepalive(
             Ok(h) => h,
             Err(e) => return e,
         };
-        let mut l = match idle(&h) {
-            Ok(l) => l,
-            Err(e) => return e,
+        let mut e = match enter(&h, SHORT) {
+            Ok(e) => e,
+            Err(err) => return err,
         };
+        let l = e.lp();
         let cfg = Keepalive {
             period: Duration::from_millis(period_ms as u64),
             bound: Duration::from_millis(bound_ms as u64),
@@ -534,10 +582,11 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_remove_keepalive(cq_loop: *mut rdmasaf
             Ok(h) => h,
             Err(e) => return e,
         };
-        let mut l = match idle(&h) {
-            Ok(l) => l,
-            Err(e) => return e,
+        let mut e = match enter(&h, SHORT) {
+            Ok(e) => e,
+            Err(err) => return err,
         };
+        let l = e.lp();
         // SAFETY: live QP (caller).
         let qpn = unsafe { (*qp).qp_num };
         match l.remove_keepalive(qpn) {
@@ -560,13 +609,16 @@ pub extern "C" fn rdmasafe_cq_loop_destroy(cq_loop: *mut rdmasafe_cq_loop) -> c_
             Ok(h) => h,
             Err(e) => return e,
         };
-        if let Err(e) = idle(&h) {
-            return e;
-        }
+        let mut e = match enter(&h, SHORT) {
+            Ok(e) => e,
+            Err(err) => return err,
+        };
+        // Out of the registry first (new calls get EINVAL), then the loop
+        // is dropped here, on this thread: its acks are done when this
+        // returns. Calls that looked the handle up earlier find it DEAD.
         loops().lock().unwrap_or_else(|e| e.into_inner()).remove(&(cq_loop as usize));
-        // The last Arc drops here (no other call holds one: the loop is
-        // idle and out of the registry), and with it the loop, which acks.
-        drop(h);
+        e.release_to = DEAD;
+        drop(e.guard.take());
         0
     })
 }

@@ -174,6 +174,12 @@ fn registry() -> &'static Mutex<HashSet<usize>> {
     R.get_or_init(Default::default)
 }
 
+/// Completion channels that have a loop: a channel has one reader.
+fn channels() -> &'static Mutex<HashSet<usize>> {
+    static C: OnceLock<Mutex<HashSet<usize>>> = OnceLock::new();
+    C.get_or_init(Default::default)
+}
+
 /// Markers of a drain in progress: (qp_num, send seen, recv seen).
 struct DrainWatch {
     qp_num: u32,
@@ -222,6 +228,20 @@ impl CqLoop {
     /// `chan` must be a live completion channel that outlives the loop.
     pub unsafe fn from_raw(chan: NonNull<ibv_comp_channel>, opts: LoopOptions) -> Result<CqLoop> {
         opts.check()?;
+        if !channels().lock().unwrap_or_else(|e| e.into_inner()).insert(chan.as_ptr() as usize) {
+            return Err(Error::new("rdmasafe_cq_loop_create: the channel already has a loop", libc::EBUSY));
+        }
+        // SAFETY: forwarded contract.
+        let l = unsafe { Self::from_raw_registered(chan, opts) };
+        if l.is_err() {
+            channels().lock().unwrap_or_else(|e| e.into_inner()).remove(&(chan.as_ptr() as usize));
+        }
+        l
+    }
+
+    /// # Safety
+    /// As for `from_raw`; the channel is registered already.
+    unsafe fn from_raw_registered(chan: NonNull<ibv_comp_channel>, opts: LoopOptions) -> Result<CqLoop> {
         // SAFETY: chan is live (caller's contract).
         let fd = unsafe { (*chan.as_ptr()).fd };
         sys::set_nonblocking(fd).map_err(|e| io_err("fcntl", e))?;
@@ -513,10 +533,19 @@ impl CqLoop {
     /// number of completions delivered (0 on timeout or stop). For
     /// embedding in the app's own epoll: watch the completion channel's fd
     /// and call `process_once(Wait::None)` when it is readable (event mode).
+    ///
+    /// A stop requested while the app drives the loop this way ends the
+    /// call at once: this call returns 0 with every ack flushed and the
+    /// request consumed, and the next call runs normally.
     pub fn process_once(&mut self, wait: Wait) -> Result<usize> {
         if self.ctl.0.stop.load(SeqCst) {
+            self.finish_stop();
             return Ok(0);
         }
+        self.cycle(wait)
+    }
+
+    fn cycle(&mut self, wait: Wait) -> Result<usize> {
         let n = match self.opts.mode {
             Mode::Event => self.event_cycle(wait),
             Mode::BusyPoll => self.poll_cycle(wait, None),
@@ -607,9 +636,13 @@ impl CqLoop {
             if n > 0 || self.polling_since.is_some() {
                 return Ok(n);
             }
-            // Idle for `spin`: go to sleep. Arm everything again below.
+            // Idle for `spin`: go to sleep. Events raised while we polled
+            // are for completions already delivered: read and count them
+            // now (no empty wakeup later), then arm everything again below.
+            self.read_events()?;
             for e in &mut self.entries {
                 e.armed = false;
+                e.fired = false;
             }
         }
         let t0 = Instant::now();
@@ -784,7 +817,7 @@ impl CqLoop {
     pub fn run(&mut self) -> Result<()> {
         let r = (|| {
             while !self.ctl.0.stop.load(SeqCst) {
-                self.process_once(Wait::Forever)?;
+                self.cycle(Wait::Forever)?;
             }
             Ok(())
         })();
@@ -796,6 +829,9 @@ impl CqLoop {
     /// completions left in a CQ at stop are delivered then) and clears the
     /// stop request.
     fn finish_stop(&mut self) {
+        // The stop's wakeup may not have been read (the loop was not in
+        // poll()): consume it so the next wait is not cut short.
+        self.ctl.0.wake.drain();
         self.flush_acks();
         for e in &mut self.entries {
             e.armed = false;
@@ -896,6 +932,7 @@ impl Drop for CqLoop {
         for e in &self.entries {
             reg.remove(&(e.cq.as_ptr() as usize));
         }
+        channels().lock().unwrap_or_else(|e| e.into_inner()).remove(&(self.chan.as_ptr() as usize));
     }
 }
 
