@@ -15,6 +15,8 @@ pkgs=(
   rdma-core ibverbs-providers libibverbs1 librdmacm1 iproute2
   # stock peers for the bed check and interop tests
   ibverbs-utils rdmacm-utils perftest
+  # examples-c/mpi_ring (mpicc, mpirun) in the C programs test
+  openmpi-bin libopenmpi-dev
   # the test bed: QEMU guest with Debian's stock kernel
   qemu-system-x86 busybox-static kmod cpio xz-utils python3
 )

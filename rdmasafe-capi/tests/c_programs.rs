@@ -9,7 +9,15 @@
 //!    processes (one with `-n 4`, four single ones);
 //! 3. `messenger_server` stopped by SIGTERM with 2 held connections;
 //! 4. `rdmasafe_rdma_server` with rdma-core's stock `rdma_client`;
-//! 5. the stock `rdma_server` with `rdmasafe_rdma_client`.
+//! 5. the stock `rdma_server` with `rdmasafe_rdma_client`;
+//! 6. `cq_loop_test`: the CQ loop C API (handle and argument errors,
+//!    -EBUSY while another thread runs it, -EDEADLK from a callback), 2000
+//!    messages each way in event / busy-poll / adaptive mode with every
+//!    completion once and in order, stop from another thread and run
+//!    again, acks at stop, drain, ibv_destroy_cq after the loop's destroy;
+//! 7. `mpi_ring` under Open MPI's mpirun: 4 ranks connected in a ring with
+//!    rdmasafe_get_event, a token 100 times around in event and in adaptive
+//!    mode, clean teardown (needs mpicc/mpirun: openmpi-bin, libopenmpi-dev).
 //!
 //! Asserts on every exit status and on the output (what each side saw).
 //! This binary runs on the host (its name does not start with `rxe_`); it
@@ -81,8 +89,19 @@ fn build_c_programs(profile: &Path, bin: &Path) {
                 .arg(format!("OUT={}", bin.display())),
         );
     }
-    for p in ["cm_capi_test", "messenger_server", "messenger_client", "rdmasafe_rdma_server", "rdmasafe_rdma_client"] {
-        assert!(bin.join(p).exists(), "make did not produce {p}");
+    for p in [
+        "cm_capi_test",
+        "cq_loop_test",
+        "messenger_server",
+        "messenger_client",
+        "rdmasafe_rdma_server",
+        "rdmasafe_rdma_client",
+        "mpi_ring",
+    ] {
+        assert!(
+            bin.join(p).exists(),
+            "make did not produce {p} (mpi_ring needs mpicc: apt-get install openmpi-bin libopenmpi-dev)"
+        );
     }
 }
 
@@ -355,6 +374,185 @@ fn check_interop(c: &mut Checks, runs: &BTreeMap<String, Block>) {
     c.that(ours.has("rdmasafe_rdma_client: counters copied=4 freed=4 outstanding=0"), "rdmasafe_rdma_client counters");
 }
 
+/// Messages each way per mode that run-in-guest.sh gives cq_loop_test (-n).
+const CQ_LOOP_MESSAGES: u64 = 2000;
+/// Messages each way of cq_loop_test's lockstep (window 1) runs (its default).
+const CQ_LOOP_LOCKSTEP: u64 = 200;
+/// Ranks and token trips of the mpi_ring run (mpirun -np, mpi_ring -n).
+const MPI_RANKS: usize = 4;
+const MPI_TRIPS: u64 = 100;
+
+/// `key=value` fields of a figures line ("figures mode=event window=32 ...").
+fn kv(line: &str) -> BTreeMap<&str, &str> {
+    line.split_whitespace().filter_map(|w| w.split_once('=')).collect()
+}
+
+fn num(m: &BTreeMap<&str, &str>, key: &str) -> Option<f64> {
+    m.get(key).and_then(|v| v.parse().ok())
+}
+
+fn check_cq_loop_test(c: &mut Checks, b: &Block) {
+    let ok_lines = b.lines().filter(|l| l.starts_with("ok   ")).count();
+    let fail_lines: Vec<&str> = b.lines().filter(|l| l.starts_with("FAIL")).collect();
+    c.that(fail_lines.is_empty(), format!("cq_loop_test failures: {fail_lines:#?}"));
+    let last = b.lines().filter(|l| !l.trim().is_empty()).last().unwrap_or("");
+    c.that(
+        last == format!("cq_loop_test: {ok_lines} passed, 0 failed"),
+        format!("cq_loop_test final line {last:?} (counted {ok_lines} ok lines)"),
+    );
+    c.that(ok_lines >= 250, format!("cq_loop_test ran only {ok_lines} checks"));
+    let mut needles = vec![
+        "ok   NULL loop: rdmasafe_cq_loop_run -> -EINVAL".to_string(),
+        "ok   stack (foreign) loop: rdmasafe_cq_loop_add_cq -> -EINVAL".to_string(),
+        "ok   heap (foreign) loop: rdmasafe_cq_loop_destroy -> -EINVAL".to_string(),
+        "ok   destroyed loop: rdmasafe_cq_loop_stats -> -EINVAL".to_string(),
+        "ok   rdmasafe_cq_loop_destroy twice -> -EINVAL".to_string(),
+        "ok   rdmasafe_cq_loop_create(poll_batch 4097) -> -EINVAL, *out untouched".to_string(),
+        "ok   rdmasafe_cq_loop_create(ack_batch 65537) -> -EINVAL, *out untouched".to_string(),
+        "ok   rdmasafe_cq_loop_create(mode 3) -> -EINVAL, *out untouched".to_string(),
+        "ok   add_cq of a CQ created on ANOTHER comp channel -> -EINVAL".to_string(),
+        "ok   add_cq of a CQ created without a channel -> -EINVAL".to_string(),
+        "ok   a second loop on channel 1 -> -EBUSY".to_string(),
+        "ok   remove_cq of a CQ not in the loop -> -ENOENT".to_string(),
+        "ok   rdmasafe_cq_loop_run_once(timeout -2) -> -EINVAL".to_string(),
+        "ok   add_cq while another thread runs the loop -> -EBUSY".to_string(),
+        "ok   rdmasafe_cq_loop_destroy while another thread runs the loop -> -EBUSY".to_string(),
+        "ok   rdmasafe_cq_loop_destroy from inside its own callback -> -EDEADLK".to_string(),
+        "ok   rdmasafe_cq_loop_run from inside a callback -> -EDEADLK".to_string(),
+        "ok   rdmasafe_cq_loop_run_once(0) with nothing to do -> 0".to_string(),
+        "ok   rdmasafe_async_get(0) on a quiet device -> -EAGAIN".to_string(),
+        "ok   run_once: the fd never stayed quiet while work was outstanding (0 stalls)".to_string(),
+        "ok   client: rdmasafe_cq_loop_drain_qp -> 0".to_string(),
+        "ok   server: rdmasafe_cq_loop_drain_qp -> 0".to_string(),
+        "ok   client: both markers delivered (send wr_id UINT64_MAX: 1, recv wr_id UINT64_MAX-1: 1)".to_string(),
+        "ok   server: both markers delivered (send wr_id UINT64_MAX: 1, recv wr_id UINT64_MAX-1: 1)".to_string(),
+        "ok   client: the 64 posted receives flushed (IBV_WC_WR_FLUSH_ERR), in order, before the marker".to_string(),
+        "ok   server: the 64 posted receives flushed (IBV_WC_WR_FLUSH_ERR), in order, before the marker".to_string(),
+        "ok   ibv_destroy_cq returned 0 for all 5 CQs of the channel after the loops were destroyed".to_string(),
+    ];
+    let want = 4 * CQ_LOOP_MESSAGES;
+    for mode in ["event", "busy_poll", "adaptive"] {
+        let m = format!("{mode}/w32");
+        needles.push(format!("ok   {m}: stopped while traffic flowed"));
+        needles.push(format!("ok   {m}: after the stop unacked_now 0 "));
+        needles.push(format!("ok   {m}: rdmasafe_cq_loop_run again on the main thread -> 0"));
+        needles.push(format!(
+            "ok   {m}: every completion delivered exactly once, in wr_id order per QP and queue ({want} of {want})"
+        ));
+        needles.push(format!("ok   {m}: after the run unacked_now 0 "));
+        needles
+            .push(format!("ok   {mode}/w1: every completion delivered exactly once, in wr_id order per QP and queue"));
+    }
+    for needle in &needles {
+        c.that(b.has(needle), format!("cq_loop_test output lacks {needle:?}"));
+    }
+    // the per-mode figures: complete and consistent
+    for (mode, window, msgs) in [
+        ("event", 32, CQ_LOOP_MESSAGES),
+        ("busy_poll", 32, CQ_LOOP_MESSAGES),
+        ("adaptive", 32, CQ_LOOP_MESSAGES),
+        ("event", 1, CQ_LOOP_LOCKSTEP),
+        ("busy_poll", 1, CQ_LOOP_LOCKSTEP),
+        ("adaptive", 1, CQ_LOOP_LOCKSTEP),
+    ] {
+        let line = b.lines().find(|l| l.starts_with(&format!("figures mode={mode} window={window} ")));
+        if !c.that(line.is_some(), format!("cq_loop_test printed no figures for {mode} window {window}")) {
+            continue;
+        }
+        let line = line.unwrap();
+        println!("[c_programs] cq_loop_test {line}");
+        let f = kv(line);
+        c.that(num(&f, "messages") == Some((2 * msgs) as f64), format!("figures messages: {line}"));
+        c.that(num(&f, "completions") == Some((4 * msgs) as f64), format!("figures completions: {line}"));
+        let wakeups = num(&f, "wakeups").unwrap_or(0.0);
+        c.that(wakeups >= 1.0, format!("figures wakeups: {line}"));
+        for key in ["per_wakeup", "empty_wakeups", "cq_events", "ack_calls", "acks_per_cq_event", "arm_calls", "ms"] {
+            c.that(num(&f, key).is_some(), format!("figures lack a number for {key}: {line}"));
+        }
+        let (events, acks) = (num(&f, "cq_events").unwrap_or(-1.0), num(&f, "ack_calls").unwrap_or(-1.0));
+        if mode == "busy_poll" {
+            c.that(events == 0.0 && acks == 0.0, format!("busy_poll read CQ events: {line}"));
+        } else {
+            // batched acks: never more ack calls than events
+            c.that(acks <= events, format!("more ack calls than CQ events: {line}"));
+        }
+        if mode == "event" {
+            c.that(events >= 1.0 && acks >= 1.0, format!("event mode without CQ events / acks: {line}"));
+        }
+    }
+    for l in b.lines().filter(|l| {
+        l.starts_with("info stop requested")
+            || l.starts_with("info first run_once")
+            || l.starts_with("info run_once after a stop")
+    }) {
+        println!("[c_programs] cq_loop_test {l}");
+    }
+}
+
+fn check_mpi_ring(c: &mut Checks, b: &Block) {
+    let bad: Vec<&str> = b
+        .lines()
+        .filter(|l| l.contains("FAIL") || l.contains("FATAL") || l.contains("watchdog") || l.contains("rejecting"))
+        .collect();
+    c.that(bad.is_empty(), format!("mpi_ring reported failures: {bad:#?}"));
+    for rank in 0..MPI_RANKS {
+        let next = (rank + 1) % MPI_RANKS;
+        let prev = (rank + MPI_RANKS - 1) % MPI_RANKS;
+        c.that(
+            b.has(&format!("mpi_ring rank={rank}: connected to rank {next} (next) and from rank {prev} (prev)")),
+            format!("mpi_ring rank {rank} did not connect its ring neighbours"),
+        );
+        for mode in ["event", "adaptive"] {
+            let prefix = format!("mpi_ring rank={rank} size={MPI_RANKS} mode={mode} ");
+            let line = b.lines().find(|l| l.starts_with(&prefix));
+            if !c.that(line.is_some(), format!("mpi_ring rank {rank} printed no figures for {mode} mode")) {
+                continue;
+            }
+            let line = line.unwrap();
+            println!("[c_programs] {line}");
+            let f = kv(line);
+            let t = MPI_TRIPS as f64;
+            c.that(
+                num(&f, "trips") == Some(t) && num(&f, "tokens") == Some(t) && num(&f, "sends") == Some(t),
+                format!(
+                    "mpi_ring rank {rank} {mode}: every one of the {MPI_TRIPS} tokens received and sent on: {line}"
+                ),
+            );
+            c.that(
+                num(&f, "completions") == Some(2.0 * t),
+                format!("mpi_ring rank {rank} {mode}: completions: {line}"),
+            );
+            c.that(
+                num(&f, "unacked_now") == Some(0.0),
+                format!("mpi_ring rank {rank} {mode}: unacked after stop: {line}"),
+            );
+            for key in ["wakeups", "per_wakeup", "empty_wakeups", "cq_events", "ack_calls"] {
+                c.that(num(&f, key).is_some(), format!("mpi_ring rank {rank} {mode}: no {key}: {line}"));
+            }
+            c.that(num(&f, "wakeups").unwrap_or(0.0) >= 1.0, format!("mpi_ring rank {rank} {mode}: no wakeup: {line}"));
+        }
+        for needle in [
+            format!("mpi_ring rank={rank}: drained: next QP 2 markers, prev QP 4 flushed receives and 2 markers"),
+            format!("mpi_ring rank={rank}: done OK"),
+        ] {
+            c.that(b.has(&needle), format!("mpi_ring output lacks {needle:?}"));
+        }
+        let counters = b.line(&format!("mpi_ring rank={rank}: counters "));
+        c.that(
+            counters.is_some_and(|l| l.ends_with(" outstanding=0")),
+            format!("mpi_ring rank {rank}: CM copy counters {counters:?}"),
+        );
+    }
+    for mode in ["event", "adaptive"] {
+        let line = b.line(&format!(
+            "mpi_ring: mode={mode} token made {MPI_TRIPS} of {MPI_TRIPS} trips around {MPI_RANKS} ranks"
+        ));
+        if c.that(line.is_some(), format!("mpi_ring: the token did not make all its trips in {mode} mode")) {
+            println!("[c_programs] {}", line.unwrap());
+        }
+    }
+}
+
 #[test]
 fn c_programs_on_rdma() {
     let t0 = Instant::now();
@@ -406,6 +604,8 @@ fn c_programs_on_rdma() {
         "rdma_client",
         "rdma_server",
         "rdmasafe_rdma_client",
+        "cq_loop_test",
+        "mpi_ring",
     ]
     .into_iter()
     .map(String::from)
@@ -419,6 +619,8 @@ fn c_programs_on_rdma() {
     check_cm_capi_test(&mut c, runs.get("cm_capi_test").unwrap_or(&empty));
     check_messenger(&mut c, &runs);
     check_interop(&mut c, &runs);
+    check_cq_loop_test(&mut c, runs.get("cq_loop_test").unwrap_or(&empty));
+    check_mpi_ring(&mut c, runs.get("mpi_ring").unwrap_or(&empty));
 
     println!("[c_programs] {} expectations met, {} failed", c.passed, c.failures.len());
     assert!(

@@ -11,6 +11,9 @@
 #   3. messenger_server stopped by SIGTERM while 2 connections are held (-H)
 #   4. examples-c rdmasafe_rdma_server with the stock rdma_client
 #   5. the stock rdma_server with examples-c rdmasafe_rdma_client
+#   6. cq_loop_test (CQ loop C API: handles, 3 modes, stop/run, drain)
+#   7. examples-c mpi_ring: 4 MPI ranks (Open MPI's mpirun), token ring
+#      over RDMA in event and adaptive mode
 #
 # Each program's output is printed as one block:
 #   ==== BEGIN <label>
@@ -154,6 +157,33 @@ else
 	kill -TERM "${pid_of[rdma_server]}" 2>/dev/null
 fi
 finish rdma_server
+
+# 6. -----------------------------------------------------------------------
+scenario "cq_loop_test"
+run cq_loop_test "$bin/cq_loop_test" -n 2000
+
+# 7. -----------------------------------------------------------------------
+# MPI only bootstraps (ports via MPI_Allgather) and keeps phases in step;
+# its own traffic stays in shared memory (btl self,vader: no tcp btl on
+# dummy0, nothing of MPI's on rxe0) and its runtime's out-of-band channel
+# on lo. Open MPI 4.1 refuses a node name outside [A-Za-z0-9.-]; the
+# guest's kernel has none set ("(none)"), so mpirun then gets one in a UTS
+# namespace of its own.
+scenario "mpi_ring: 4 ranks, event and adaptive mode"
+mpi=(mpirun --allow-run-as-root --oversubscribe -np 4
+	--mca pml ob1 --mca btl self,vader --mca oob_tcp_if_include lo
+	"$bin/mpi_ring" -a "$addr" -n 100 -m both -t 50)
+if ! command -v mpirun >/dev/null || [[ ! -x $bin/mpi_ring ]]; then
+	echo "==== BEGIN mpi_ring"
+	echo "mpirun or $bin/mpi_ring missing (apt-get install openmpi-bin libopenmpi-dev)"
+	echo "==== END mpi_ring exit 127"
+	failed=$((failed + 1))
+elif [[ $(hostname) =~ ^[A-Za-z0-9.-]+$ ]]; then
+	run mpi_ring timeout -k 5 60 "${mpi[@]}"
+else
+	echo "# node name '$(hostname)' is not one Open MPI accepts: mpirun in its own UTS namespace"
+	run mpi_ring unshare --uts sh -c 'hostname rdmasafe-guest && exec "$@"' sh timeout -k 5 60 "${mpi[@]}"
+fi
 
 scenario "end"
 echo "==== SUMMARY $failed failed ($(($(now_ms) - t_start)) ms)"
