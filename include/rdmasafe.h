@@ -420,7 +420,8 @@ int rdmasafe_cq_loop_add_cq(struct rdmasafe_cq_loop *cq_loop,
  * while the loop runs.
  *
  * Returns 0, -EINVAL (NULL, unknown loop), -ENOENT (CQ not in this loop),
- * -EBUSY (running), -EDEADLK (from a callback).
+ * -EBUSY (running, or a keepalive probes through this CQ: remove the
+ * keepalive first), -EDEADLK (from a callback).
  */
 int rdmasafe_cq_loop_remove_cq(struct rdmasafe_cq_loop *cq_loop, struct ibv_cq *cq);
 

@@ -19,6 +19,8 @@ pkgs=(
   openmpi-bin libopenmpi-dev
   # the test bed: QEMU guest with Debian's stock kernel
   qemu-system-x86 busybox-static kmod cpio xz-utils python3
+  # the fault and leak suite (tests/faults/): memcheck in the guest
+  valgrind
 )
 missing=()
 for p in "${pkgs[@]}"; do

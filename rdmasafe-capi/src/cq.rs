@@ -305,7 +305,8 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_add_cq(
 /// while the loop runs.
 ///
 /// Returns 0, -EINVAL (NULL, unknown loop), -ENOENT (CQ not in this loop),
-/// -EBUSY (running), -EDEADLK (from a callback).
+/// -EBUSY (running, or a keepalive probes through this CQ: remove the
+/// keepalive first), -EDEADLK (from a callback).
 #[no_mangle]
 pub extern "C" fn rdmasafe_cq_loop_remove_cq(cq_loop: *mut rdmasafe_cq_loop, cq: *mut ibv_cq) -> c_int {
     guard(-libc::EIO, || {

@@ -80,6 +80,8 @@ fn keepalive_detects_a_killed_idle_peer_with_infinite_retries() {
     let qpn = id.qp_num().unwrap();
     // SAFETY: the QP lives (owned by `id`) until after the loop is dropped.
     unsafe { lp.add_keepalive(qp, cfg, Box::new(move |n, _| d2.store(n, SeqCst))) }.unwrap();
+    // The keepalive's CQ cannot be removed from under it.
+    assert_eq!(lp.remove_cq(cq.raw()).unwrap_err().errno(), libc::EBUSY, "a keepalive uses the CQ");
     let ctl = lp.control();
     let t = lp.spawn(None).unwrap();
 

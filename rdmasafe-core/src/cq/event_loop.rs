@@ -104,6 +104,7 @@ pub type DeadPeer = Box<dyn FnMut(u32, &LoopControl) + Send>;
 
 struct KaEntry {
     qp: NonNull<sys::ibv_qp>,
+    send_cq: *mut ibv_cq,
     qp_num: u32,
     cfg: Keepalive,
     last_activity: Instant,
@@ -322,8 +323,14 @@ impl CqLoop {
 
     /// Removes a CQ: flushes its pending acks and forgets it. Any event for
     /// it read later is acked at once. After this returns the app may
-    /// destroy the CQ. ENOENT if the CQ is not in this loop.
+    /// destroy the CQ. ENOENT if the CQ is not in this loop; EBUSY while a
+    /// keepalive probes through it (remove the keepalive first: without
+    /// the CQ the loop would no longer see its probes complete and would
+    /// declare a live peer dead).
     pub fn remove_cq(&mut self, cq: *mut ibv_cq) -> Result<()> {
+        if self.keepalives.iter().any(|k| k.send_cq == cq) {
+            return Err(Error::new("rdmasafe_cq_loop_remove_cq: a keepalive uses this CQ", libc::EBUSY));
+        }
         let i = self
             .entries
             .iter()
@@ -693,6 +700,7 @@ impl CqLoop {
         }
         self.keepalives.push(KaEntry {
             qp,
+            send_cq,
             qp_num,
             cfg,
             last_activity: Instant::now(),

@@ -1,0 +1,564 @@
+//! Fault and leak suite of the C API, end to end on Soft-RoCE: builds the
+//! programs of tests/faults/ with plain make against librdmasafe, then runs
+//! them in throw-away guests through tests/faults/guest.sh (one guest:
+//! tests/bed/vm-run; two guests on one virtual link: tests/bed/vm-run2):
+//!
+//! 1. `storm`: a connection storm past the listen backlog while the server
+//!    holds back its getter; the dropped requests end UNREACHABLE after
+//!    ~100 s, the queued ones REJECTED (run once: it is the slow one);
+//! 2. `leaks`: valgrind memcheck over 100 connect/disconnect cycles and
+//!    10k completions: 0 bytes definitely or indirectly lost, 0 errors;
+//!    rdma-core's globals suppressed (tests/faults/rdma-core.supp), the only
+//!    possibly-lost blocks left are rdmasafe's process-wide registries;
+//! 3. `hostkill` (two guests): the peer's host is killed mid-traffic:
+//!    RETRY_EXC_ERR then flushes on the traffic connection; on an idle
+//!    connection with retry_count 7 the keepalive declares the peer dead;
+//! 4. `linkflap` (two guests): link down and up: PORT_ERR, the send error
+//!    (or, when rxe leaves the QP silent, the keepalive's flushes), then
+//!    PORT_ACTIVE;
+//! 5. one guest: `prockill` (peer process SIGKILLed mid-traffic),
+//!    `overrun` (CQ overrun: CQ_ERR names the CQ), then `devremove`
+//!    (`rdma link delete` under live connections: DEVICE_REMOVAL on every
+//!    id; last, as it removes the device).
+//!
+//! Every program checks itself (object teardown under a watchdog, loop
+//! unacked_now 0, cm counters outstanding 0, no cm_id left) and prints
+//! "measure NAME=VALUE" lines; this test asserts on exit statuses and on
+//! those figures, and prints them. The groups are separate #[test]s, so
+//! libtest runs two at a time (one per core): names start with a number to
+//! start the long ones first.
+//!
+//! This binary runs on the host (its name does not start with `rxe_`) and
+//! boots its guests itself. The cases are destructive (they kill hosts,
+//! take links down, delete the device), so they always run in guests, never
+//! on real hardware.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+use std::time::Instant;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+/// `<target>/<profile>` of this test binary (`.../deps/faults-<hash>`).
+fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    exe.parent().and_then(Path::parent).expect("<target>/<profile>/deps/<exe>").to_path_buf()
+}
+
+fn run_checked(what: &str, cmd: &mut Command) -> Result<(), String> {
+    let out = cmd.output().map_err(|e| format!("{what}: cannot run {cmd:?}: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{what} failed ({}):\n--- stdout\n{}\n--- stderr\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
+
+/// Builds librdmasafe.so (always: `cargo test --test faults` builds only
+/// the rlib) and the fault programs, once per test binary. Returns the
+/// programs' directory.
+fn build() -> PathBuf {
+    static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    let r = BUILT.get_or_init(|| {
+        let t0 = Instant::now();
+        let profile = profile_dir();
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| env!("CARGO").to_string());
+        let mut cmd = Command::new(cargo);
+        cmd.current_dir(root()).args(["build", "-p", "rdmasafe-capi"]);
+        if profile.file_name().is_some_and(|n| n == "release") {
+            cmd.arg("--release");
+        }
+        if let Some(target) = profile.parent() {
+            cmd.env("CARGO_TARGET_DIR", target);
+        }
+        run_checked("cargo build -p rdmasafe-capi", &mut cmd)?;
+        let bin = profile.parent().expect("<target>").join("faults");
+        run_checked(
+            "make -C tests/faults",
+            Command::new("make")
+                .current_dir(root())
+                .args(["-C", "tests/faults"])
+                .arg(format!("LIBDIR={}", profile.display()))
+                .arg(format!("OUT={}", bin.display())),
+        )?;
+        for p in ["fault_node", "fault_devremove", "fault_storm", "fault_overrun", "leak_cycles"] {
+            if !bin.join(p).exists() {
+                return Err(format!("make did not produce {p}"));
+            }
+        }
+        println!("[faults] built the programs in {:.1} s", t0.elapsed().as_secs_f64());
+        Ok(bin)
+    });
+    r.clone().unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// A guest run: its output and how long it took.
+struct Run {
+    stdout: String,
+    stderr: String,
+    code: Option<i32>,
+    secs: f64,
+}
+
+fn run_bed(label: &str, cmd: &mut Command) -> Run {
+    let bin = build();
+    cmd.current_dir(root()).env("RDMASAFE_FAULTS_BIN", &bin);
+    let t0 = Instant::now();
+    let out = cmd.output().unwrap_or_else(|e| panic!("{label}: cannot run {cmd:?}: {e}"));
+    let run = Run {
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        code: out.status.code(),
+        secs: t0.elapsed().as_secs_f64(),
+    };
+    println!("==== [faults] {label}: guest output\n{}", run.stdout);
+    eprintln!("{}", run.stderr);
+    println!("[faults] {label}: bed exit {:?} after {:.1} s", run.code, run.secs);
+    run
+}
+
+/// One guest (tests/bed/vm-run) running `guest.sh one CASES...`.
+fn one_guest(label: &str, timeout: u32, mem: u32, cases: &[&str], env: &[(&str, &str)]) -> Run {
+    let mut cmd = Command::new(root().join("tests/bed/vm-run"));
+    cmd.args([
+        "--timeout",
+        &timeout.to_string(),
+        "--mem",
+        &mem.to_string(),
+        "--",
+        "bash",
+        "tests/faults/guest.sh",
+        "one",
+    ]);
+    cmd.args(cases);
+    cmd.envs(env.iter().copied());
+    run_bed(label, &mut cmd)
+}
+
+/// Two guests (tests/bed/vm-run2) running `guest.sh CASE a` and `... b`.
+fn two_guests(label: &str, timeout: u32, case: &str, env: &[(&str, &str)]) -> Run {
+    let mut cmd = Command::new(root().join("tests/bed/vm-run2"));
+    cmd.args(["--timeout", &timeout.to_string()])
+        .args(["--a", &format!("bash tests/faults/guest.sh {case} a")])
+        .args(["--b", &format!("bash tests/faults/guest.sh {case} b")]);
+    cmd.envs(env.iter().copied());
+    run_bed(label, &mut cmd)
+}
+
+/// The lines of one guest of a vm-run2 run ("[a] " / "[b] " removed).
+fn guest_lines(stdout: &str, guest: char) -> String {
+    let prefix = format!("[{guest}] ");
+    stdout.lines().filter_map(|l| l.strip_prefix(&prefix)).flat_map(|l| [l, "\n"]).collect()
+}
+
+/// One program's output block ("==== BEGIN label" .. "==== END label exit N").
+#[derive(Debug, Default)]
+struct Block {
+    out: String,
+    exit: Option<i32>,
+}
+
+impl Block {
+    fn has(&self, needle: &str) -> bool {
+        self.out.contains(needle)
+    }
+    fn measure(&self, name: &str) -> Option<&str> {
+        let key = format!("measure {name}=");
+        self.out.lines().find_map(|l| l.strip_prefix(key.as_str()))
+    }
+    fn num(&self, name: &str) -> Option<f64> {
+        self.measure(name).and_then(|v| v.trim().parse().ok())
+    }
+    fn fails(&self) -> Vec<&str> {
+        self.out.lines().filter(|l| l.starts_with("FAIL")).collect()
+    }
+}
+
+fn blocks(text: &str) -> BTreeMap<String, Block> {
+    let mut map = BTreeMap::new();
+    let mut cur: Option<(String, String)> = None;
+    for line in text.lines() {
+        if let Some(label) = line.strip_prefix("==== BEGIN ") {
+            cur = Some((label.to_string(), String::new()));
+        } else if let Some(rest) = line.strip_prefix("==== END ") {
+            let exit = rest.rsplit_once(" exit ").and_then(|(_, n)| n.trim().parse().ok());
+            if let Some((label, out)) = cur.take() {
+                map.insert(label, Block { out, exit });
+            }
+        } else if let Some((_, out)) = cur.as_mut() {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    map
+}
+
+/// Failed expectations of one group, reported together.
+struct Checks {
+    group: &'static str,
+    failures: Vec<String>,
+    passed: usize,
+    figures: Vec<String>,
+}
+
+impl Checks {
+    fn new(group: &'static str) -> Checks {
+        Checks { group, failures: Vec::new(), passed: 0, figures: Vec::new() }
+    }
+    fn that(&mut self, ok: bool, what: impl Into<String>) -> bool {
+        if ok {
+            self.passed += 1;
+        } else {
+            self.failures.push(what.into());
+        }
+        ok
+    }
+    /// A program ran, exited `want`, printed no FAIL line and its summary.
+    fn program(&mut self, runs: &BTreeMap<String, Block>, label: &str, prog: &str, want: i32) -> bool {
+        let Some(b) = runs.get(label) else {
+            return self.that(false, format!("{label}: did not run (no output block)"));
+        };
+        let fails = b.fails();
+        let ok = self.that(b.exit == Some(want), format!("{label}: exit {:?}, want {want}", b.exit))
+            & self.that(fails.is_empty(), format!("{label}: FAIL lines: {fails:#?}"));
+        if want == 0 {
+            self.that(
+                b.has(&format!("{prog}: ")) && b.has(" passed, 0 failed"),
+                format!("{label}: no clean summary line"),
+            ) && ok
+        } else {
+            ok
+        }
+    }
+    /// Records a figure for the report (and checks it is there).
+    fn figure(&mut self, b: Option<&Block>, label: &str, name: &str) -> Option<f64> {
+        let v = b.and_then(|b| b.num(name));
+        if let Some(v) = v {
+            self.figures.push(format!("{label}.{name}={v}"));
+        } else {
+            self.that(false, format!("{label}: no figure {name}"));
+        }
+        v
+    }
+    fn text(&mut self, b: Option<&Block>, label: &str, name: &str) -> String {
+        let v = b.and_then(|b| b.measure(name)).unwrap_or("").trim().to_string();
+        self.figures.push(format!("{label}.{name}={v}"));
+        v
+    }
+    fn in_range(&mut self, b: Option<&Block>, label: &str, name: &str, lo: f64, hi: f64) {
+        if let Some(v) = self.figure(b, label, name) {
+            self.that((lo..=hi).contains(&v), format!("{label}: {name} = {v}, want {lo}..={hi}"));
+        }
+    }
+    fn equals(&mut self, b: Option<&Block>, label: &str, name: &str, want: f64) {
+        if let Some(v) = self.figure(b, label, name) {
+            self.that(v == want, format!("{label}: {name} = {v}, want {want}"));
+        }
+    }
+    /// The common end-of-program guarantees.
+    fn clean_end(&mut self, b: Option<&Block>, label: &str, loop_prefix: Option<&str>) {
+        self.equals(b, label, "cm_outstanding", 0.0);
+        self.equals(b, label, "cm_ids_left", 0.0);
+        if let Some(p) = loop_prefix {
+            self.equals(b, label, &format!("{p}_unacked_now"), 0.0);
+        }
+    }
+    fn finish(self, run: &Run) {
+        println!("[faults] {}: figures: {}", self.group, self.figures.join(" "));
+        println!(
+            "[faults] {}: {} expectations met, {} failed, guest run {:.1} s",
+            self.group,
+            self.passed,
+            self.failures.len(),
+            run.secs
+        );
+        assert!(
+            self.failures.is_empty(),
+            "{}: {} failed expectations:\n  {}",
+            self.group,
+            self.failures.len(),
+            self.failures.join("\n  ")
+        );
+    }
+}
+
+fn case_line(c: &mut Checks, text: &str, case: &str) {
+    let want = format!("==== CASE {case} 0 failed");
+    c.that(text.lines().any(|l| l.starts_with(&want)), format!("no line {want:?}"));
+}
+
+// --------------------------------------------------------------- the cases
+
+/// Case 5: storm past the backlog; UNREACHABLE after ~100 s (run once).
+#[test]
+fn faults_1_storm_past_the_backlog() {
+    let run = one_guest("storm", 400, 512, &["storm"], &[]);
+    let mut c = Checks::new("storm");
+    let runs = blocks(&run.stdout);
+    c.that(run.code == Some(0), format!("vm-run exit {:?}", run.code));
+    case_line(&mut c, &run.stdout, "storm");
+    c.program(&runs, "storm_server", "fault_storm", 0);
+    c.program(&runs, "storm_client", "fault_storm", 0);
+    let (cl, sv) = (runs.get("storm_client"), runs.get("storm_server"));
+    let n = c.figure(cl, "client", "clients").unwrap_or(0.0);
+    c.equals(cl, "client", "unreachable", n - 4.0);
+    c.equals(cl, "client", "rejected", 4.0);
+    c.equals(cl, "client", "established", 0.0);
+    // ib_cm gives up after its REQ retries: ~102 s on this kernel and rxe
+    c.in_range(cl, "client", "unreachable_min_ms", 60_000.0, 140_000.0);
+    c.in_range(cl, "client", "unreachable_max_ms", 60_000.0, 140_000.0);
+    c.figure(cl, "client", "rejected_max_ms");
+    c.equals(sv, "server", "server_requests", 4.0);
+    c.equals(sv, "server", "server_late_requests", 0.0);
+    c.figure(sv, "server", "server_held_ms");
+    c.clean_end(cl, "client", None);
+    c.clean_end(sv, "server", None);
+    c.finish(&run);
+}
+
+/// Leaks: valgrind memcheck over the connect/disconnect and completion cycles.
+#[test]
+fn faults_2_valgrind_leaks() {
+    let run = one_guest("leaks", 1200, 1024, &["leaks"], &[]);
+    let mut c = Checks::new("leaks");
+    let runs = blocks(&run.stdout);
+    c.that(run.code == Some(0), format!("vm-run exit {:?}", run.code));
+    case_line(&mut c, &run.stdout, "leaks");
+    c.program(&runs, "leaks", "leak_cycles", 0);
+    let b = runs.get("leaks");
+    let cycles = c.figure(b, "leaks", "cycles").unwrap_or(0.0);
+    let completions = c.figure(b, "leaks", "completions").unwrap_or(0.0);
+    c.that(cycles >= 100.0, format!("only {cycles} connect/disconnect cycles"));
+    c.that(completions >= 10_000.0, format!("only {completions} completions"));
+    c.figure(b, "leaks", "cycles_ms");
+    c.clean_end(b, "leaks", None);
+    // valgrind's own summary (lines "==PID== ...")
+    let out = b.map(|b| b.out.as_str()).unwrap_or("");
+    let vg = |key: &str| -> Option<String> {
+        out.lines().find_map(|l| l.split_once(key).map(|(_, r)| r.trim().to_string()))
+    };
+    let report = |c: &mut Checks, key: &str| {
+        let v = vg(key).unwrap_or_default();
+        c.figures.push(format!("valgrind.{}={v:?}", key.trim_end_matches(": ").trim().replace(' ', "_")));
+        v
+    };
+    for key in ["definitely lost: ", "indirectly lost: "] {
+        let v = report(&mut c, key);
+        c.that(v == "0 bytes in 0 blocks", format!("valgrind {key}{v:?}, want 0 bytes in 0 blocks"));
+    }
+    report(&mut c, "possibly lost: ");
+    report(&mut c, "still reachable: ");
+    let suppressed = report(&mut c, "suppressed: ");
+    let errors = report(&mut c, "ERROR SUMMARY: ");
+    c.that(
+        errors.starts_with("0 errors"),
+        format!("valgrind ERROR SUMMARY {errors:?} (invalid accesses, uninitialised values)"),
+    );
+    c.that(
+        !suppressed.starts_with("0 bytes"),
+        format!("no rdma-core global was suppressed ({suppressed:?}): is the suppression file read?"),
+    );
+    // What stays "possibly lost" must be rdmasafe's process-wide registries
+    // (hashbrown tables in statics keep pointers into their blocks), never
+    // per-connection or per-cycle memory: it is reported, not suppressed.
+    let mut records = Vec::new();
+    let mut cur: Option<String> = None;
+    for l in out.lines() {
+        let body = l.split_once("== ").map(|(_, r)| r).unwrap_or("");
+        if body.contains("are possibly lost in loss record") {
+            cur = Some(format!("{body}\n"));
+        } else if let Some(r) = cur.as_mut() {
+            if body.trim().is_empty() {
+                records.push(cur.take().unwrap());
+            } else {
+                r.push_str(body);
+                r.push('\n');
+            }
+        }
+    }
+    for r in &records {
+        let head = r.lines().next().unwrap_or("");
+        let registry =
+            ["rdmasafe::cm::live", "rdmasafe::cq::rdmasafe_cq_loop_create", "CqLoop::from_raw", "CqLoop::add_entry"]
+                .iter()
+                .any(|k| r.contains(k));
+        println!("[faults] leaks: {head}{}", if registry { " (an rdmasafe registry)" } else { "" });
+        c.that(registry && r.contains("hashbrown"), format!("possibly lost block outside rdmasafe's registries:\n{r}"));
+    }
+    let used: Vec<&str> = out.lines().filter(|l| l.contains("used_suppression:")).collect();
+    for u in &used {
+        println!("[faults] leaks: {}", u.trim());
+    }
+    c.that(!used.is_empty(), "valgrind -s listed no used suppression");
+    c.that(
+        !used.iter().any(|u| u.contains("rdmasafe")),
+        "a suppression naming rdmasafe was used (nothing of rdmasafe may be suppressed)",
+    );
+    c.finish(&run);
+}
+
+/// Case 2 and dead-peer detection: the peer host is killed (two guests).
+#[test]
+fn faults_3_two_hosts_peer_host_killed() {
+    let run = two_guests("hostkill", 240, "hostkill", &[]);
+    let mut c = Checks::new("hostkill");
+    c.that(run.code == Some(0), format!("vm-run2 exit {:?}", run.code));
+    c.that(run.stderr.contains("[bed2] status a=0 b=killed"), "vm-run2 did not report a=0 b=killed");
+    let a = guest_lines(&run.stdout, 'a');
+    let runs = blocks(&a);
+    case_line(&mut c, &a, "hostkill-a");
+    c.program(&runs, "hostkill_survivor", "fault_node", 0);
+    let b = runs.get("hostkill_survivor");
+    let l = "survivor";
+    let first = c.text(b, l, "first_error");
+    c.that(first == "IBV_WC_RETRY_EXC_ERR", format!("first error {first}, want IBV_WC_RETRY_EXC_ERR"));
+    // retry_cnt 6, ack timeout 2.1 s: ~15 s
+    c.in_range(b, l, "first_error_after_fault_ms", 8_000.0, 30_000.0);
+    c.figure(b, l, "first_error_after_last_ok_ms");
+    c.figure(b, l, "killed_seen_after_fault_ms");
+    let errs = c.figure(b, l, "error_completions").unwrap_or(0.0);
+    let flush = c.figure(b, l, "flush_after_first").unwrap_or(-1.0);
+    c.that(errs >= 9.0 && flush == errs - 1.0, format!("{errs} errors, {flush} flushes after the first"));
+    // keepalive on the idle connection, retry_count 7: period 200 + bound 2000
+    let period = c.figure(b, l, "keepalive_period_ms").unwrap_or(0.0);
+    let bound = c.figure(b, l, "keepalive_bound_ms").unwrap_or(0.0);
+    c.in_range(b, l, "dead_after_fault_ms", bound - period - 200.0, period + bound + 2_000.0);
+    c.figure(b, l, "dead_after_killed_seen_ms");
+    c.in_range(b, l, "dead_before_retry_exc_ms", 1.0, 30_000.0);
+    c.figure(b, l, "keepalive_probes");
+    c.equals(b, l, "cm_events_during_fault", 0.0);
+    c.equals(b, l, "async_events", 0.0);
+    c.figure(b, l, "teardown_ms");
+    c.clean_end(b, l, Some("survivor"));
+    c.finish(&run);
+}
+
+/// Case 4: link down then up on guest a's eth0 (two guests).
+#[test]
+fn faults_4_two_hosts_link_flap() {
+    let down_s = 5.0;
+    let run = two_guests("linkflap", 240, "linkflap", &[("RDMASAFE_FAULTS_LINK_DOWN_S", "5")]);
+    let mut c = Checks::new("linkflap");
+    c.that(run.code == Some(0), format!("vm-run2 exit {:?}", run.code));
+    c.that(run.stderr.contains("[bed2] status a=0 b=0"), "vm-run2 did not report a=0 b=0");
+    let (a, bg) = (guest_lines(&run.stdout, 'a'), guest_lines(&run.stdout, 'b'));
+    let (runs_a, runs_b) = (blocks(&a), blocks(&bg));
+    case_line(&mut c, &a, "linkflap-a");
+    case_line(&mut c, &bg, "linkflap-b");
+    c.program(&runs_a, "linkflap_survivor", "fault_node", 0);
+    c.program(&runs_b, "linkflap_peer", "fault_node", 0);
+    let (b, l) = (runs_a.get("linkflap_survivor"), "survivor");
+    // rxe reports the dead port through the QP when a send is posted
+    // (LOC_QP_OP_ERR at once) or retransmitted (~2.1 s) while it is down,
+    // and sometimes never (the QP stalls): then the traffic connection's
+    // keepalive moves the QP to error (flushes) within period + bound
+    let first = c.text(b, l, "first_error");
+    let path = c.text(b, l, "error_path");
+    let fired = c.figure(b, l, "traffic_keepalive_fired").unwrap_or(-1.0);
+    match path.as_str() {
+        "next_send" | "retransmission" => {
+            c.that(first == "IBV_WC_LOC_QP_OP_ERR", format!("{path}: first error {first}, want IBV_WC_LOC_QP_OP_ERR"));
+            // (its next probe then fails on the QP in error: it may fire after)
+            c.that(fired == 0.0 || fired == 1.0, format!("{path}: keepalive fired {fired} times"));
+        }
+        "keepalive" => {
+            c.that(first == "IBV_WC_WR_FLUSH_ERR", format!("keepalive path: first error {first}, want flushes"));
+            c.that(fired == 1.0, format!("keepalive path: fired {fired}"));
+            c.in_range(b, l, "traffic_dead_after_fault_ms", 0.0, 200.0 + 2_000.0 + 3_000.0);
+        }
+        _ => {
+            c.that(false, format!("no error path reported ({path:?})"));
+        }
+    }
+    c.in_range(b, l, "port_err_after_fault_ms", 0.0, 2_000.0);
+    // either way while the link is down, before PORT_ACTIVE
+    let first = c.figure(b, l, "first_error_after_port_err_ms").unwrap_or(f64::MAX);
+    let active = c.figure(b, l, "port_active_after_port_err_ms").unwrap_or(0.0);
+    c.that(first < active, format!("the send error ({first} ms) came before PORT_ACTIVE ({active} ms)"));
+    c.that(
+        (down_s * 1000.0 - 1_000.0..=down_s * 1000.0 + 3_000.0).contains(&active),
+        format!("PORT_ACTIVE {active} ms after PORT_ERR, link down for {down_s} s"),
+    );
+    let errs = c.figure(b, l, "error_completions").unwrap_or(0.0);
+    let flush = c.figure(b, l, "flush_after_first").unwrap_or(-1.0);
+    c.that(errs >= 9.0 && flush == errs - 1.0, format!("{errs} errors, {flush} flushes after the first"));
+    c.equals(b, l, "async_events", 2.0);
+    c.clean_end(b, l, Some("survivor"));
+    c.clean_end(runs_b.get("linkflap_peer"), "peer", Some("peer"));
+    c.finish(&run);
+}
+
+/// Cases 3, 6 and 1 in one guest: peer process killed, CQ overrun, then
+/// `rdma link delete` (last: it removes the device).
+#[test]
+fn faults_5_one_host_process_kill_overrun_device_removal() {
+    let run = one_guest("one-host", 300, 1024, &["prockill", "overrun", "devremove"], &[]);
+    let mut c = Checks::new("one-host");
+    let runs = blocks(&run.stdout);
+    c.that(run.code == Some(0), format!("vm-run exit {:?}", run.code));
+
+    // 3) peer process SIGKILLed mid-traffic
+    case_line(&mut c, &run.stdout, "prockill");
+    c.program(&runs, "prockill_survivor", "fault_node", 0);
+    c.program(&runs, "prockill_peer", "fault_node", 137);
+    let (b, l) = (runs.get("prockill_survivor"), "prockill");
+    c.in_range(b, l, "disconnected_after_fault_ms", 0.0, 3_000.0);
+    c.in_range(b, l, "first_error_after_fault_ms", 0.0, 3_000.0);
+    let first = c.text(b, l, "first_error");
+    c.that(first.starts_with("IBV_WC_") && first != "IBV_WC_SUCCESS", format!("prockill first error {first}"));
+    let errs = c.figure(b, l, "error_completions").unwrap_or(0.0);
+    let flush = c.figure(b, l, "flush_after_first").unwrap_or(-1.0);
+    c.that(errs >= 9.0 && flush == errs - 1.0, format!("{errs} errors, {flush} flushes after the first"));
+    c.clean_end(b, l, Some("survivor"));
+
+    // 6) CQ overrun
+    case_line(&mut c, &run.stdout, "overrun");
+    c.program(&runs, "overrun", "fault_overrun", 0);
+    let (b, l) = (runs.get("overrun"), "overrun");
+    let got = c.figure(b, l, "cq_got").unwrap_or(0.0);
+    c.that((4.0..64.0).contains(&got), format!("CQ asked for 4 got {got}"));
+    let lost = c.figure(b, l, "completions_lost").unwrap_or(0.0);
+    c.that(lost >= 1.0, "no completion was lost: no overrun");
+    c.equals(b, l, "cq_err_events", lost);
+    let first = c.text(b, l, "client_first_error");
+    c.that(
+        first == "IBV_WC_RETRY_EXC_ERR",
+        format!("overrun: the sender's first error {first}, want IBV_WC_RETRY_EXC_ERR"),
+    );
+    c.figure(b, l, "client_first_error_ms");
+    c.figure(b, l, "first_cq_err_ms");
+    let held = c.figure(b, l, "server_delivered_ok").unwrap_or(0.0);
+    c.that(held >= 1.0 && held <= got + 1.0, format!("delivered {held} of a {got}-entry CQ"));
+    c.clean_end(b, l, Some("client"));
+    c.equals(b, l, "server_unacked_now", 0.0);
+
+    // 1) rdma link delete under live connections
+    case_line(&mut c, &run.stdout, "devremove");
+    c.program(&runs, "devremove", "fault_devremove", 0);
+    let (b, l) = (runs.get("devremove"), "devremove");
+    let ids = c.figure(b, l, "ids").unwrap_or(0.0);
+    c.that(ids == 5.0, format!("{ids} ids, want 5 (listener, 2 client, 2 accepted)"));
+    c.equals(b, l, "removal_events", ids);
+    c.in_range(b, l, "first_removal_after_delete_ms", 0.0, 5_000.0);
+    c.in_range(b, l, "last_removal_after_delete_ms", 0.0, 5_000.0);
+    c.in_range(b, l, "teardown_ms", 0.0, 10_000.0);
+    c.figure(b, l, "other_cm_events");
+    c.figure(b, l, "async_events");
+    c.clean_end(b, l, Some("devremove"));
+    // the script's own figures (outside the program's block)
+    let script = Block { out: run.stdout.clone(), exit: None };
+    c.equals(Some(&script), "devremove", "link_delete_exit", 0.0);
+    c.equals(Some(&script), "devremove", "rxe0_left", 0.0);
+    c.in_range(Some(&script), "devremove", "link_delete_after_exit_ms", 0.0, 10_000.0);
+    c.figure(Some(&script), "devremove", "link_delete_total_ms");
+    c.finish(&run);
+}
