@@ -1,0 +1,165 @@
+//! Table-driven bad input for every exported C function: NULL pointers,
+//! pointers rdmasafe never handed out, out-of-range counts, modes, timeouts
+//! and levels. Each row states the documented error; none may crash or
+//! abort. The table must name every export in abi/exports.txt, so a new
+//! function cannot ship without its row. (After-destroy and double-free
+//! cases need a device and run in the guest: tests/c/cq_loop_test.c and
+//! tests/c/cm_capi_test.c.)
+
+use std::os::raw::c_int;
+use std::ptr::null_mut;
+
+use rdmasafe::*;
+
+fn errno() -> i32 {
+    rdmasafe_core::sys::errno()
+}
+
+/// -1 with errno EINVAL (the librdmacm convention of the drop-in calls).
+fn minus1_einval(r: c_int) -> bool {
+    r == -1 && errno() == libc::EINVAL
+}
+
+#[test]
+fn every_export_rejects_bad_input_with_its_documented_error() {
+    let mut wild_mem = [0u64; 32]; // never handed out by rdmasafe
+    let wild = wild_mem.as_mut_ptr().cast::<u8>();
+    let mut ev: *mut rdma_sys::rdma_cm_event = null_mut();
+    let mut evs: [*mut rdma_sys::rdma_cm_event; 4] = [null_mut(); 4];
+    let mut counters = rdmasafe_cm_counters::default();
+    let mut stats = rdmasafe_cq_loop_stats::default();
+    let mut out_loop: *mut rdmasafe_cq_loop = null_mut();
+    let opts = rdmasafe_cq_loop_options::default();
+    let bad_mode = rdmasafe_cq_loop_options { mode: 7, ..Default::default() };
+    // SAFETY: zeroed plain C struct.
+    let mut aev: rdmasafe_async_event = unsafe { std::mem::zeroed() };
+
+    // SAFETY (all rows): every pointer is NULL, or one the function looks up
+    // before use (events, loops), or scalars are checked before a non-NULL
+    // channel would be touched -- as the header documents.
+    let rows: Vec<(&str, &str, bool)> = unsafe {
+        vec![
+            ("rdmasafe_get_event", "NULL channel", minus1_einval(rdmasafe_get_event(null_mut(), &mut ev))),
+            ("rdmasafe_get_event", "NULL out", minus1_einval(rdmasafe_get_event(wild.cast(), null_mut()))),
+            (
+                "rdmasafe_get_event_timeout",
+                "NULL channel",
+                minus1_einval(rdmasafe_get_event_timeout(null_mut(), &mut ev, 0)),
+            ),
+            (
+                "rdmasafe_get_event_timeout",
+                "timeout -2",
+                minus1_einval(rdmasafe_get_event_timeout(wild.cast(), &mut ev, -2)),
+            ),
+            ("rdmasafe_get_events", "max 0", minus1_einval(rdmasafe_get_events(wild.cast(), evs.as_mut_ptr(), 0, 0))),
+            ("rdmasafe_get_events", "max -1", minus1_einval(rdmasafe_get_events(wild.cast(), evs.as_mut_ptr(), -1, 0))),
+            (
+                "rdmasafe_get_events",
+                "timeout INT_MIN",
+                minus1_einval(rdmasafe_get_events(wild.cast(), evs.as_mut_ptr(), 4, c_int::MIN)),
+            ),
+            ("rdmasafe_get_events", "NULL array", minus1_einval(rdmasafe_get_events(wild.cast(), null_mut(), 4, 0))),
+            ("rdmasafe_event_free", "NULL is a no-op", rdmasafe_event_free(null_mut()) == 0),
+            ("rdmasafe_event_free", "never handed out", minus1_einval(rdmasafe_event_free(wild.cast()))),
+            ("rdmasafe_event_str", "-1", !rdmasafe_event_str(-1).is_null()),
+            ("rdmasafe_event_str", "INT_MAX", !rdmasafe_event_str(c_int::MAX).is_null()),
+            ("rdmasafe_cm_counters", "NULL", rdmasafe_cm_counters(null_mut()) == -libc::EINVAL),
+            ("rdmasafe_cm_counters", "valid", rdmasafe_cm_counters(&mut counters) == 0),
+            ("rdmasafe_cm_reserve", "-1", rdmasafe_cm_reserve(-1) == -libc::EINVAL),
+            ("rdmasafe_cm_reserve", "INT_MAX capped", rdmasafe_cm_reserve(c_int::MAX) == 4096),
+            (
+                "rdmasafe_cq_loop_create",
+                "NULL channel",
+                rdmasafe_cq_loop_create(null_mut(), &opts, &mut out_loop) == -libc::EINVAL,
+            ),
+            (
+                "rdmasafe_cq_loop_create",
+                "NULL out",
+                rdmasafe_cq_loop_create(wild.cast(), &opts, null_mut()) == -libc::EINVAL,
+            ),
+            (
+                "rdmasafe_cq_loop_create",
+                "mode 7",
+                rdmasafe_cq_loop_create(wild.cast(), &bad_mode, &mut out_loop) == -libc::EINVAL,
+            ),
+            (
+                "rdmasafe_cq_loop_add_cq",
+                "unknown loop",
+                rdmasafe_cq_loop_add_cq(wild.cast(), wild.cast(), None, null_mut()) == -libc::EINVAL,
+            ),
+            (
+                "rdmasafe_cq_loop_remove_cq",
+                "unknown loop",
+                rdmasafe_cq_loop_remove_cq(wild.cast(), wild.cast()) == -libc::EINVAL,
+            ),
+            (
+                "rdmasafe_cq_loop_remove_cq",
+                "NULL CQ",
+                rdmasafe_cq_loop_remove_cq(wild.cast(), null_mut()) == -libc::EINVAL,
+            ),
+            ("rdmasafe_cq_loop_run", "unknown loop", rdmasafe_cq_loop_run(wild.cast()) == -libc::EINVAL),
+            ("rdmasafe_cq_loop_run", "NULL", rdmasafe_cq_loop_run(null_mut()) == -libc::EINVAL),
+            ("rdmasafe_cq_loop_run_once", "timeout -2", rdmasafe_cq_loop_run_once(wild.cast(), -2) == -libc::EINVAL),
+            ("rdmasafe_cq_loop_run_once", "unknown loop", rdmasafe_cq_loop_run_once(wild.cast(), 0) == -libc::EINVAL),
+            ("rdmasafe_cq_loop_fd", "unknown loop", rdmasafe_cq_loop_fd(wild.cast()) == -libc::EINVAL),
+            ("rdmasafe_cq_loop_stop", "unknown loop", rdmasafe_cq_loop_stop(wild.cast()) == -libc::EINVAL),
+            (
+                "rdmasafe_cq_loop_set_outstanding",
+                "unknown loop",
+                rdmasafe_cq_loop_set_outstanding(wild.cast(), 1) == -libc::EINVAL,
+            ),
+            ("rdmasafe_cq_loop_stats", "NULL out", rdmasafe_cq_loop_stats(wild.cast(), null_mut()) == -libc::EINVAL),
+            (
+                "rdmasafe_cq_loop_stats",
+                "unknown loop",
+                rdmasafe_cq_loop_stats(wild.cast(), &mut stats) == -libc::EINVAL,
+            ),
+            (
+                "rdmasafe_cq_loop_drain_qp",
+                "NULL QP",
+                rdmasafe_cq_loop_drain_qp(wild.cast(), null_mut(), 0, 10) == -libc::EINVAL,
+            ),
+            (
+                "rdmasafe_cq_loop_drain_qp",
+                "timeout 0",
+                rdmasafe_cq_loop_drain_qp(wild.cast(), wild.cast(), 0, 0) == -libc::EINVAL,
+            ),
+            (
+                "rdmasafe_cq_loop_add_keepalive",
+                "NULL QP",
+                rdmasafe_cq_loop_add_keepalive(wild.cast(), null_mut(), 1, 1, 0, None, null_mut()) == -libc::EINVAL,
+            ),
+            (
+                "rdmasafe_cq_loop_add_keepalive",
+                "period 0",
+                rdmasafe_cq_loop_add_keepalive(wild.cast(), wild.cast(), 0, 1, 0, None, null_mut()) == -libc::EINVAL,
+            ),
+            (
+                "rdmasafe_cq_loop_remove_keepalive",
+                "NULL QP",
+                rdmasafe_cq_loop_remove_keepalive(wild.cast(), null_mut()) == -libc::EINVAL,
+            ),
+            ("rdmasafe_cq_loop_destroy", "unknown loop", rdmasafe_cq_loop_destroy(wild.cast()) == -libc::EINVAL),
+            ("rdmasafe_cq_loop_destroy", "NULL", rdmasafe_cq_loop_destroy(null_mut()) == -libc::EINVAL),
+            ("rdmasafe_async_get", "NULL context", rdmasafe_async_get(null_mut(), &mut aev, 0) == -libc::EINVAL),
+            ("rdmasafe_async_get", "NULL out", rdmasafe_async_get(wild.cast(), null_mut(), 0) == -libc::EINVAL),
+            ("rdmasafe_async_get", "timeout -2", rdmasafe_async_get(wild.cast(), &mut aev, -2) == -libc::EINVAL),
+            ("rdmasafe_async_event_str", "u32::MAX", !rdmasafe_async_event_str(u32::MAX).is_null()),
+            ("rdmasafe_set_log_level", "6", rdmasafe_set_log_level(6) == -libc::EINVAL),
+            ("rdmasafe_set_log_level", "-1", rdmasafe_set_log_level(-1) == -libc::EINVAL),
+            ("rdmasafe_set_log_callback", "NULL (back to stderr)", rdmasafe_set_log_callback(None, null_mut()) == 0),
+        ]
+    };
+    assert!(out_loop.is_null(), "failed creates store nothing");
+    let failed: Vec<_> = rows.iter().filter(|r| !r.2).map(|r| format!("{} ({})", r.0, r.1)).collect();
+    assert!(failed.is_empty(), "wrong result for: {failed:?}");
+
+    let exports = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/abi/exports.txt")).unwrap();
+    let missing: Vec<&str> = exports
+        .lines()
+        .map(|l| l.split('@').next().unwrap())
+        .filter(|name| !rows.iter().any(|r| r.0 == *name))
+        .collect();
+    assert!(missing.is_empty(), "exports without a bad-input row: {missing:?}");
+    println!("{} bad-input rows over every export", rows.len());
+}
