@@ -21,6 +21,8 @@ pkgs=(
   qemu-system-x86 busybox-static kmod cpio xz-utils python3
   # the fault and leak suite (tests/faults/): memcheck in the guest
   valgrind
+  # benchmarks (tests/bench/): callgrind (valgrind, above), syscall counts, the plot
+  strace gnuplot-nox
 )
 missing=()
 for p in "${pkgs[@]}"; do

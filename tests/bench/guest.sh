@@ -1,0 +1,475 @@
+#!/usr/bin/env bash
+# Guest side of tests/bench/run.sh: runs every benchmark inside ONE
+# Soft-RoCE guest (tests/bed/vm-run) and prints machine-readable results,
+# one per line:
+#   @@ {"case":"...","rep":N,...}
+# (the programs' own RESULT lines, tagged; parsed stock-tool output;
+# syscall counts from strace; instruction counts from callgrind).
+# Progress and diagnostics go to stderr.
+#
+# Phases:
+#   counts   once per variant: strace (system calls inside the measured
+#            window, between two getppid() markers), callgrind (user-space
+#            instructions inside the window), allocount.so (allocations);
+#   times    RDMASAFE_BENCH_REPEATS repeats (default 5); in each repeat the
+#            variants of a workload run back to back (rdmasafe, raw, stock;
+#            order reversed in every other repeat);
+#   load     one long stream (1M sends) per event loop, counts per wakeup.
+# With RDMASAFE_BENCH_QUICK=1 (smoke run) only one short pass over our
+# programs and modes runs instead (no stock tools, strace or callgrind).
+#
+# Env: RDMASAFE_TEST_ADDR (set by vm-run), RDMASAFE_BENCH_BIN (the programs,
+# default <repo>/target/bench), RDMASAFE_BENCH_QUICK=1 (tiny sizes, one
+# repeat, no callgrind, no 1M stream), RDMASAFE_BENCH_REPEATS.
+set -u
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+BIN=${RDMASAFE_BENCH_BIN:-$root/target/bench}
+ADDR=${RDMASAFE_TEST_ADDR:?RDMASAFE_TEST_ADDR must name the RDMA device address}
+DEV=${RDMASAFE_TEST_DEVICE:-rxe0}
+GID=${RDMASAFE_TEST_GID_INDEX:-1}
+QUICK=${RDMASAFE_BENCH_QUICK:-0}
+REPEATS=${RDMASAFE_BENCH_REPEATS:-5}
+W=$(mktemp -d "${TMPDIR:-/tmp}/bench.XXXXXX") || exit 1
+trap 'rm -rf "$W"' EXIT
+failures=0
+port=7700
+
+if [[ $QUICK == 1 ]]; then
+	REPEATS=1
+	STORM_NS=(10)
+	EV_K=50 EV_R=1
+	PP_N=20 PP_WARM=5
+	RCPP_N=10 SENDLAT_N=20
+	IDLE_N=10
+	STREAM_N=500
+	BIG_N=0
+	CALLGRIND=0
+	ST_EV_K=50 ST_STORM_N=10 ST_PP_N=50 ST_STREAM_N=1000
+else
+	STORM_NS=(200 1000)
+	EV_K=1000 EV_R=3
+	PP_N=500 PP_WARM=50
+	RCPP_N=300 SENDLAT_N=1000
+	IDLE_N=200
+	STREAM_N=20000
+	BIG_N=1000000
+	CALLGRIND=1
+	# strace costs milliseconds per call under TCG: small sizes (the
+	# counts are per event and do not depend on the size)
+	ST_EV_K=100 ST_STORM_N=30 ST_PP_N=100 ST_STREAM_N=1000
+fi
+
+now_ms() { local t=${EPOCHREALTIME/./}; echo $((t / 1000)); }
+t_start=$(now_ms)
+say() { echo "[bench $(($(now_ms) - t_start)) ms] $*" >&2; }
+next_port() { port=$((port + 1)); }
+
+# json_str STRING: a JSON string literal (enough for our plain values)
+json_str() {
+	local s=${1//\\/\\\\}
+	s=${s//\"/\\\"}
+	printf '"%s"' "$s"
+}
+
+# emit CASE REP FILE...: the RESULT lines of FILEs, tagged
+emit() {
+	local case=$1 rep=$2
+	shift 2
+	sed -n "s/^RESULT {/@@ {\"case\":\"$case\",\"rep\":$rep,/p" "$@"
+	sed -n "s/^CPURUN \\([a-z_]*\\) {/@@ {\"case\":\"$case\",\"rep\":$rep,\"kind\":\"cpurun\",\"role\":\"\\1\",/p" "$@"
+}
+
+fail() {
+	local case=$1 rep=$2 what=$3
+	failures=$((failures + 1))
+	echo "@@ {\"case\":\"$case\",\"rep\":$rep,\"kind\":\"error\",\"error\":$(json_str "$what")}"
+	say "FAILED $case rep $rep: $what"
+	for f in "$W"/*.err; do
+		[[ -s $f ]] && { echo "--- $f" >&2; tail -n 5 "$f" >&2; }
+	done
+}
+
+# wait_ready FILE PID: until FILE has a READY line (our servers)
+wait_ready() {
+	local i
+	for ((i = 0; i < 600; i++)); do
+		grep -q '^READY' "$1" 2>/dev/null && return 0
+		kill -0 "$2" 2>/dev/null || return 1
+		sleep 0.02
+	done
+	return 1
+}
+
+# wait_cm_listen PORT PID: until a LISTEN cm_id on PORT exists (cmtime)
+wait_cm_listen() {
+	local i
+	for ((i = 0; i < 300; i++)); do
+		rdma res show cm_id 2>/dev/null | grep -Eq "state LISTEN .*src-addr [^ ]*:$1( |$)" && return 0
+		kill -0 "$2" 2>/dev/null || return 1
+		sleep 0.05
+	done
+	return 1
+}
+
+# wait_tcp_listen PORT PID: until a TCP listener on PORT exists (perftest, ibv_*)
+wait_tcp_listen() {
+	local i
+	for ((i = 0; i < 300; i++)); do
+		ss -ltnH "sport = :$1" 2>/dev/null | grep -q . && return 0
+		kill -0 "$2" 2>/dev/null || return 1
+		sleep 0.05
+	done
+	return 1
+}
+
+# kill_tree PID: the process PID and its direct children (ours only)
+kill_tree() {
+	local pid=$1 kids
+	kids=$(cat "/proc/$pid/task/$pid/children" 2>/dev/null)
+	# shellcheck disable=SC2086
+	kill $kids "$pid" 2>/dev/null
+}
+
+# syscalls FILE: {"name":count,...} of the calls inside getppid() windows
+syscall_counts() {
+	awk '
+		/ getppid\(\)/ { inwin = !inwin; next }
+		inwin && !/resumed>/ && !/^[0-9]+ +(\+\+\+|---)/ {
+			line = $0
+			sub(/^[0-9]+ +/, "", line)
+			if (match(line, /^[a-z_0-9]+\(/)) { n = substr(line, 1, RLENGTH - 1); cnt[n]++ }
+		}
+		END { printf "{"; sep = ""; for (k in cnt) { printf "%s\"%s\":%d", sep, k, cnt[k]; sep = "," } printf "}" }
+	' "$1"
+}
+
+# callgrind_ir FILE: the Ir total of a callgrind output file
+callgrind_ir() {
+	awk '/^(summary|totals):/ { print $2; exit }' "$1"
+}
+
+# callgrind_top FILE: the 20 functions with the most instructions of their
+# own (exclusive Ir), as a JSON list of [Ir, "function"]
+callgrind_top() {
+	callgrind_annotate --threshold=100 --auto=no "$1" 2>/dev/null | awk '
+		/^-+$/ { dashes++; next }
+		dashes == 6 && NF == 0 { exit }
+		dashes == 6 && $1 ~ /^[0-9,]+$/ {
+			ir = $1; gsub(/,/, "", ir)
+			line = $0; sub(/^ *[0-9,]+ +(\([ 0-9.]+%\) +)?/, "", line)
+			sub(/ \[[^]]*\]$/, "", line); sub(/^[^:]*:/, "", line)
+			sum[line] += ir
+		}
+		END { for (f in sum) printf "%d\t%s\n", sum[f], f }' | sort -t "$(printf '\t')" -k1,1nr | head -n 20 |
+		awk -F '\t' '{ gsub(/\\/, "\\\\", $2); gsub(/"/, "\\\"", $2); printf "%s[%s,\"%s\"]", (NR > 1 ? "," : ""), $1, $2 }'
+}
+
+# ---- our client/server pairs --------------------------------------------
+# S=(server command) C=(client command) run_pair CASE REP [KIND]
+# KIND: "" (plain), strace (client under strace), callgrind (client under
+# callgrind), allocs (both with allocount.so)
+run_pair() {
+	local case=$1 rep=$2 kind=${3:-} sp crc src pre=() t0
+	t0=$(now_ms)
+	rm -f "$W"/*.out "$W"/*.err "$W"/st.log "$W"/cg.log
+	[[ $kind == allocs ]] && pre=(env "LD_PRELOAD=$BIN/allocount.so")
+	[[ $kind == fastclock ]] && pre=(env "LD_PRELOAD=$BIN/fastclock.so")
+	"${pre[@]}" "${S[@]}" >"$W/s.out" 2>"$W/s.err" &
+	sp=$!
+	if ! wait_ready "$W/s.out" "$sp"; then
+		kill "$sp" 2>/dev/null
+		wait "$sp" 2>/dev/null
+		fail "$case" "$rep" "server did not get ready"
+		return 1
+	fi
+	case $kind in
+	strace) timeout -k 5 600 strace -f -o "$W/st.log" "${C[@]}" >"$W/c.out" 2>"$W/c.err" ;;
+	callgrind)
+		timeout -k 5 600 valgrind --tool=callgrind --collect-atstart=no --callgrind-out-file="$W/cg.log" \
+			"${C[@]}" >"$W/c.out" 2>"$W/c.err"
+		;;
+	*) timeout -k 5 600 "${pre[@]}" "${C[@]}" >"$W/c.out" 2>"$W/c.err" ;;
+	esac
+	crc=$?
+	if [[ $crc -ne 0 ]]; then
+		# the server may wait for a peer that is gone: its alarm ends it,
+		# but do not wait that long
+		sleep 1
+		kill "$sp" 2>/dev/null
+	fi
+	wait "$sp"
+	src=$?
+	emit "$case" "$rep" "$W/s.out" "$W/c.out"
+	if [[ $kind == strace && -s $W/st.log ]]; then
+		echo "@@ {\"case\":\"$case\",\"rep\":$rep,\"kind\":\"syscalls\",\"role\":\"client\",\"counts\":$(syscall_counts "$W/st.log")}"
+	fi
+	if [[ $kind == callgrind && -s $W/cg.log ]]; then
+		echo "@@ {\"case\":\"$case\",\"rep\":$rep,\"kind\":\"callgrind\",\"role\":\"client\",\"ir\":$(callgrind_ir "$W/cg.log"),\"top\":[$(callgrind_top "$W/cg.log")]}"
+	fi
+	say "$case rep $rep: $(($(now_ms) - t0)) ms"
+	if [[ $crc -ne 0 || $src -ne 0 ]]; then
+		fail "$case" "$rep" "exit status client $crc, server $src"
+		return 1
+	fi
+	return 0
+}
+
+# single CASE REP [KIND] with C=(command): one process (cm_evcost)
+run_single() {
+	local case=$1 rep=$2 kind=${3:-} rc t0
+	t0=$(now_ms)
+	rm -f "$W"/*.out "$W"/*.err "$W"/st.log "$W"/cg.log
+	case $kind in
+	strace) timeout -k 5 600 strace -f -o "$W/st.log" "${C[@]}" >"$W/c.out" 2>"$W/c.err" ;;
+	callgrind)
+		timeout -k 5 600 valgrind --tool=callgrind --collect-atstart=no --callgrind-out-file="$W/cg.log" \
+			"${C[@]}" >"$W/c.out" 2>"$W/c.err"
+		;;
+	allocs) timeout -k 5 600 env "LD_PRELOAD=$BIN/allocount.so" "${C[@]}" >"$W/c.out" 2>"$W/c.err" ;;
+	*) timeout -k 5 600 "${C[@]}" >"$W/c.out" 2>"$W/c.err" ;;
+	esac
+	rc=$?
+	say "$case rep $rep: $(($(now_ms) - t0)) ms"
+	emit "$case" "$rep" "$W/c.out"
+	[[ $kind == strace && -s $W/st.log ]] &&
+		echo "@@ {\"case\":\"$case\",\"rep\":$rep,\"kind\":\"syscalls\",\"role\":\"client\",\"counts\":$(syscall_counts "$W/st.log")}"
+	[[ $kind == callgrind && -s $W/cg.log ]] &&
+		echo "@@ {\"case\":\"$case\",\"rep\":$rep,\"kind\":\"callgrind\",\"role\":\"client\",\"ir\":$(callgrind_ir "$W/cg.log"),\"top\":[$(callgrind_top "$W/cg.log")]}"
+	[[ $rc -eq 0 ]] || { fail "$case" "$rep" "exit status $rc"; return 1; }
+}
+
+# ---- the workloads -------------------------------------------------------
+storm() { # VARIANT N REP [KIND]
+	local v=$1 n=$2 rep=$3 kind=${4:-}
+	next_port
+	S=("$BIN/cm_storm_$v" -S -a "$ADDR" -p "$port" -c "$n" -t 300)
+	C=("$BIN/cm_storm_$v" -a "$ADDR" -p "$port" -c "$n" -t 300)
+	run_pair "storm_${v}_$n${kind:+_$kind}" "$rep" "$kind"
+}
+
+storm_cmtime() { # N REP
+	local n=$1 rep=$2 case="storm_cmtime_$1" sp crc
+	next_port
+	rm -f "$W"/*.out "$W"/*.err
+	"$BIN/cpurun" server cmtime -b "$ADDR" -c "$n" -p "$port" >"$W/s.out" 2>"$W/s.err" &
+	sp=$!
+	if ! wait_cm_listen "$port" "$sp"; then
+		kill_tree "$sp"
+		wait "$sp" 2>/dev/null
+		fail "$case" "$rep" "cmtime server did not listen"
+		return 1
+	fi
+	timeout -k 5 300 "$BIN/cpurun" client cmtime -s "$ADDR" -c "$n" -p "$port" >"$W/c.out" 2>"$W/c.err"
+	crc=$?
+	kill_tree "$sp"
+	wait "$sp" 2>/dev/null
+	emit "$case" "$rep" "$W/s.err" "$W/c.err"
+	awk -v c="$case" -v r="$rep" -v n="$n" -F: '
+		NF >= 2 && $1 ~ /^(create id|resolve addr|resolve route|create qp|connect|disconnect|destroy)/ {
+			name = $1; gsub(/ +$/, "", name); gsub(/ /, "_", name); if (name == "destroy_id") name = "destroy"
+			split($2, f, " "); ms[name] = f[1]; total += f[1]; order[++k] = name
+		}
+		END {
+			printf "@@ {\"case\":\"%s\",\"rep\":%s,\"variant\":\"cmtime\",\"role\":\"client\",\"conns\":%s,\"total_ms\":%s", c, r, n, total
+			for (i = 1; i <= k; i++) printf ",\"ms_%s\":%s", order[i], ms[order[i]]
+			printf "}\n"
+		}' "$W/c.out"
+	[[ $crc -eq 0 ]] || { fail "$case" "$rep" "cmtime client exit $crc"; return 1; }
+}
+
+evcost() { # VARIANT REP [KIND] [K] [ROUNDS]
+	local v=$1 rep=$2 kind=${3:-} k=${4:-$EV_K} r=${5:-$EV_R}
+	C=("$BIN/cm_evcost_$v" -a "$ADDR" -k "$k" -r "$r" -w 1)
+	run_single "evcost_$v${kind:+_$kind}" "$rep" "$kind"
+}
+
+pp() { # VARIANT MODE WORKLOAD N REP [KIND] [EXTRA...]
+	local v=$1 m=$2 w=$3 n=$4 rep=$5 kind=${6:-}
+	shift 6 2>/dev/null || shift $#
+	local extra=("$@") tag=""
+	[[ $kind == _ ]] && kind=
+	[[ ${#extra[@]} -gt 0 ]] && tag=_$(printf '%s' "${extra[*]}" | tr -d ' -')
+	next_port
+	S=("$BIN/cq_pingpong_$v" -S -a "$ADDR" -p "$port" -w "$w" -m "$m" -n "$n" -W "$PP_WARM" -t 300 "${extra[@]}")
+	C=("$BIN/cq_pingpong_$v" -a "$ADDR" -p "$port" -w "$w" -m "$m" -n "$n" -W "$PP_WARM" -t 300 "${extra[@]}")
+	run_pair "${w}_${v}_$m$tag${kind:+_$kind}" "$rep" "$kind"
+}
+
+rc_pingpong() { # N REP  (stock ibv_rc_pingpong -e, event mode)
+	local n=$1 rep=$2 case=pp_stock_rcpp_event sp crc
+	next_port
+	rm -f "$W"/*.out "$W"/*.err
+	"$BIN/cpurun" server timeout -k 5 300 ibv_rc_pingpong -d "$DEV" -g "$GID" -e -n "$n" -s 64 -p "$port" >"$W/s.out" 2>"$W/s.err" &
+	sp=$!
+	if ! wait_tcp_listen "$port" "$sp"; then
+		kill_tree "$sp"
+		wait "$sp" 2>/dev/null
+		fail "$case" "$rep" "ibv_rc_pingpong server did not listen"
+		return 1
+	fi
+	"$BIN/cpurun" client timeout -k 5 300 ibv_rc_pingpong -d "$DEV" -g "$GID" -e -n "$n" -s 64 -p "$port" "$ADDR" >"$W/c.out" 2>"$W/c.err"
+	crc=$?
+	wait "$sp"
+	emit "$case" "$rep" "$W/s.err" "$W/c.err"
+	awk -v c="$case" -v r="$rep" '/iters in/ {
+		printf "@@ {\"case\":\"%s\",\"rep\":%s,\"variant\":\"stock\",\"role\":\"client\",\"iters\":%s,\"seconds\":%s,\"usec_per_iter\":%s}\n", c, r, $1, $4, $7 }' "$W/c.out"
+	[[ $crc -eq 0 ]] || { fail "$case" "$rep" "ibv_rc_pingpong client exit $crc"; return 1; }
+}
+
+send_lat() { # N REP  (stock ib_send_lat, busy polling)
+	local n=$1 rep=$2 case=pp_stock_sendlat_busy sp crc
+	next_port
+	rm -f "$W"/*.out "$W"/*.err
+	"$BIN/cpurun" server timeout -k 5 300 ib_send_lat -d "$DEV" -x "$GID" -n "$n" -s 64 -F -p "$port" >"$W/s.out" 2>"$W/s.err" &
+	sp=$!
+	if ! wait_tcp_listen "$port" "$sp"; then
+		kill_tree "$sp"
+		wait "$sp" 2>/dev/null
+		fail "$case" "$rep" "ib_send_lat server did not listen"
+		return 1
+	fi
+	"$BIN/cpurun" client timeout -k 5 300 ib_send_lat -d "$DEV" -x "$GID" -n "$n" -s 64 -F -p "$port" "$ADDR" >"$W/c.out" 2>"$W/c.err"
+	crc=$?
+	wait "$sp"
+	emit "$case" "$rep" "$W/s.err" "$W/c.err"
+	awk -v c="$case" -v r="$rep" 'hdr && NF >= 9 {
+		printf "@@ {\"case\":\"%s\",\"rep\":%s,\"variant\":\"stock\",\"role\":\"client\",\"iters\":%s,\"t_min_us\":%s,\"t_typical_us\":%s,\"t_avg_us\":%s,\"p99_us\":%s}\n", c, r, $2, $3, $5, $6, $8
+		exit }
+		/#bytes/ { hdr = 1 }' "$W/c.out"
+	[[ $crc -eq 0 ]] || { fail "$case" "$rep" "ib_send_lat client exit $crc"; return 1; }
+}
+
+# runs the commands given as arguments in order, or reversed for even reps
+alternate() { # REP CMD1 CMD2 ...  (each CMD one string, word-split)
+	local rep=$1 i
+	shift
+	local cmds=("$@")
+	if ((rep % 2 == 0)); then
+		for ((i = ${#cmds[@]} - 1; i >= 0; i--)); do ${cmds[i]}; done
+	else
+		for ((i = 0; i < ${#cmds[@]}; i++)); do ${cmds[i]}; done
+	fi
+}
+
+section() {
+	local now
+	now=$(now_ms)
+	if [[ -n ${sec_name:-} ]]; then
+		echo "@@ {\"kind\":\"section\",\"name\":\"$sec_name\",\"seconds\":$(((now - sec_t0) / 1000)).$((((now - sec_t0) % 1000) / 100))}"
+	fi
+	sec_name=${1:-}
+	sec_t0=$now
+	[[ -n $sec_name ]] && say "---- $sec_name"
+}
+
+# ---- machine ---------------------------------------------------------------
+if [[ -z ${RDMASAFE_BENCH_QUICK_PART:-} ]]; then
+	cpu_model=$(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //')
+	echo "@@ {\"kind\":\"machine\",\"nproc\":$(nproc),\"cpu\":$(json_str "$cpu_model"),\"kernel\":$(json_str "$(uname -r)"),\"clocksource\":$(json_str "$(cat /sys/devices/system/clocksource/clocksource0/current_clocksource 2>/dev/null)"),\"mem_mb\":$(($(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024)),\"quick\":$QUICK,\"repeats\":$REPEATS,\"device\":$(json_str "$DEV")}"
+	say "machine: $(nproc) vCPU, $cpu_model, $(uname -r), quick=$QUICK repeats=$REPEATS"
+fi
+
+# ---- quick (smoke) run: every program and mode once, tiny sizes ----------
+# Two halves run at the same time (timing does not matter here), each in
+# its own guest.sh with its own ports and files; this shell merges them.
+if [[ $QUICK == 1 ]]; then
+	case ${RDMASAFE_BENCH_QUICK_PART:-} in
+	a)
+		port=7800
+		storm rdmasafe "${STORM_NS[0]}" 1
+		evcost rdmasafe 1 "" "$EV_K" "$EV_R"
+		pp rdmasafe event pp "$PP_N" 1
+		pp rdmasafe busy pp "$PP_N" 1
+		pp rdmasafe adaptive pp "$PP_N" 1
+		pp rdmasafe event stream "$STREAM_N" 1
+		;;
+	b)
+		port=7900
+		storm raw "${STORM_NS[0]}" 1
+		evcost raw 1 "" "$EV_K" "$EV_R"
+		pp raw event pp "$PP_N" 1
+		pp raw busy pp "$PP_N" 1
+		pp raw event stream "$STREAM_N" 1
+		pp rdmasafe adaptive idle "$IDLE_N" 1
+		evcost rdmasafe 0 allocs "$ST_EV_K" 1
+		;;
+	*)
+		section quick
+		RDMASAFE_BENCH_QUICK_PART=a bash "${BASH_SOURCE[0]}" >"$W/part-a" &
+		pa=$!
+		RDMASAFE_BENCH_QUICK_PART=b bash "${BASH_SOURCE[0]}" >"$W/part-b" &
+		pb=$!
+		wait "$pa" || true
+		wait "$pb" || true
+		grep -hv '"kind":"\(summary\|machine\)"' "$W/part-a" "$W/part-b"
+		failures=$(cat "$W/part-a" "$W/part-b" | sed -n 's/.*"kind":"summary","failures":\([0-9]*\).*/\1/p' |
+			awk '{ s += $1 } END { print s + 0 }')
+		section
+		;;
+	esac
+	say "done: $failures failed"
+	echo "@@ {\"kind\":\"summary\",\"failures\":$failures,\"seconds\":$((($(now_ms) - t_start) / 1000))}"
+	[[ $failures -eq 0 ]]
+	exit
+fi
+
+# ---- counts ----------------------------------------------------------------
+section counts
+for v in rdmasafe raw; do
+	evcost "$v" 0 strace "$ST_EV_K" 1
+	evcost "$v" 0 allocs "$EV_K" 2
+	storm "$v" "$ST_STORM_N" 0 strace
+	storm "$v" "$ST_STORM_N" 0 allocs
+done
+for vm in rdmasafe:event rdmasafe:busy rdmasafe:adaptive raw:event raw:busy; do
+	pp "${vm%%:*}" "${vm##*:}" pp "$ST_PP_N" 0 strace
+	pp "${vm%%:*}" "${vm##*:}" pp "$ST_PP_N" 0 allocs
+done
+for v in rdmasafe raw; do
+	pp "$v" event stream "$ST_STREAM_N" 0 strace
+done
+if [[ $CALLGRIND == 1 ]]; then
+	for v in rdmasafe raw; do
+		evcost "$v" 0 callgrind 300 2
+		pp "$v" event pp 200 0 callgrind
+	done
+fi
+
+# ---- times (alternated repeats) --------------------------------------------
+section times
+for ((rep = 1; rep <= REPEATS; rep++)); do
+	say "repeat $rep of $REPEATS"
+	for n in "${STORM_NS[@]}"; do
+		alternate "$rep" "storm rdmasafe $n $rep" "storm raw $n $rep" "storm_cmtime $n $rep"
+	done
+	alternate "$rep" "evcost rdmasafe $rep" "evcost raw $rep"
+	alternate "$rep" \
+		"pp rdmasafe event pp $PP_N $rep" "pp raw event pp $PP_N $rep" \
+		"pp rdmasafe busy pp $PP_N $rep" "pp raw busy pp $PP_N $rep" \
+		"pp rdmasafe adaptive pp $PP_N $rep" \
+		"rc_pingpong $RCPP_N $rep" "send_lat $SENDLAT_N $rep"
+	alternate "$rep" \
+		"pp rdmasafe event pp $PP_N $rep fastclock" "pp raw event pp $PP_N $rep fastclock" \
+		"pp rdmasafe busy pp $PP_N $rep fastclock" "pp raw busy pp $PP_N $rep fastclock"
+	alternate "$rep" \
+		"pp rdmasafe busy idle $IDLE_N $rep" "pp rdmasafe adaptive idle $IDLE_N $rep" \
+		"pp raw busy idle $IDLE_N $rep" "pp raw event idle $IDLE_N $rep" \
+		"pp rdmasafe event idle $IDLE_N $rep" \
+		"pp rdmasafe adaptive idle $IDLE_N $rep _ -A 2000"
+	alternate "$rep" \
+		"pp rdmasafe event stream $STREAM_N $rep" "pp raw event stream $STREAM_N $rep" \
+		"pp rdmasafe event stream $STREAM_N $rep fastclock" "pp raw event stream $STREAM_N $rep fastclock"
+done
+
+# ---- load ------------------------------------------------------------------
+if ((BIG_N > 0)); then
+	section load
+	pp rdmasafe event stream "$BIG_N" 0 big
+	pp raw event stream "$BIG_N" 0 big
+fi
+section
+
+say "done: $failures failed"
+echo "@@ {\"kind\":\"summary\",\"failures\":$failures,\"seconds\":$((($(now_ms) - t_start) / 1000))}"
+[[ $failures -eq 0 ]]

@@ -1,0 +1,745 @@
+#!/usr/bin/env python3
+"""Turns the output of tests/bench/guest.sh into docs/BENCHMARKS.md and
+docs/bench-latency.png (the plot with gnuplot).
+
+    report.py RESULTS.txt OUT.md OUT.png
+
+RESULTS.txt holds "@@ {json}" lines (anything else is ignored). Only the
+Python standard library is used. Times are reported as median [min-max]
+over the repeats; ratios rdmasafe/raw are computed per repeat (the two ran
+back to back) and reported the same way.
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+
+# --------------------------------------------------------------------------
+# loading
+
+
+def load(path):
+    recs = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.startswith("@@ "):
+                continue
+            try:
+                recs.append(json.loads(line[3:]))
+            except json.JSONDecodeError:
+                sys.stderr.write(f"report.py: bad line: {line[:120]}\n")
+    return recs
+
+
+class Data:
+    def __init__(self, recs):
+        self.recs = recs
+        self.machine = next((r for r in recs if r.get("kind") == "machine"), {})
+        self.host = next((r for r in recs if r.get("kind") == "host"), {})
+        self.summary = next((r for r in recs if r.get("kind") == "summary"), {})
+        self.sections = {r["name"]: r["seconds"] for r in recs if r.get("kind") == "section"}
+        self.errors = [r for r in recs if r.get("kind") == "error"]
+        # (case, role) -> {rep: record}; kind-specific records separately
+        self.by = defaultdict(dict)
+        self.cpurun = defaultdict(dict)
+        self.syscalls = {}
+        self.callgrind = {}
+        self.callgrind_top = {}
+        for r in recs:
+            k = r.get("kind")
+            case, rep = r.get("case"), r.get("rep")
+            if case is None:
+                continue
+            if k == "cpurun":
+                self.cpurun[(case, r.get("role"))][rep] = r
+            elif k == "syscalls":
+                self.syscalls[case] = r["counts"]
+            elif k == "callgrind":
+                self.callgrind[case] = r.get("ir")
+                self.callgrind_top[case] = r.get("top", [])
+            elif k is None:
+                self.by[(case, r.get("role", "client"))][rep] = r
+
+    def reps(self, case, role="client"):
+        return self.by.get((case, role), {})
+
+    def vals(self, case, key, role="client", f=None):
+        out = {}
+        for rep, r in self.reps(case, role).items():
+            if key in r or f:
+                try:
+                    out[rep] = f(r) if f else r[key]
+                except (KeyError, ZeroDivisionError, TypeError):
+                    pass
+        return out
+
+    def one(self, case, role="client"):
+        """The record of a case run once (counts phase)."""
+        d = self.reps(case, role)
+        return next(iter(d.values())) if d else None
+
+
+# --------------------------------------------------------------------------
+# formatting
+
+
+def med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def fnum(x, digits=3):
+    if x is None:
+        return "n/a"
+    if isinstance(x, int) or (isinstance(x, float) and x.is_integer() and abs(x) >= 100):
+        return f"{int(x):,}"
+    ax = abs(x)
+    if ax >= 1000:
+        return f"{x:,.0f}"
+    if ax >= 100:
+        return f"{x:.0f}"
+    if ax >= 10:
+        return f"{x:.1f}"
+    if ax >= 1:
+        return f"{x:.2f}"
+    if ax == 0:
+        return "0"
+    return f"{x:.{digits}f}"
+
+
+def mmm(vals, scale=1.0):
+    """median [min-max] of a {rep: value} dict (or list)"""
+    xs = list(vals.values()) if isinstance(vals, dict) else list(vals)
+    xs = [x * scale for x in xs if x is not None]
+    if not xs:
+        return "n/a"
+    if len(xs) == 1:
+        return fnum(xs[0])
+    return f"{fnum(statistics.median(xs))} [{fnum(min(xs))}-{fnum(max(xs))}]"
+
+
+def paired(a, b):
+    """per-repeat a/b for the repeats both have"""
+    return {rep: a[rep] / b[rep] for rep in a if rep in b and b[rep]}
+
+
+def table(header, rows):
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for r in rows:
+        out.append("| " + " | ".join(str(c) for c in r) + " |")
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------
+
+
+def build(d, png_name):
+    m = d.machine
+    quick = m.get("quick") == 1
+    L = []
+    w = L.append
+
+    def per_rep_sum(case, key_fn):
+        """per repeat: key_fn(client_rec, server_rec)"""
+        cl, sv = d.reps(case, "client"), d.reps(case, "server")
+        out = {}
+        for rep in cl:
+            if rep in sv:
+                try:
+                    out[rep] = key_fn(cl[rep], sv[rep])
+                except (KeyError, ZeroDivisionError, TypeError):
+                    pass
+        return out
+
+    # ---------------- header
+    w("# rdmasafe benchmarks")
+    w("")
+    w("GENERATED by `tests/bench/run.sh` from one run (do not edit by hand; "
+      "rerun the command). " + ("**This is a --quick smoke run: sizes are tiny, numbers are meaningless.**" if quick else ""))
+    w("")
+    w("```sh\ntests/bench/run.sh            # this page and docs/bench-latency.png (~7-15 min)\n"
+      "tests/bench/run.sh --quick    # smoke run, tiny sizes\n```")
+    w("")
+    g = d.host.get("guest_wall_s")
+    tot = d.host.get("command_s")
+    w(f"This run ({d.host.get('date', '?')}): guest {g} s" + (f", whole command {tot} s (build + guest; the report takes a few seconds more)" if tot else "")
+      + f"; phases: " + ", ".join(f"{k} {v} s" for k, v in d.sections.items())
+      + f"; failures: {d.summary.get('failures', 'n/a')}; library profile: {d.host.get('profile', '?')}.")
+    w("")
+    w("Machine: everything ran in ONE throw-away QEMU guest under TCG (software "
+      f"CPU emulation, no KVM): {m.get('nproc')} vCPUs (`nproc`), CPU model \"{m.get('cpu')}\", "
+      f"kernel {m.get('kernel')} (Debian's stock kernel), Soft-RoCE (`rdma_rxe`) device "
+      f"{m.get('device')} on a dummy netdev, clocksource `{m.get('clocksource')}`, "
+      f"{m.get('mem_mb')} MB. The host has 2 cores. Under TCG absolute times say nothing "
+      "about real RDMA hardware; only ratios of runs made side by side in this guest mean "
+      "something, and counts (system calls, instructions, allocations, wakeups, acks) "
+      "matter more than times.")
+    w("")
+    if d.errors:
+        w("**Failed runs:** " + "; ".join(f"{e['case']} rep {e['rep']}: {e['error']}" for e in d.errors))
+        w("")
+
+    # ================= derived figures
+    rs, raw = "rdmasafe", "raw"
+
+    # CM event micro: counts
+    ev_st = {v: d.syscalls.get(f"evcost_{v}_strace") for v in (rs, raw)}
+    ev_st_n = {v: (d.one(f"evcost_{v}_strace") or {}).get("events") for v in (rs, raw)}
+    ev_ir = {v: d.callgrind.get(f"evcost_{v}_callgrind") for v in (rs, raw)}
+    ev_ir_n = {v: (d.one(f"evcost_{v}_callgrind") or {}).get("events") for v in (rs, raw)}
+    ev_al = {v: d.one(f"evcost_{v}_allocs") or {} for v in (rs, raw)}
+
+    def per(counts, n):
+        if not counts or not n:
+            return None
+        return sum(counts.values()) / n
+
+    def per_name(counts, n):
+        if not counts or not n:
+            return "n/a"
+        return ", ".join(f"{k} {fnum(v / n)}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+    sc_ev = {v: per(ev_st[v], ev_st_n[v]) for v in (rs, raw)}
+    ir_ev = {v: (ev_ir[v] / ev_ir_n[v]) if ev_ir[v] and ev_ir_n[v] else None for v in (rs, raw)}
+    al_ev = {v: ev_al[v].get("allocs_per_event") for v in (rs, raw)}
+    own_slots = ev_al[rs].get("rs_slots_allocated_in_window")
+
+    # CM storm counts
+    st_cases = {v: next((c for c in d.syscalls if c.startswith(f"storm_{v}_") and c.endswith("_strace")), None)
+                for v in (rs, raw)}
+    st_n = {v: (d.one(st_cases[v]) if st_cases[v] else None) or {} for v in (rs, raw)}
+    sc_conn = {v: per(d.syscalls.get(st_cases[v]) if st_cases[v] else None, st_n[v].get("conns")) for v in (rs, raw)}
+    al_cases = {v: next((c for (c, role) in d.by if c.startswith(f"storm_{v}_") and c.endswith("_allocs")), None)
+                for v in (rs, raw)}
+    al_conn = {}
+    for v in (rs, raw):
+        r = d.one(al_cases[v]) if al_cases[v] else None
+        al_conn[v] = r["allocs_window"] / r["conns"] if r else None
+
+    # CQ counts (pp, client window)
+    modes = [(rs, "event"), (rs, "busy"), (rs, "adaptive"), (raw, "event"), (raw, "busy")]
+    pp_sc = {}
+    for v, mo in modes:
+        c = d.syscalls.get(f"pp_{v}_{mo}_strace")
+        r = d.one(f"pp_{v}_{mo}_strace")
+        pp_sc[(v, mo)] = (c, r["n"] if r else None, r)
+    pp_ir = {}
+    for v in (rs, raw):
+        ir = d.callgrind.get(f"pp_{v}_event_callgrind")
+        r = d.one(f"pp_{v}_event_callgrind")
+        pp_ir[v] = ir / (2 * r["n"]) if ir and r else None
+
+    def no_clock(c):
+        return {k: v for k, v in c.items() if k != "clock_gettime"} if c else None
+
+    # ================= targets at a glance
+    w("## Targets at a glance")
+    w("")
+    w("Measured against the targets of the benchmark issue. Nothing here is asserted "
+      "by a test; a miss is reported with its reason further down.")
+    w("")
+    rows = []
+
+    def verdict(ok):
+        return "n/a" if ok is None else ("met" if ok else "**missed**")
+
+    # 1 syscalls
+    a, b = sc_ev[rs], sc_ev[raw]
+    rows.append(["CM: system calls per event <= raw (get + release, strace)",
+                 f"{fnum(a)} vs raw {fnum(b)}", verdict(None if a is None or b is None else a <= b + 1e-9)])
+    c_rs, n_rs, _ = pp_sc.get((rs, "event"), (None, None, None))
+    c_raw, n_raw, _ = pp_sc.get((raw, "event"), (None, None, None))
+    a, b = per(c_rs, n_rs), per(c_raw, n_raw)
+    rows.append(["CQ event mode: system calls per round trip <= raw (client, strace)",
+                 f"{fnum(a)} vs raw {fnum(b)}", verdict(None if a is None or b is None else a <= b + 1e-9)])
+    a2, b2 = per(no_clock(c_rs), n_rs), per(no_clock(c_raw), n_raw)
+    rows.append(["... the same without clock_gettime (a system call only on this guest's hpet clocksource)",
+                 f"{fnum(a2)} vs raw {fnum(b2)}", verdict(None if a2 is None or b2 is None else a2 <= b2 + 1e-9)])
+    # 2 instructions
+    a = (ir_ev[rs] - ir_ev[raw]) if ir_ev[rs] is not None and ir_ev[raw] is not None else None
+    rows.append(["CM: at most a few hundred user-space instructions per event beyond raw (callgrind)",
+                 f"{fnum(a)} (rdmasafe {fnum(ir_ev[rs])}, raw {fnum(ir_ev[raw])})",
+                 verdict(None if a is None else a <= 500)])
+    a = (pp_ir[rs] - pp_ir[raw]) if pp_ir[rs] is not None and pp_ir[raw] is not None else None
+    rows.append(["CQ event mode: few hundred instructions per completion beyond raw (callgrind)",
+                 f"{fnum(a)} (rdmasafe {fnum(pp_ir[rs])}, raw {fnum(pp_ir[raw])})",
+                 verdict(None if a is None else a <= 500)])
+    # 3 CM rate
+    storm_ratio = {}
+    for n in (200, 1000, 10, 20):
+        t_rs = d.vals(f"storm_{rs}_{n}", "total_ms")
+        t_raw = d.vals(f"storm_{raw}_{n}", "total_ms")
+        if t_rs and t_raw:
+            storm_ratio[n] = paired(t_raw, t_rs)  # rate ratio = raw time / rdmasafe time
+    for n, pr in storm_ratio.items():
+        mm = med(pr.values())
+        rows.append([f"CM storm N={n}: connection rate >= 0.98x raw",
+                     f"{mmm(pr)}x (per-repeat pairs)", verdict(None if mm is None else mm >= 0.98)])
+    # 4 allocations
+    own = None
+    if al_ev[rs] is not None and al_ev[raw] is not None:
+        own = al_ev[rs] - al_ev[raw]
+    rows.append(["CM: 0 allocations of rdmasafe's own per event in steady state",
+                 f"{fnum(own)} per event (total {fnum(al_ev[rs])} vs raw {fnum(al_ev[raw])}; "
+                 f"slots allocated in window: {own_slots})",
+                 verdict(None if own is None else (abs(own) < 1e-9 and not own_slots))])
+    # 5 CQ event rate and CPU
+    def pp_rate(case):
+        return d.vals(case, "r", f=lambda r: 2 * r["n"] / r["window_s"])
+
+    def pp_cpu(case):  # ms of CPU (both processes) per 1000 messages
+        return per_rep_sum(case, lambda c, s: (c["cpu_user_s"] + c["cpu_sys_s"] + s["cpu_user_s"] + s["cpu_sys_s"])
+                           / (2 * c["n"]) * 1000 * 1000)
+
+    for suffix, label in (("", ""), ("_fastclock", " (user-space clock, diagnostic)")):
+        r_rs, r_raw = pp_rate(f"pp_{rs}_event{suffix}"), pp_rate(f"pp_{raw}_event{suffix}")
+        c_rs2, c_raw2 = pp_cpu(f"pp_{rs}_event{suffix}"), pp_cpu(f"pp_{raw}_event{suffix}")
+        pr, pc = paired(r_rs, r_raw), paired(c_rs2, c_raw2)
+        if pr:
+            ok = None if med(pr.values()) is None else (med(pr.values()) >= 0.98 and med(pc.values()) <= 1.0)
+            rows.append([f"CQ event mode{label}: rate >= 0.98x hand-written loop at <= its CPU per message",
+                         f"rate {mmm(pr)}x, CPU/msg {mmm(pc)}x", verdict(ok)])
+    # 6 adaptive idle
+    def p50(case):
+        return d.vals(case, "p50_ns")
+
+    def srv_cpu_per_msg(case):  # server CPU us per message (idle)
+        return d.vals(case, "c", role="server",
+                      f=lambda r: (r["cpu_user_s"] + r["cpu_sys_s"]) / (2 * r["n"]) * 1e6)
+
+    for case_a, label in ((f"idle_{rs}_adaptive", "default spin 50 us"), (f"idle_{rs}_adaptive_A2000", "spin 2000 us")):
+        pl = paired(p50(case_a), p50(f"idle_{rs}_busy"))
+        pcpu = paired(srv_cpu_per_msg(case_a), srv_cpu_per_msg(f"idle_{rs}_busy"))
+        if pl:
+            ok = med(pl.values()) <= 1.10 and med(pcpu.values()) <= 0.30
+            rows.append([f"Mostly idle ({label}): adaptive p50 within 10% of busy-poll at <= 30% of its CPU",
+                         f"p50 {mmm(pl)}x, server CPU/msg {mmm(pcpu)}x", verdict(ok)])
+    # 7 acks under load
+    for case in (f"stream_{rs}_event_big", f"stream_{rs}_event"):
+        v = d.vals(case, "a", role="server", f=lambda r: r["ack_calls"] / r["cq_events"])
+        # a loop acks every 16th event, plus one flush of the rest at stop
+        ok = d.vals(case, "o", role="server", f=lambda r: r["ack_calls"] <= r["cq_events"] / 16 + 1)
+        if v:
+            n = d.one(case, "server")["n"]
+            rows.append([f"Under load (stream of {n:,} sends, receiver): ack calls <= 1 per 16 CQ events",
+                         f"1 per {fnum(1 / med(v.values()))} events (the last call flushes the remainder at stop)",
+                         verdict(all(ok.values()))])
+            break
+    w(table(["target", "measured", "verdict"], rows))
+    w("")
+
+    # ================= counts
+    w("## 1. Counts (do not depend on timing)")
+    w("")
+    w("System calls: `strace -f`, counting only the calls between two `getppid()` markers "
+      "the programs make around the measured loop (set-up and teardown excluded). "
+      "Instructions: `valgrind --tool=callgrind --collect-atstart=no`, collection toggled on "
+      "for the same window (user space only). Allocations: `allocount.so` (LD_PRELOAD, "
+      "counts malloc/calloc/realloc/memalign calls of the whole process in the window). "
+      "strace slows the traced process, so event batching under strace can differ from the "
+      "timed runs; the loop counters (wakeups, acks) below come from the untraced timed runs.")
+    w("")
+    w("### CM events (cm_evcost: K queued ADDR_RESOLVED events drained by get + release)")
+    w("")
+    rows = []
+    for v, label in ((rs, "rdmasafe_get_event + rdmasafe_event_free"), (raw, "rdma_get_cm_event + rdma_ack_cm_event")):
+        rows.append([label, fnum(sc_ev[v]), per_name(ev_st[v], ev_st_n[v]), fnum(ir_ev[v]), fnum(al_ev[v])])
+    w(table(["variant", "syscalls / event", "by call", "instructions / event", "allocations / event (all)"], rows))
+    w("")
+    w(f"rdmasafe's own allocations per event: {fnum(own)} (its total minus raw's; the one "
+      "remaining allocation per event is librdmacm's own `malloc` of the event inside "
+      f"`rdma_get_cm_event`, present in both); copy slots newly allocated during the "
+      f"measured window: {own_slots}.")
+    w("")
+    w("### CM connection storm (cm_storm client, per connection: create, resolve addr + route, QP, connect, disconnect, destroy)")
+    w("")
+    rows = []
+    for v in (rs, raw):
+        c = d.syscalls.get(st_cases[v]) if st_cases[v] else None
+        n = st_n[v].get("conns")
+        rows.append([v, n, fnum(sc_conn[v]), per_name(c, n), fnum(al_conn[v])])
+    w(table(["variant", "N", "syscalls / connection", "by call", "allocations / connection"], rows))
+    w("")
+    w("### CQ ping-pong (cq_pingpong client, per round trip = 1 send + 1 receive completion)")
+    w("")
+    rows = []
+    for v, mo in modes:
+        c, n, r = pp_sc[(v, mo)]
+        if not c:
+            continue
+        ir = pp_ir.get(v) if mo == "event" else None
+        rows.append([f"{v} {mo}", fnum(per(c, n)), fnum(per(no_clock(c), n)), per_name(c, n),
+                     fnum(ir) if ir else ("time-dependent" if mo != "event" else "n/a")])
+    w(table(["loop", "syscalls / round trip", "without clock_gettime", "by call",
+             "instructions / completion"], rows))
+    w("")
+    w("Allocations in the measured window (separate runs with allocount.so preloaded on both sides):")
+    w("")
+    rows = []
+    for v, mo in modes:
+        r = d.one(f"pp_{v}_{mo}_allocs")
+        s = d.one(f"pp_{v}_{mo}_allocs", "server")
+        if r:
+            rows.append([f"{v} {mo}", r["allocs_window"], r["n"], s["allocs_window"] if s else "n/a"])
+    w(table(["loop", "client allocations in window", "round trips", "server allocations in window"], rows))
+    w("")
+    tops = [(c, lab) for c, lab in ((f"evcost_{rs}_callgrind", "CM get + free (per event)"),
+                                     (f"evcost_{raw}_callgrind", "raw CM get + ack (per event)"),
+                                     (f"pp_{rs}_event_callgrind", "rdmasafe event loop (per completion)"),
+                                     (f"pp_{raw}_event_callgrind", "hand-written event loop (per completion)"))
+            if d.callgrind_top.get(c)]
+    if tops:
+        w("Where the user-space instructions go (callgrind, instructions executed in each function itself, "
+          "top functions of the measured window, divided by events or completions; hex names are functions "
+          "of the stripped rdma-core libraries):")
+        w("")
+        for c, lab in tops:
+            r = d.one(c)
+            div = (r["events"] if "evcost" in c else 2 * r["n"]) if r else None
+            if not div:
+                continue
+            items = [f"`{name[:70]}` {fnum(ir / div)}" for ir, name in d.callgrind_top[c][:12] if ir / div >= 5]
+            w(f"- {lab}: " + "; ".join(items))
+        w("")
+    w("Loop counters of the timed ping-pong runs (client side, whole run incl. warm-up; median over repeats):")
+    w("")
+    rows = []
+    for v, mo in modes:
+        case = f"pp_{v}_{mo}"
+        if not d.reps(case):
+            continue
+        rows.append([f"{v} {mo}",
+                     mmm(d.vals(case, "x", f=lambda r: r["wakeups"] / (2 * (r["recvs"])))),
+                     mmm(d.vals(case, "x", f=lambda r: r["completions"] / r["wakeups"])),
+                     mmm(d.vals(case, "x", f=lambda r: r["cq_events"] / (2 * r["recvs"]))),
+                     mmm(d.vals(case, "x", f=lambda r: r["ack_calls"] / r["cq_events"] if r["cq_events"] else 0)),
+                     mmm(d.vals(case, "x", f=lambda r: r["arm_calls"] / (2 * r["recvs"]))),
+                     mmm(d.vals(case, "empty_wakeups"))])
+    w(table(["loop", "wakeups / message", "completions / wakeup", "CQ events / message",
+             "ack calls / CQ event", "arm calls / message", "empty wakeups"], rows))
+    w("")
+
+    w("### Loop under load (stream of small sends, 64 bytes, at most 64 outstanding)")
+    w("")
+    rows = []
+    for case in (f"stream_{rs}_event_big", f"stream_{raw}_event_big", f"stream_{rs}_event", f"stream_{raw}_event",
+                 f"stream_{rs}_event_fastclock", f"stream_{raw}_event_fastclock"):
+        for role in ("server", "client"):
+            recs = d.reps(case, role)
+            if not recs:
+                continue
+            n = next(iter(recs.values()))["n"]
+            rows.append([case.replace("stream_", "").replace("_big", " (1M run)").replace("_fastclock", " + fastclock.so")
+                         .replace("_", " "),
+                         "receiver" if role == "server" else "sender",
+                         f"{n:,} x {len(recs)}",
+                         mmm(d.vals(case, "x", role, lambda r: r["completions"] / r["wakeups"])),
+                         mmm(d.vals(case, "x", role, lambda r: r["wakeups"] / r["n"])),
+                         mmm(d.vals(case, "x", role, lambda r: r["cq_events"] / r["n"])),
+                         mmm(d.vals(case, "x", role, lambda r: r["ack_calls"] / r["cq_events"] if r["cq_events"] else 0)),
+                         mmm(d.vals(case, "x", role, lambda r: r["empty_wakeups"])),
+                         mmm(d.vals(case, "x", role, lambda r: r["empty_wakeups"] / r["wakeups"]))])
+    w(table(["loop", "side", "messages x runs", "completions / wakeup", "wakeups / message", "CQ events / message",
+             "ack calls / CQ event", "empty wakeups", "empty / wakeups"], rows))
+    w("")
+    hist = d.one(f"stream_{rs}_event_big", "server") or d.one(f"stream_{rs}_event", "server")
+    if hist and "completions_per_wakeup_hist" in hist:
+        h = hist["completions_per_wakeup_hist"]
+        labels = ["0", "1"] + [f"{1 << (i - 1)}-{(1 << i) - 1}" for i in range(2, 15)] + [">=16384"]
+        w("Completions per wakeup, rdmasafe event-mode receiver of the "
+          f"{hist['n']:,}-send stream (histogram of `rdmasafe_cq_loop_stats`): "
+          + ", ".join(f"{lab}: {c}" for lab, c in zip(labels, h) if c))
+        w("")
+
+    # ================= times
+    w("## 2. Times (median [min-max] over the repeats, A/B alternated)")
+    w("")
+    w(f"{m.get('repeats')} repeats; in each repeat the variants of a workload ran back to back, "
+      "in reverse order every other repeat. Ratios are computed per repeat (pairs that ran next "
+      "to each other), then summarised.")
+    w("")
+    for n in (200, 1000, 10, 20):
+        cases = [(f"storm_{rs}_{n}", "rdmasafe C calls"), (f"storm_{raw}_{n}", "same program, raw librdmacm"),
+                 (f"storm_cmtime_{n}", "stock cmtime")]
+        if not d.reps(cases[0][0]):
+            continue
+        w(f"### CM connection storm, N = {n} (client step times, ms)")
+        w("")
+        steps = ["create_id", "resolve_addr", "resolve_route", "create_qp", "connect", "disconnect", "destroy"]
+        rows = []
+        for s in steps + ["total"]:
+            key = "total_ms" if s == "total" else f"ms_{s}"
+            rows.append([s] + [mmm(d.vals(c, key)) for c, _ in cases])
+        rows.append(["us per connection"] + [mmm(d.vals(c, "total_ms"), 1000.0 / n) for c, _ in cases])
+        rows.append(["connections / s"] + [mmm(d.vals(c, "x", f=lambda r: n / r["total_ms"] * 1000)) for c, _ in cases])
+        rows.append(["client CPU ms"] + [mmm(d.vals(c, "x", f=lambda r: (r["cpu_user_s"] + r["cpu_sys_s"]) * 1000))
+                                         for c, _ in cases[:2]] + ["n/a"])
+        w(table(["step"] + [lab for _, lab in cases], rows))
+        w("")
+        pr = storm_ratio.get(n, {})
+        if pr:
+            w(f"Connection rate rdmasafe / raw, per repeat: {mmm(pr)}x "
+              f"(per repeat: {', '.join(fnum(pr[k]) for k in sorted(pr))}).")
+            w("")
+    w("### CM event cost (cm_evcost, per event, ns)")
+    w("")
+    t_rs, t_raw = d.vals(f"evcost_{rs}", "ns_per_event"), d.vals(f"evcost_{raw}", "ns_per_event")
+    diff = {k: t_rs[k] - t_raw[k] for k in t_rs if k in t_raw}
+    rows = [["wall time per get + release", mmm(t_rs), mmm(t_raw), mmm(diff)],
+            ["user CPU per event", mmm(d.vals(f"evcost_{rs}", "cpu_user_ns_per_event")),
+             mmm(d.vals(f"evcost_{raw}", "cpu_user_ns_per_event")), ""],
+            ["system CPU per event", mmm(d.vals(f"evcost_{rs}", "cpu_sys_ns_per_event")),
+             mmm(d.vals(f"evcost_{raw}", "cpu_sys_ns_per_event")), ""]]
+    w(table(["", "rdmasafe", "raw", "rdmasafe - raw (per repeat)"], rows))
+    w("")
+    ev1 = d.one(f"evcost_{rs}")
+    if ev1:
+        w(f"{ev1['k']} events per round, {ev1['rounds']} rounds per run after one warm-up round; "
+          "most of the time is the `write()` into the kernel both variants make. "
+          f"Late rounds (an event not queued yet when the drain began): "
+          f"{sum(r.get('late_rounds', 0) for c in (f'evcost_{rs}', f'evcost_{raw}') for r in d.reps(c).values())}.")
+        w("")
+
+    def pp_table(title, suffix, stock):
+        w(f"### {title}")
+        w("")
+        rows = []
+        for v, mo in modes:
+            case = f"pp_{v}_{mo}{suffix}"
+            if not d.reps(case):
+                continue
+            rows.append([f"{v} {mo}", mmm(d.vals(case, "p50_ns"), 1e-3), mmm(d.vals(case, "p99_ns"), 1e-3),
+                         mmm(pp_rate(case)), mmm(pp_cpu(case))])
+        if stock:
+            rc = d.reps("pp_stock_rcpp_event")
+            if rc:
+                cpu = {}
+                for rep, r in rc.items():
+                    a = d.cpurun.get(("pp_stock_rcpp_event", "client"), {}).get(rep)
+                    b = d.cpurun.get(("pp_stock_rcpp_event", "server"), {}).get(rep)
+                    if a and b:
+                        cpu[rep] = (a["cpu_user_s"] + a["cpu_sys_s"] + b["cpu_user_s"] + b["cpu_sys_s"]) / (2 * r["iters"]) * 1e6
+                rows.append(["stock ibv_rc_pingpong -e (mean)", mmm(d.vals("pp_stock_rcpp_event", "usec_per_iter")), "n/a",
+                             mmm(d.vals("pp_stock_rcpp_event", "x", f=lambda r: 2 * r["iters"] / r["seconds"])),
+                             mmm(cpu) + " (whole process)"])
+            sl = d.reps("pp_stock_sendlat_busy")
+            if sl:
+                rows.append(["stock ib_send_lat (2 x one-way)", mmm(d.vals("pp_stock_sendlat_busy", "t_typical_us"), 2),
+                             mmm(d.vals("pp_stock_sendlat_busy", "p99_us"), 2),
+                             mmm(d.vals("pp_stock_sendlat_busy", "x", f=lambda r: 1e6 / r["t_avg_us"])), "n/a"])
+        w(table(["loop", "p50 round trip (us)", "p99 round trip (us)", "messages / s", "CPU ms / 1000 messages (both sides)"], rows))
+        w("")
+        pr = paired(pp_rate(f"pp_{rs}_event{suffix}"), pp_rate(f"pp_{raw}_event{suffix}"))
+        pc = paired(pp_cpu(f"pp_{rs}_event{suffix}"), pp_cpu(f"pp_{raw}_event{suffix}"))
+        pb = paired(pp_rate(f"pp_{rs}_busy{suffix}"), pp_rate(f"pp_{raw}_busy{suffix}"))
+        pbc = paired(pp_cpu(f"pp_{rs}_busy{suffix}"), pp_cpu(f"pp_{raw}_busy{suffix}"))
+        w(f"rdmasafe / hand-written, per repeat: event mode rate {mmm(pr)}x at CPU per message {mmm(pc)}x; "
+          f"busy-poll rate {mmm(pb)}x at CPU per message {mmm(pbc)}x.")
+        w("")
+        w("p50 per repeat (us; on a loaded host these jump between two regimes, see Noise): " + "; ".join(
+            f"{v} {mo}: " + ", ".join(fnum(x / 1000) for _, x in sorted(d.vals(f"pp_{v}_{mo}{suffix}", "p50_ns").items()))
+            for v, mo in modes if d.reps(f"pp_{v}_{mo}{suffix}")) + ".")
+        w("")
+        fast = {k for k, x in d.vals(f"pp_{rs}_event{suffix}", "p50_ns").items() if x < 2e6} & \
+               {k for k, x in d.vals(f"pp_{raw}_event{suffix}", "p50_ns").items() if x < 2e6}
+        if fast and len(fast) < len(pr):
+            w(f"Event-mode pairs in which both runs were in the fast regime (p50 < 2 ms; repeats "
+              f"{', '.join(str(k) for k in sorted(fast))}): rate {mmm({k: pr[k] for k in fast if k in pr})}x, "
+              f"CPU per message {mmm({k: pc[k] for k in fast if k in pc})}x.")
+            w("")
+
+    n_pp = (d.one(f"pp_{rs}_event") or {}).get("n")
+    pp_table(f"CQ ping-pong, {n_pp} round trips of 64 bytes after {50 if not quick else 5} warm-up", "", True)
+    if d.reps(f"pp_{rs}_event_fastclock"):
+        pp_table("CQ ping-pong with a user-space clock (diagnostic, `fastclock.so` preloaded on both sides)",
+                 "_fastclock", False)
+        w("`fastclock.so` serves `clock_gettime(CLOCK_MONOTONIC)` from the TSC in user space, as the "
+          "vDSO does on a machine whose clocksource is the TSC. In this guest the clocksource is "
+          f"`{m.get('clocksource')}`, so every `clock_gettime` is a real system call plus an emulated "
+          "HPET read, and rdmasafe's loop reads the clock several times per wakeup (the hand-written loop "
+          "does not read it at all; the client reads it twice per round trip in both variants). This table "
+          "shows the loops with that cost removed.")
+        w("")
+
+    # idle
+    idle_cases = [(f"idle_{rs}_busy", "rdmasafe busy-poll"), (f"idle_{rs}_adaptive", "rdmasafe adaptive (spin 50 us)"),
+                  (f"idle_{rs}_adaptive_A2000", "rdmasafe adaptive (spin 2000 us)"), (f"idle_{rs}_event", "rdmasafe event"),
+                  (f"idle_{raw}_busy", "hand-written busy-poll"), (f"idle_{raw}_event", "hand-written event")]
+    r0 = d.one(idle_cases[0][0])
+    if r0:
+        w(f"### Mostly idle: one ping per 1 ms, {r0['n']} round trips")
+        w("")
+        rows = []
+        for case, label in idle_cases:
+            if not d.reps(case):
+                continue
+            rows.append([label, mmm(d.vals(case, "p50_ns"), 1e-3), mmm(d.vals(case, "p99_ns"), 1e-3),
+                         mmm(srv_cpu_per_msg(case)),
+                         mmm(d.vals(case, "x", f=lambda r: (r["cpu_user_s"] + r["cpu_sys_s"]) / (2 * r["n"]) * 1e6))])
+        w(table(["loop (both sides)", "p50 round trip (us)", "p99 round trip (us)",
+                 "server CPU us / message", "client CPU us / message"], rows))
+        w("")
+        w("p50 per repeat (us): " + "; ".join(
+            f"{label}: " + ", ".join(fnum(x / 1000) for _, x in sorted(d.vals(case, "p50_ns").items()))
+            for case, label in idle_cases if d.reps(case)) + ".")
+        w("")
+
+    # stream times
+    n_st = (d.one(f"stream_{rs}_event", "server") or {}).get("n")
+    if n_st:
+        w(f"### Stream of {n_st:,} sends (64 bytes, window 64)")
+        w("")
+        rows = []
+        for v, mo in [(rs, "event"), (raw, "event"), (rs, "event_fastclock"), (raw, "event_fastclock")]:
+            case = f"stream_{v}_{mo}"
+            if not d.reps(case, "server"):
+                continue
+            rows.append([f"{v} {mo.replace('_fastclock', ' + fastclock.so')}",
+                         mmm(d.vals(case, "x", "server", lambda r: r["n"] / r["window_s"])),
+                         mmm(per_rep_sum(case, lambda c, s: (c["cpu_user_s"] + c["cpu_sys_s"] + s["cpu_user_s"] + s["cpu_sys_s"])
+                                         / c["n"] * 1e6)),
+                         mmm(d.vals(case, "x", "server", lambda r: (r["cpu_user_s"] + r["cpu_sys_s"]) / r["n"] * 1e6))])
+        w(table(["loop (both sides)", "messages / s (receiver)", "CPU us / message (both)", "receiver CPU us / message"], rows))
+        w("")
+
+    # ================= method and noise
+    w("## 3. Method")
+    w("")
+    w("- One command, `tests/bench/run.sh`: builds librdmasafe (`cargo build --release -p rdmasafe-capi`) "
+      "and the programs (`tests/bench/Makefile`, into `target/bench/<profile>/`), boots one guest "
+      "(`tests/bed/vm-run`) that runs `tests/bench/guest.sh`, keeps its output in "
+      "`target/bench/results-full.txt`, and writes this page with `tests/bench/report.py`.")
+    w("- Programs (each built twice from one source, `-DUSE_RDMASAFE` or not): `cm_storm.c` "
+      "(cmtime-style storm, server and client processes), `cm_evcost.c` (drains K queued CM events), "
+      "`cq_pingpong.c` (RC send/recv over one connection made with rdma_cm: `pp` ping-pong, `idle` one "
+      "ping per 1 ms, `stream` of sends with at most 64 outstanding, posted as chained lists). The "
+      "completion handler is the same code for both loops; the hand-written event loop is the classic "
+      "`ibv_get_cq_event` (blocking) -> `ibv_ack_cq_events(cq, 1)` -> `ibv_req_notify_cq` -> "
+      "`ibv_poll_cq` until empty (16 per call), its busy-poll loop spins on `ibv_poll_cq`. rdmasafe's loop "
+      "runs with default options (poll batch 16, ack batch 16, adaptive spin 50 us unless stated).")
+    w("- Ping-pong round trip: client time from `ibv_post_send` of the ping to the handler seeing the "
+      "pong's receive completion; every send is signalled, so a round trip is 2 messages and 4 "
+      "completions (2 per side). CPU is `getrusage` user + system of both processes over the measured "
+      "window (after the warm-up). Stock tools: `ibv_rc_pingpong -e` reports a mean per iteration "
+      "(one round trip); `ib_send_lat` reports one-way times (half a round trip), doubled here; their "
+      "CPU (from `wait4`) covers the whole process including device open and connection set-up.")
+    w("- Counts: see section 1. Instructions are user-space only (valgrind does not see the kernel); "
+      "under busy polling they grow with waiting time, so only event mode is counted.")
+    w("- CM storm columns: steps timed by the client for all N ids at once (create ids; resolve all "
+      "addresses and wait for N ADDR_RESOLVED; same for routes; create QPs; connect all and wait for N "
+      "ESTABLISHED; disconnect all and wait for N DISCONNECTED; destroy). Both our variants handle an "
+      "event the same way: read the fields, release the event, then act. `cmtime` is rdma-core's own "
+      "implementation of the same steps (it creates and destroys QPs and ids its own way, see its "
+      "create_qp and destroy rows); it is an anchor, not a like-for-like column.")
+    w("")
+    w("## 4. Noise")
+    w("")
+    hl = d.host
+    w("- TCG emulates both vCPUs in software on a 2-core host; the guest's clocksource is "
+      f"`{m.get('clocksource')}` (no TSC), so `clock_gettime` is a system call with an emulated HPET "
+      "read behind it; event-mode wakeups go through the emulated interrupt path and vary from "
+      "~0.1 ms to several ms from run to run (stock `ibv_rc_pingpong -e` shows the same spread).")
+    if hl.get("load_samples"):
+        busy = hl.get("samples_with_other_qemu", 0)
+        w(f"- The host is shared with other jobs' test beds: during this run {busy} of "
+          f"{hl.get('load_samples')} five-second samples saw other QEMU guests running next to ours; "
+          f"the highest 1-minute load average was {hl.get('max_loadavg')} on {hl.get('host_nproc')} cores. "
+          + ("" if busy else "Earlier runs made while other guests were running showed round trips "
+             "jumping between two regimes (~0.3 ms and ~8 ms in event mode, ~50 us and ~8 ms in "
+             "busy-poll) from one run to the next, for both loops alike. ")
+          + "A/B pairs ran back to back to share whatever load there was, which is why ratios are "
+          "taken per repeat.")
+    w("- Spread: every time is given as median [min-max]; a ratio whose range crosses 1.0 is not a "
+      "measured difference. Counts are exact for the run they come from (strace and callgrind runs are "
+      "separate runs, so batching there can differ a little).")
+    w("")
+    w(f"![latency distributions]({png_name})")
+    w("")
+    w(f"`{png_name}`: round-trip latency distributions (all repeats pooled) per loop and mode.")
+    w("")
+    return L
+
+
+def plot(d, png):
+    """CDF panels with gnuplot; returns True if written."""
+    rs, raw = "rdmasafe", "raw"
+    panels = [
+        ("Ping-pong, back to back", [(f"pp_{rs}_event", "rdmasafe event"), (f"pp_{rs}_adaptive", "rdmasafe adaptive"),
+                                     (f"pp_{rs}_busy", "rdmasafe busy-poll"), (f"pp_{raw}_event", "hand-written event"),
+                                     (f"pp_{raw}_busy", "hand-written busy-poll")]),
+        ("Ping-pong, user-space clock (fastclock.so, diagnostic)",
+         [(f"pp_{rs}_event_fastclock", "rdmasafe event"), (f"pp_{rs}_adaptive_fastclock", "rdmasafe adaptive"),
+          (f"pp_{rs}_busy_fastclock", "rdmasafe busy-poll"), (f"pp_{raw}_event_fastclock", "hand-written event"),
+          (f"pp_{raw}_busy_fastclock", "hand-written busy-poll")]),
+        ("Mostly idle: one ping per 1 ms", [(f"idle_{rs}_event", "rdmasafe event"), (f"idle_{rs}_adaptive", "rdmasafe adaptive 50 us"),
+                                            (f"idle_{rs}_adaptive_A2000", "rdmasafe adaptive 2000 us"),
+                                            (f"idle_{rs}_busy", "rdmasafe busy-poll"), (f"idle_{raw}_event", "hand-written event"),
+                                            (f"idle_{raw}_busy", "hand-written busy-poll")]),
+    ]
+    tmp = tempfile.mkdtemp(prefix="rdmasafe-plot.")
+    script = ["set terminal pngcairo size 1100,1350 font 'DejaVu Sans,10'", f"set output '{png}'",
+              "set multiplot layout 3,1 title 'rdmasafe CQ loops on Soft-RoCE under TCG: round-trip latency (CDF, all repeats pooled)'",
+              "set logscale x", "set format x '%.0f'", "set grid", "set key right bottom", "set xlabel 'round trip (us, log scale)'",
+              "set ylabel 'fraction of round trips'", "set yrange [0:1]"]
+    # one colour per loop and mode in every panel; hand-written loops dashed
+    colors = {"rdmasafe event": "#1f77b4", "rdmasafe adaptive": "#2ca02c", "rdmasafe adaptive 50 us": "#2ca02c",
+              "rdmasafe adaptive 2000 us": "#8c564b", "rdmasafe busy-poll": "#d62728",
+              "hand-written event": "#9467bd", "hand-written busy-poll": "#ff7f0e"}
+    drew = False
+    for title, series in panels:
+        plots = []
+        for i, (case, label) in enumerate(series):
+            qs = []
+            for r in d.reps(case).values():
+                qs.extend(r.get("quantiles_ns", []))
+            if not qs:
+                continue
+            qs.sort()
+            fn = os.path.join(tmp, f"{case}.dat")
+            with open(fn, "w") as f:
+                for j, q in enumerate(qs):
+                    f.write(f"{max(q, 1) / 1000:.3f} {(j + 0.5) / len(qs):.5f}\n")
+            dash = "dt 2" if "hand-written" in label else ("dt 4" if "2000" in label else "dt 1")
+            plots.append(f"'{fn}' using 1:2 with lines lw 2 {dash} lc rgb '{colors.get(label, '#000000')}' title '{label}'")
+        if plots:
+            drew = True
+            script.append(f"set title '{title}'")
+            script.append("plot " + ", ".join(plots))
+    script.append("unset multiplot")
+    if not drew:
+        return False
+    try:
+        subprocess.run(["gnuplot"], input="\n".join(script), text=True, check=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        sys.stderr.write(f"report.py: gnuplot failed: {e}\n")
+        return False
+    return True
+
+
+def main():
+    if len(sys.argv) != 4:
+        sys.stderr.write(__doc__)
+        return 2
+    results, md, png = sys.argv[1:]
+    d = Data(load(results))
+    if not d.machine:
+        sys.stderr.write("report.py: no machine record: not a guest.sh output?\n")
+        return 1
+    lines = build(d, os.path.basename(png))
+    extra = os.path.join(os.path.dirname(os.path.abspath(__file__)), "analysis.md")
+    body = "\n".join(lines)
+    if os.path.exists(extra) and d.machine.get("quick") != 1:
+        with open(extra, encoding="utf-8") as f:
+            body += "\n" + f.read()
+    with open(md, "w", encoding="utf-8") as f:
+        f.write(body.rstrip() + "\n")
+    if not plot(d, png):
+        sys.stderr.write("report.py: no plot written\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

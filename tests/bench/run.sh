@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# THE benchmark command of rdmasafe:
+#
+#   tests/bench/run.sh            # full run: ~7 min on a quiet host (up to ~15
+#                                 # with other guests on it); writes docs/BENCHMARKS.md
+#                                 # and docs/bench-latency.png
+#   tests/bench/run.sh --quick    # tiny sizes, one repeat (smoke run, ~20-50 s)
+#
+# It builds librdmasafe (cargo, release) and the benchmark programs
+# (tests/bench/Makefile -> target/bench/<profile>/), boots ONE Soft-RoCE
+# guest (tests/bed/vm-run) that runs tests/bench/guest.sh (all benchmarks,
+# A/B alternated repeats, machine-readable "@@ {json}" lines on stdout),
+# keeps that output in target/bench/results-<full|quick>.txt, and then, on
+# the host, turns it into docs/BENCHMARKS.md and docs/bench-latency.png
+# (tests/bench/report.py; the plot needs gnuplot, installed with apt-get
+# if missing).
+#
+# Options:
+#   --quick            tiny sizes, one repeat, our programs only; its page goes
+#                      to target/bench/quick-docs/, never to docs/
+#   --no-docs          do not write docs/ (results file only)
+#   --profile P        release (default) or debug build of librdmasafe
+#   --results FILE     where to keep the guest's output
+#   --from FILE        skip build and guest: regenerate the docs from FILE
+#   --repeats N        repeats of the timed part (default 5)
+# Exit status: 0 only if every benchmark ran (guest.sh reports failures).
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+repo=$(cd "$here/../.." && pwd)
+cd "$repo"
+
+quick=0 docs=1 profile=release results= from= repeats=5
+while [[ $# -gt 0 ]]; do
+	case $1 in
+	--quick) quick=1 ;;
+	--no-docs) docs=0 ;;
+	--profile) profile=$2; shift ;;
+	--results) results=$2; shift ;;
+	--from) from=$2; shift ;;
+	--repeats) repeats=$2; shift ;;
+	-h | --help) sed -n '2,26p' "$0"; exit 0 ;;
+	*) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
+	esac
+	shift
+done
+[[ $profile == release || $profile == debug ]] || { echo "--profile release|debug" >&2; exit 2; }
+
+msg() { echo "[bench] $*" >&2; }
+now_s() { local t=${EPOCHREALTIME/./}; echo $((t / 1000000)); }
+t0=$(now_s)
+target=${CARGO_TARGET_DIR:-$repo/target}
+rc=0
+
+if [[ -z $from ]]; then
+	[[ -n $results ]] || results=$target/bench/results-$([[ $quick == 1 ]] && echo quick || echo full).txt
+	mkdir -p "$(dirname "$results")"
+	msg "building librdmasafe ($profile) and the benchmark programs"
+	cargo_args=(build -q -p rdmasafe-capi)
+	[[ $profile == release ]] && cargo_args+=(--release)
+	cargo "${cargo_args[@]}"
+	bin=$target/bench/$profile
+	make -s -C "$here" LIBDIR="$target/$profile" OUT="$bin" >&2
+
+	timeout=2400
+	[[ $quick == 1 ]] && timeout=300
+	msg "running the benchmarks in one guest (timeout ${timeout} s); output -> $results"
+	t_guest=$(now_s)
+	# Host load while the guest runs (other QEMU guests share the 2 cores):
+	# one sample every 5 s, summarised into the results.
+	load_log=$(mktemp)
+	(
+		while :; do
+			echo "$(cut -d' ' -f1 /proc/loadavg) $(pgrep -c -f '^qemu-system' || true)"
+			sleep 5
+		done
+	) >"$load_log" 2>/dev/null &
+	sampler=$!
+	tests/bed/vm-run --timeout "$timeout" -- env RDMASAFE_BENCH_BIN="$bin" RDMASAFE_BENCH_QUICK="$quick" \
+		RDMASAFE_BENCH_REPEATS="$repeats" bash tests/bench/guest.sh >"$results" || rc=$?
+	guest_s=$(($(now_s) - t_guest))
+	kill "$sampler" 2>/dev/null || true
+	wait "$sampler" 2>/dev/null || true
+	# samples with more than our own QEMU running, highest 1-min load average
+	others=$(awk '$2 > 1 { n++ } END { print n + 0 }' "$load_log")
+	samples=$(awk 'END { print NR }' "$load_log")
+	maxload=$(awk '$1 > m { m = $1 } END { print m + 0 }' "$load_log")
+	rm -f "$load_log"
+	echo "@@ {\"kind\":\"host\",\"guest_wall_s\":$guest_s,\"profile\":\"$profile\",\"exit\":$rc,\"host_nproc\":$(nproc),\"load_samples\":$samples,\"samples_with_other_qemu\":$others,\"max_loadavg\":$maxload,\"command_s\":$(($(now_s) - t0)),\"date\":\"$(date -u +%Y-%m-%d)\"}" >>"$results"
+	msg "guest finished in ${guest_s} s (exit $rc)"
+else
+	results=$from
+fi
+
+if [[ $docs == 1 ]]; then
+	if ! command -v gnuplot >/dev/null; then
+		msg "installing gnuplot-nox (for docs/bench-latency.png)"
+		sudo=()
+		[[ $(id -u) -eq 0 ]] || sudo=(sudo)
+		"${sudo[@]}" apt-get update -q >&2
+		DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -q --no-install-recommends gnuplot-nox >&2
+	fi
+	# a --quick run never overwrites the real page
+	docdir=docs
+	[[ $quick == 1 ]] && docdir=$target/bench/quick-docs
+	mkdir -p "$docdir"
+	python3 "$here/report.py" "$results" "$docdir/BENCHMARKS.md" "$docdir/bench-latency.png"
+	msg "wrote $docdir/BENCHMARKS.md and $docdir/bench-latency.png"
+fi
+msg "total $(($(now_s) - t0)) s"
+exit "$rc"
