@@ -377,7 +377,7 @@ int main(int argc, char **argv)
 	rdma_destroy_event_channel(ch);
 	freeaddrinfo(server);
 
-	rdmasafe_cm_counters(&cnt);
+	rdmasafe_cm_get_counters(&cnt);
 	printf("client %" PRIu32 ": %" PRIu32 " of %" PRIu32 " connections OK; counters copied=%llu freed=%llu outstanding=%llu slots_allocated=%llu\n",
 	       client_id, ok, nconns, (unsigned long long)cnt.copied, (unsigned long long)cnt.freed,
 	       (unsigned long long)cnt.outstanding, (unsigned long long)cnt.slots_allocated);

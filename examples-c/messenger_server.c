@@ -481,7 +481,7 @@ int main(int argc, char **argv)
 	rdma_destroy_event_channel(ch);
 	free(conns);
 
-	rdmasafe_cm_counters(&cnt);
+	rdmasafe_cm_get_counters(&cnt);
 	printf("server: CM events %lu in %lu rdmasafe_get_events calls (largest batch %lu), CQ events %lu\n",
 	       cm_events, cm_calls, cm_largest, cq_events);
 	printf("server: done: %" PRIu32 " served, %" PRIu32 " failed, %" PRIu32 " refused, %s\n",

@@ -473,8 +473,8 @@ static void run_mode(uint32_t mode)
 	t1 = now_ms();
 	if (r)
 		fail("rdmasafe_cq_loop_run: %s", strerror(-r));
-	if (rdmasafe_cq_loop_stats(loop, &st))
-		fail("rdmasafe_cq_loop_stats");
+	if (rdmasafe_cq_loop_get_stats(loop, &st))
+		fail("rdmasafe_cq_loop_get_stats");
 	if (tokens != (uint32_t)trips || sends != (uint32_t)trips || send_done != send_posted)
 		fail("%s: %u tokens received, %u sent, %" PRIu64 " sends in flight (want %d each, none)",
 		     mode_name(mode), tokens, sends, send_posted - send_done, trips);
@@ -577,7 +577,7 @@ static void teardown(void)
 	ibv_dealloc_pd(pd);
 	free(mem);
 	rdma_destroy_event_channel(ch);
-	if (rdmasafe_cm_counters(&c) || c.outstanding)
+	if (rdmasafe_cm_get_counters(&c) || c.outstanding)
 		fail("CM copies outstanding: %" PRIu64, c.outstanding);
 	printf("mpi_ring rank=%d: counters copied=%" PRIu64 " freed=%" PRIu64 " outstanding=%" PRIu64 "\n", rank, c.copied,
 	       c.freed, c.outstanding);

@@ -229,7 +229,7 @@ static int print_counters(void)
 {
 	struct rdmasafe_cm_counters c;
 
-	if (rdmasafe_cm_counters(&c))
+	if (rdmasafe_cm_get_counters(&c))
 		return -1;
 	printf("%s: counters copied=%llu freed=%llu outstanding=%llu slots_allocated=%llu\n", prog,
 	       (unsigned long long)c.copied, (unsigned long long)c.freed, (unsigned long long)c.outstanding,

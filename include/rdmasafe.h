@@ -369,7 +369,7 @@ const char *rdmasafe_event_str(int event);
  * # Safety
  * `out` must be NULL or writable.
  */
-int rdmasafe_cm_counters(struct rdmasafe_cm_counters *out);
+int rdmasafe_cm_get_counters(struct rdmasafe_cm_counters *out);
 
 /**
  * Pre-allocates storage for `n` copies so the first `n` live copies
@@ -471,7 +471,8 @@ int rdmasafe_cq_loop_set_outstanding(struct rdmasafe_cq_loop *cq_loop, uint64_t 
  * # Safety
  * `out` NULL or writable.
  */
-int rdmasafe_cq_loop_stats(struct rdmasafe_cq_loop *cq_loop, struct rdmasafe_cq_loop_stats *out);
+int rdmasafe_cq_loop_get_stats(struct rdmasafe_cq_loop *cq_loop,
+                               struct rdmasafe_cq_loop_stats *out);
 
 /**
  * Drains `qp` before teardown (like the kernel's ib_drain_qp): moves it to

@@ -111,7 +111,7 @@ static void on_alarm(int sig)
 static int counters(const char *who)
 {
 	struct rdmasafe_cm_counters k;
-	int rc = rdmasafe_cm_counters(&k); /* 0 or a negative errno */
+	int rc = rdmasafe_cm_get_counters(&k); /* 0 or a negative errno */
 
 	if (rc < 0) {
 		printf("%s: rdmasafe_cm_counters: %s\n", who, strerror(-rc));

@@ -364,7 +364,7 @@ int main(int argc, char **argv)
 		printf("cq_rank_after: rdmasafe_cq_loop_run: %s\n", strerror(-rc));
 	/* guide:run end */
 
-	rdmasafe_cq_loop_stats(loop, &st);
+	rdmasafe_cq_loop_get_stats(loop, &st);
 	printf("cq_rank_after: %u round trips, %lu completions (%lu errors)\n",
 	       ranks[0].received, completions, error_completions);
 	printf("cq_rank_after: loop: %llu wakeups, %llu CQ events, %llu completions, "

@@ -248,7 +248,7 @@ pub struct rdmasafe_cm_counters {
 /// # Safety
 /// `out` must be NULL or writable.
 #[no_mangle]
-pub unsafe extern "C" fn rdmasafe_cm_counters(out: *mut rdmasafe_cm_counters) -> c_int {
+pub unsafe extern "C" fn rdmasafe_cm_get_counters(out: *mut rdmasafe_cm_counters) -> c_int {
     guard(-libc::EIO, || {
         if out.is_null() {
             return -libc::EINVAL;
@@ -308,7 +308,7 @@ mod tests {
         assert_eq!(unsafe { rdmasafe_get_events(std::ptr::null_mut(), &mut ev, 1, 0) }, -1);
         assert_eq!(errno(), libc::EINVAL);
         assert_eq!(unsafe { rdmasafe_event_free(std::ptr::null_mut()) }, 0);
-        assert_eq!(unsafe { rdmasafe_cm_counters(std::ptr::null_mut()) }, -libc::EINVAL);
+        assert_eq!(unsafe { rdmasafe_cm_get_counters(std::ptr::null_mut()) }, -libc::EINVAL);
         assert_eq!(rdmasafe_cm_reserve(-1), -libc::EINVAL);
     }
 

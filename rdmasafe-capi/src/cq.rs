@@ -423,7 +423,7 @@ pub extern "C" fn rdmasafe_cq_loop_set_outstanding(cq_loop: *mut rdmasafe_cq_loo
 /// # Safety
 /// `out` NULL or writable.
 #[no_mangle]
-pub unsafe extern "C" fn rdmasafe_cq_loop_stats(
+pub unsafe extern "C" fn rdmasafe_cq_loop_get_stats(
     cq_loop: *mut rdmasafe_cq_loop,
     out: *mut rdmasafe_cq_loop_stats,
 ) -> c_int {
@@ -726,8 +726,8 @@ mod tests {
         // SAFETY: NULL and fake pointers are rejected before use.
         unsafe {
             let mut s = rdmasafe_cq_loop_stats::default();
-            assert_eq!(rdmasafe_cq_loop_stats(p, &mut s), -libc::EINVAL);
-            assert_eq!(rdmasafe_cq_loop_stats(p, std::ptr::null_mut()), -libc::EINVAL);
+            assert_eq!(rdmasafe_cq_loop_get_stats(p, &mut s), -libc::EINVAL);
+            assert_eq!(rdmasafe_cq_loop_get_stats(p, std::ptr::null_mut()), -libc::EINVAL);
             let mut out = std::ptr::null_mut();
             assert_eq!(rdmasafe_cq_loop_create(std::ptr::null_mut(), std::ptr::null(), &mut out), -libc::EINVAL);
             assert_eq!(rdmasafe_cq_loop_add_cq(p, std::ptr::null_mut(), None, std::ptr::null_mut()), -libc::EINVAL);

@@ -198,7 +198,7 @@ pub fn c_args_case(data: &[u8]) {
             }
             _ => {
                 let mut s = rdmasafe_cq_loop_stats::default();
-                assert_eq!(rdmasafe_cq_loop_stats(wild.cast(), &mut s), -libc::EINVAL);
+                assert_eq!(rdmasafe_cq_loop_get_stats(wild.cast(), &mut s), -libc::EINVAL);
                 assert_eq!(
                     rdmasafe_cq_loop_add_cq(wild.cast(), std::ptr::null_mut(), None, std::ptr::null_mut()),
                     -libc::EINVAL

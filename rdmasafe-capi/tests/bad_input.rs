@@ -63,8 +63,8 @@ fn every_export_rejects_bad_input_with_its_documented_error() {
             ("rdmasafe_event_free", "never handed out", minus1_einval(rdmasafe_event_free(wild.cast()))),
             ("rdmasafe_event_str", "-1", !rdmasafe_event_str(-1).is_null()),
             ("rdmasafe_event_str", "INT_MAX", !rdmasafe_event_str(c_int::MAX).is_null()),
-            ("rdmasafe_cm_counters", "NULL", rdmasafe_cm_counters(null_mut()) == -libc::EINVAL),
-            ("rdmasafe_cm_counters", "valid", rdmasafe_cm_counters(&mut counters) == 0),
+            ("rdmasafe_cm_get_counters", "NULL", rdmasafe_cm_get_counters(null_mut()) == -libc::EINVAL),
+            ("rdmasafe_cm_get_counters", "valid", rdmasafe_cm_get_counters(&mut counters) == 0),
             ("rdmasafe_cm_reserve", "-1", rdmasafe_cm_reserve(-1) == -libc::EINVAL),
             ("rdmasafe_cm_reserve", "INT_MAX capped", rdmasafe_cm_reserve(c_int::MAX) == 4096),
             (
@@ -108,11 +108,15 @@ fn every_export_rejects_bad_input_with_its_documented_error() {
                 "unknown loop",
                 rdmasafe_cq_loop_set_outstanding(wild.cast(), 1) == -libc::EINVAL,
             ),
-            ("rdmasafe_cq_loop_stats", "NULL out", rdmasafe_cq_loop_stats(wild.cast(), null_mut()) == -libc::EINVAL),
             (
-                "rdmasafe_cq_loop_stats",
+                "rdmasafe_cq_loop_get_stats",
+                "NULL out",
+                rdmasafe_cq_loop_get_stats(wild.cast(), null_mut()) == -libc::EINVAL,
+            ),
+            (
+                "rdmasafe_cq_loop_get_stats",
                 "unknown loop",
-                rdmasafe_cq_loop_stats(wild.cast(), &mut stats) == -libc::EINVAL,
+                rdmasafe_cq_loop_get_stats(wild.cast(), &mut stats) == -libc::EINVAL,
             ),
             (
                 "rdmasafe_cq_loop_drain_qp",

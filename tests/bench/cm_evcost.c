@@ -86,7 +86,7 @@ int main(int argc, char **argv)
 			late++;
 #ifdef USE_RDMASAFE
 		struct rdmasafe_cm_counters c0, c1;
-		rdmasafe_cm_counters(&c0);
+		rdmasafe_cm_get_counters(&c0);
 #endif
 		double u0, s0, u1, s1;
 		cpu_secs(&u0, &s0);
@@ -108,7 +108,7 @@ int main(int argc, char **argv)
 		uint64_t a1 = allocs();
 		cpu_secs(&u1, &s1);
 #ifdef USE_RDMASAFE
-		rdmasafe_cm_counters(&c1);
+		rdmasafe_cm_get_counters(&c1);
 #endif
 		if (measured) {
 			ns += t1 - t0;

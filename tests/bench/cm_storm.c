@@ -82,7 +82,7 @@ static void print_cpu(struct jline *j)
 static void print_counters(struct jline *j)
 {
 	struct rdmasafe_cm_counters c;
-	rdmasafe_cm_counters(&c);
+	rdmasafe_cm_get_counters(&c);
 	j_u64(j, "rs_copied", c.copied);
 	j_u64(j, "rs_outstanding", c.outstanding);
 	j_u64(j, "rs_slots_allocated", c.slots_allocated);

@@ -261,7 +261,7 @@ static void loop_until_pong(struct app *a)
 static void loop_report(struct app *a, struct jline *j)
 {
 	struct rdmasafe_cq_loop_stats s;
-	rdmasafe_cq_loop_stats(a->loop, &s);
+	rdmasafe_cq_loop_get_stats(a->loop, &s);
 	j_u64(j, "cq_events", s.cq_events);
 	j_u64(j, "ack_calls", s.ack_calls);
 	j_u64(j, "acked_events", s.acked_events);

@@ -260,7 +260,7 @@ static struct sockaddr *addr_port(struct sockaddr_storage *ss, uint16_t port)
 static void counters(struct rdmasafe_cm_counters *c)
 {
 	memset(c, 0, sizeof *c);
-	if (rdmasafe_cm_counters(c))
+	if (rdmasafe_cm_get_counters(c))
 		CHECK(0, "rdmasafe_cm_counters failed");
 }
 
@@ -320,7 +320,7 @@ static void test_arguments(struct rdma_event_channel *ch)
 	CHECK_ERRNO(rdmasafe_event_free((struct rdma_cm_event *)(uintptr_t)1),
 		    EINVAL, "rdmasafe_event_free((void *)1)");
 
-	CHECK(rdmasafe_cm_counters(NULL) == -EINVAL, "rdmasafe_cm_counters(NULL) -> -EINVAL");
+	CHECK(rdmasafe_cm_get_counters(NULL) == -EINVAL, "rdmasafe_cm_get_counters(NULL) -> -EINVAL");
 	CHECK(rdmasafe_cm_reserve(-1) == -EINVAL, "rdmasafe_cm_reserve(-1) -> -EINVAL");
 	{
 		int r = rdmasafe_cm_reserve(0);

@@ -175,7 +175,7 @@ static struct rdmasafe_cq_loop_stats stats_of(struct rdmasafe_cq_loop *l)
 	struct rdmasafe_cq_loop_stats s;
 
 	memset(&s, 0, sizeof s);
-	if (rdmasafe_cq_loop_stats(l, &s))
+	if (rdmasafe_cq_loop_get_stats(l, &s))
 		CHECK(0, "rdmasafe_cq_loop_stats failed");
 	return s;
 }
@@ -248,7 +248,7 @@ static void test_bad_handles(const char *what, struct rdmasafe_cq_loop *bad,
 	BAD(rdmasafe_cq_loop_fd(bad), "rdmasafe_cq_loop_fd");
 	BAD(rdmasafe_cq_loop_stop(bad), "rdmasafe_cq_loop_stop");
 	BAD(rdmasafe_cq_loop_set_outstanding(bad, 1), "rdmasafe_cq_loop_set_outstanding");
-	BAD(rdmasafe_cq_loop_stats(bad, &st), "rdmasafe_cq_loop_stats");
+	BAD(rdmasafe_cq_loop_get_stats(bad, &st), "rdmasafe_cq_loop_get_stats");
 	if (qp)
 		BAD(rdmasafe_cq_loop_drain_qp(bad, qp, 0, 100), "rdmasafe_cq_loop_drain_qp");
 	BAD(rdmasafe_cq_loop_destroy(bad), "rdmasafe_cq_loop_destroy");
@@ -379,7 +379,7 @@ static void test_handles(struct ibv_context *ctx)
 	CHECK_RC(rdmasafe_cq_loop_remove_cq(a, NULL), -EINVAL, "remove_cq(NULL cq)");
 	CHECK_RC(rdmasafe_cq_loop_add_cq(a, cq1, noop_cb, NULL), 0, "add_cq of a CQ on the loop's channel");
 	CHECK_RC(rdmasafe_cq_loop_add_cq(a, cq1, noop_cb, NULL), -EBUSY, "add_cq of the same CQ again (same loop)");
-	CHECK_RC(rdmasafe_cq_loop_stats(a, NULL), -EINVAL, "rdmasafe_cq_loop_stats(NULL out)");
+	CHECK_RC(rdmasafe_cq_loop_get_stats(a, NULL), -EINVAL, "rdmasafe_cq_loop_get_stats(NULL out)");
 	CHECK_RC(rdmasafe_cq_loop_run_once(a, -2), -EINVAL, "rdmasafe_cq_loop_run_once(timeout -2)");
 	CHECK_RC(rdmasafe_cq_loop_run_once(a, INT_MIN), -EINVAL, "rdmasafe_cq_loop_run_once(timeout INT_MIN)");
 	CHECK_RC(rdmasafe_cq_loop_run_once(a, 0), 0, "rdmasafe_cq_loop_run_once(0) with nothing to do");
@@ -692,7 +692,7 @@ static void run_probes(struct cbctx *c)
 	probe.add = rdmasafe_cq_loop_add_cq(l, spare_cq, noop_cb, NULL);
 	probe.remove = rdmasafe_cq_loop_remove_cq(l, c->send ? c->s->scq : c->s->rcq);
 	probe.drain = rdmasafe_cq_loop_drain_qp(l, c->s->qp, 0, 100);
-	probe.stats = rdmasafe_cq_loop_stats(l, &probe.st);
+	probe.stats = rdmasafe_cq_loop_get_stats(l, &probe.st);
 	probe.fd = rdmasafe_cq_loop_fd(l);
 	probe.outstanding = rdmasafe_cq_loop_set_outstanding(l, 0);
 	probe.done = 1;
@@ -1367,7 +1367,7 @@ done:
 		rdma_destroy_event_channel(cch);
 	{
 		struct rdmasafe_cm_counters c;
-		if (rdmasafe_cm_counters(&c) == 0)
+		if (rdmasafe_cm_get_counters(&c) == 0)
 			CHECK(c.outstanding == 0, "CM copies: copied %" PRIu64 ", outstanding %" PRIu64, c.copied, c.outstanding);
 	}
 	printf("cq_loop_test: %d passed, %d failed\n", passed, failed);

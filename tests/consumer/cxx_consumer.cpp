@@ -6,9 +6,8 @@
 // Checks the two error conventions (-1 with errno for the drop-in CM calls,
 // a negative errno for everything else), event names, the copy counters,
 // the log callback (a captureless lambda), and RAII wrappers around copies
-// and loops. C++ note: rdmasafe_cm_counters and rdmasafe_cq_loop_stats
-// name both a struct and a function, and in C++ the function hides the
-// type, so those two types need the elaborated `struct` (as in C).
+// and loops. The header's struct and function names are distinct, so the
+// types are used here by their plain names, as C++ code would.
 // Prints one line per check, then
 // "cxx_consumer: N passed, M failed"; exits 0 only if M is 0.
 #include <rdmasafe.h>
@@ -54,8 +53,8 @@ std::string errno_result(int r)
 } // namespace
 
 static_assert(std::is_standard_layout<struct rdmasafe_cm_counters>::value, "plain C struct");
-static_assert(std::is_trivially_copyable<struct rdmasafe_cq_loop_stats>::value, "plain C struct");
-static_assert(sizeof(static_cast<struct rdmasafe_cq_loop_stats *>(nullptr)->completions_per_wakeup) ==
+static_assert(std::is_trivially_copyable<rdmasafe_cq_loop_stats>::value, "plain C struct");
+static_assert(sizeof(static_cast<rdmasafe_cq_loop_stats *>(nullptr)->completions_per_wakeup) ==
 		      16 * sizeof(std::uint64_t),
 	      "16 histogram buckets");
 static_assert(std::is_same<decltype(&rdmasafe_get_event),
@@ -95,14 +94,14 @@ int main()
 	}
 
 	// a negative errno, errno untouched
-	struct rdmasafe_cm_counters k{};
-	check(rdmasafe_cm_counters(&k) == 0 && k.copied == 0 && k.outstanding == 0,
+	rdmasafe_cm_counters k{}; // the type name alone works in C++
+	check(rdmasafe_cm_get_counters(&k) == 0 && k.copied == 0 && k.outstanding == 0,
 	      "rdmasafe_cm_counters: nothing copied, nothing outstanding");
-	check(rdmasafe_cm_counters(nullptr) == -EINVAL, "rdmasafe_cm_counters(nullptr) -> -EINVAL");
+	check(rdmasafe_cm_get_counters(nullptr) == -EINVAL, "rdmasafe_cm_get_counters(nullptr) -> -EINVAL");
 	int held = rdmasafe_cm_reserve(8);
 	check(held >= 8, "rdmasafe_cm_reserve(8) -> " + std::to_string(held));
 	check(rdmasafe_cm_reserve(-1) == -EINVAL, "rdmasafe_cm_reserve(-1) -> -EINVAL");
-	check(rdmasafe_cm_counters(&k) == 0 && k.slots_allocated >= 8,
+	check(rdmasafe_cm_get_counters(&k) == 0 && k.slots_allocated >= 8,
 	      "slots_allocated after the reserve: " + std::to_string(k.slots_allocated));
 
 	rdmasafe_cq_loop *loop_out = nullptr;
@@ -112,7 +111,7 @@ int main()
 		Loop loop(loop_out); // nullptr: the deleter is not called
 	}
 	struct rdmasafe_cq_loop_stats st{};
-	check(rdmasafe_cq_loop_stats(nullptr, &st) == -EINVAL, "rdmasafe_cq_loop_stats(nullptr) -> -EINVAL");
+	check(rdmasafe_cq_loop_get_stats(nullptr, &st) == -EINVAL, "rdmasafe_cq_loop_get_stats(nullptr) -> -EINVAL");
 	check(rdmasafe_cq_loop_stop(nullptr) == -EINVAL, "rdmasafe_cq_loop_stop(nullptr) -> -EINVAL");
 	check(rdmasafe_cq_loop_fd(nullptr) == -EINVAL, "rdmasafe_cq_loop_fd(nullptr) -> -EINVAL");
 	check(rdmasafe_cq_loop_destroy(nullptr) == -EINVAL, "rdmasafe_cq_loop_destroy(nullptr) -> -EINVAL");

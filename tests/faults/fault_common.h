@@ -368,7 +368,7 @@ HELPER void check_counters_zero(const char *when)
 	struct rdmasafe_cm_counters c;
 
 	memset(&c, 0, sizeof c);
-	CHECK(rdmasafe_cm_counters(&c) == 0, "rdmasafe_cm_counters");
+	CHECK(rdmasafe_cm_get_counters(&c) == 0, "rdmasafe_cm_get_counters");
 	measure("cm_copied", "%" PRIu64, c.copied);
 	measure("cm_outstanding", "%" PRIu64, c.outstanding);
 	CHECK(c.outstanding == 0 && c.copied == c.freed,
@@ -507,7 +507,7 @@ HELPER void print_loop_stats(struct rdmasafe_cq_loop *loop, const char *prefix,
 	char name[64];
 
 	memset(&s, 0, sizeof s);
-	CHECK(rdmasafe_cq_loop_stats(loop, &s) == 0, "%s: rdmasafe_cq_loop_stats", prefix);
+	CHECK(rdmasafe_cq_loop_get_stats(loop, &s) == 0, "%s: rdmasafe_cq_loop_stats", prefix);
 	info("%s loop: wakeups %" PRIu64 " completions %" PRIu64 " errors %" PRIu64
 	     " cq_events %" PRIu64 " acked %" PRIu64 " in %" PRIu64 " calls, unacked_now %" PRIu64
 	     ", keepalive probes %" PRIu64 " ok %" PRIu64 " dead %" PRIu64,

@@ -284,7 +284,7 @@ static int run_survivor(enum mode mode, const char *addr, uint16_t port, int ret
 		}
 		if (!flowing && atomic_load(&T->sends_done) >= FLOWING_AFTER && !atomic_load(&T->errors)) {
 			struct rdmasafe_cq_loop_stats s;
-			rdmasafe_cq_loop_stats(loop, &s);
+			rdmasafe_cq_loop_get_stats(loop, &s);
 			if (!idle_ka || s.keepalive_probes_ok >= 2) {
 				flowing = 1;
 				t_flowing = t;
@@ -378,7 +378,7 @@ static int run_survivor(enum mode mode, const char *addr, uint16_t port, int ret
 	if (idle_ka) {
 		struct rdmasafe_cq_loop_stats s;
 		double t_dead = us_to_ms(atomic_load(&K->t_dead_us));
-		rdmasafe_cq_loop_stats(loop, &s);
+		rdmasafe_cq_loop_get_stats(loop, &s);
 		CHECK(atomic_load(&K->dead) == 1 && K->dead_qp == K->id->qp && K->dead_qpn == K->id->qp->qp_num,
 		      "idle: keepalive callback called once (%d) with the idle QP (qp_num %u)",
 		      atomic_load(&K->dead), K->dead_qpn);

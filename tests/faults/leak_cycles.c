@@ -274,7 +274,7 @@ out:
 			rdmasafe_cq_loop_remove_cq(c.loop, c.cli.cq);
 		if (c.srv.cq)
 			rdmasafe_cq_loop_remove_cq(c.loop, c.srv.cq);
-		if (!rdmasafe_cq_loop_stats(c.loop, &s) && s.unacked_now)
+		if (!rdmasafe_cq_loop_get_stats(c.loop, &s) && s.unacked_now)
 			CHECK(0, "cycle %d: unacked_now %" PRIu64 " after removing the CQs", k, s.unacked_now);
 		if ((r = rdmasafe_cq_loop_destroy(c.loop)))
 			CHECK(0, "cycle %d: rdmasafe_cq_loop_destroy -> %s", k, rname(r));
