@@ -9,15 +9,15 @@ use std::sync::{Mutex, OnceLock};
 use rdmasafe_core::cm::{self, ChannelRef, CmEvent, EventType};
 use rdmasafe_core::sys::{rdma_cm_event, rdma_event_channel, Wait};
 
-use crate::{fail_errno, guard};
+use crate::{fail_errno, guard, PtrHash};
 
 /// Addresses of the copies handed to C and not freed yet. A free looks the
 /// pointer up here before touching it, so a foreign pointer or a double free
 /// is an EINVAL, never a read through a bad pointer. The set keeps its
 /// capacity, so steady state allocates nothing.
-fn live() -> &'static Mutex<HashSet<usize>> {
-    static LIVE: OnceLock<Mutex<HashSet<usize>>> = OnceLock::new();
-    LIVE.get_or_init(|| Mutex::new(HashSet::with_capacity(1024)))
+fn live() -> &'static Mutex<HashSet<usize, PtrHash>> {
+    static LIVE: OnceLock<Mutex<HashSet<usize, PtrHash>>> = OnceLock::new();
+    LIVE.get_or_init(|| Mutex::new(HashSet::with_capacity_and_hasher(1024, PtrHash::default())))
 }
 
 pub(crate) fn hand_out(ev: CmEvent) -> *mut rdma_cm_event {
@@ -318,7 +318,10 @@ mod tests {
         let mut foreign = [0u64; 64];
         assert_eq!(unsafe { rdmasafe_event_free(foreign.as_mut_ptr().cast()) }, -1);
         assert_eq!(errno(), libc::EINVAL);
-        // A real copy: freed once, then the second free is EINVAL.
+        // A real copy: freed once, then the second free is EINVAL. A full
+        // free list (FIFO) keeps the freed slot from being handed out again
+        // by other tests' threads before the second free.
+        assert_eq!(rdmasafe_cm_reserve(4096), 4096);
         // SAFETY: a zeroed event has no pointers to follow.
         let raw: rdma_cm_event = unsafe { std::mem::zeroed() };
         // SAFETY: as above.
@@ -346,12 +349,12 @@ mod tests {
                         // SAFETY: p is a live copy; the status is readable.
                         assert_eq!(unsafe { (*p).status }, (t * 100_000 + i) as i32);
                         // SAFETY: frees go through the live-set check.
+                        // (No double frees here: with other threads getting
+                        // copies, a freed slot may be live again -- the
+                        // documented limit; see the single-thread test.)
                         unsafe {
                             assert_eq!(rdmasafe_event_free(bogus.as_mut_ptr().cast()), -1);
                             assert_eq!(rdmasafe_event_free(p), 0);
-                            if i % 7 == 0 {
-                                assert_eq!(rdmasafe_event_free(p), -1);
-                            }
                         }
                     }
                 })

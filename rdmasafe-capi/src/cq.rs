@@ -20,7 +20,7 @@ use rdmasafe_core::cq::{
 use rdmasafe_core::sys::{ibv_comp_channel, ibv_context, ibv_cq, ibv_qp, ibv_wc, Wait};
 use rdmasafe_core::verbs::DeviceContext;
 
-use crate::guard;
+use crate::{guard, PtrHash};
 
 /// Event mode: arm, sleep until notified, re-arm, drain.
 pub const RDMASAFE_MODE_EVENT: c_int = 0;
@@ -123,8 +123,8 @@ fn thread_tag() -> u64 {
 
 /// Live loops: every call looks its handle up here first, so a pointer
 /// rdmasafe did not hand out, or one already destroyed, is an EINVAL.
-fn loops() -> &'static Mutex<HashMap<usize, Arc<rdmasafe_cq_loop>>> {
-    static L: OnceLock<Mutex<HashMap<usize, Arc<rdmasafe_cq_loop>>>> = OnceLock::new();
+fn loops() -> &'static Mutex<HashMap<usize, Arc<rdmasafe_cq_loop>, PtrHash>> {
+    static L: OnceLock<Mutex<HashMap<usize, Arc<rdmasafe_cq_loop>, PtrHash>>> = OnceLock::new();
     L.get_or_init(Default::default)
 }
 

@@ -117,6 +117,9 @@ pub fn event_copy_case(data: &[u8]) {
     // SAFETY: rdmasafe_event_str returns a static NUL-terminated string.
     assert!(unsafe { CStr::from_ptr(name) }.to_bytes().starts_with(b"RDMA_CM_EVENT_"));
 
+    // A full FIFO free list keeps this slot from being reused (by another
+    // thread) between the two frees below.
+    crate::rdmasafe_cm_reserve(4096);
     let p = crate::cm::hand_out(copy);
     // SAFETY: p was handed out just above; freeing twice is the point.
     unsafe {

@@ -38,6 +38,30 @@ pub(crate) fn guard<T>(on_panic: T, f: impl FnOnce() -> T) -> T {
     }
 }
 
+/// A hasher for the registries keyed by pointer values (live copies, live
+/// loops): one multiply instead of SipHash on every get and free. Keys are
+/// addresses rdmasafe chose, not attacker-chosen strings.
+#[derive(Default, Clone, Copy)]
+pub(crate) struct PtrHasher(u64);
+
+impl std::hash::Hasher for PtrHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ *b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_usize(&mut self, v: usize) {
+        // Allocations are 16-byte aligned: drop the zero bits, then spread.
+        self.0 = ((v as u64) >> 4).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+/// `BuildHasher` for [`PtrHasher`].
+pub(crate) type PtrHash = std::hash::BuildHasherDefault<PtrHasher>;
+
 /// For the -1/errno functions: sets errno and returns -1.
 pub(crate) fn fail_errno(errno: c_int) -> c_int {
     rdmasafe_core::sys::set_errno(errno);

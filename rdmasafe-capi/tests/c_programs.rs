@@ -405,7 +405,7 @@ fn check_cq_loop_test(c: &mut Checks, b: &Block) {
         "ok   NULL loop: rdmasafe_cq_loop_run -> -EINVAL".to_string(),
         "ok   stack (foreign) loop: rdmasafe_cq_loop_add_cq -> -EINVAL".to_string(),
         "ok   heap (foreign) loop: rdmasafe_cq_loop_destroy -> -EINVAL".to_string(),
-        "ok   destroyed loop: rdmasafe_cq_loop_stats -> -EINVAL".to_string(),
+        "ok   destroyed loop: rdmasafe_cq_loop_get_stats -> -EINVAL".to_string(),
         "ok   rdmasafe_cq_loop_destroy twice -> -EINVAL".to_string(),
         "ok   rdmasafe_cq_loop_create(poll_batch 4097) -> -EINVAL, *out untouched".to_string(),
         "ok   rdmasafe_cq_loop_create(ack_batch 65537) -> -EINVAL, *out untouched".to_string(),

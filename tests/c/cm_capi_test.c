@@ -261,7 +261,7 @@ static void counters(struct rdmasafe_cm_counters *c)
 {
 	memset(c, 0, sizeof *c);
 	if (rdmasafe_cm_get_counters(c))
-		CHECK(0, "rdmasafe_cm_counters failed");
+		CHECK(0, "rdmasafe_cm_get_counters failed");
 }
 
 /* ======================================================= part 1: no device */

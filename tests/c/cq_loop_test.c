@@ -176,7 +176,7 @@ static struct rdmasafe_cq_loop_stats stats_of(struct rdmasafe_cq_loop *l)
 
 	memset(&s, 0, sizeof s);
 	if (rdmasafe_cq_loop_get_stats(l, &s))
-		CHECK(0, "rdmasafe_cq_loop_stats failed");
+		CHECK(0, "rdmasafe_cq_loop_get_stats failed");
 	return s;
 }
 

@@ -203,6 +203,11 @@ pub struct CqLoop {
     drain: Option<DrainWatch>,
     keepalives: Vec<KaEntry>,
     hook: Option<Box<dyn FnMut() + Send>>,
+    /// Clock reads are system calls on some VMs (hpet): the loop reads the
+    /// clock once before a cycle's first handler and once after each
+    /// handler, and reuses those stamps for the cycle time.
+    cycle_start: Option<Instant>,
+    last_stamp: Option<Instant>,
 }
 
 // SAFETY: the raw CQ / channel pointers are only used by the thread that
@@ -265,6 +270,8 @@ impl CqLoop {
             drain: None,
             keepalives: Vec::new(),
             hook: None,
+            cycle_start: None,
+            last_stamp: None,
         })
     }
 
@@ -427,11 +434,24 @@ impl CqLoop {
             let c = &self.ctl.0.counters;
             c.completions.fetch_add(n as u64, Relaxed);
             c.error_completions.fetch_add(errors as u64, Relaxed);
-            let t = Instant::now();
+            // One clock read per handler call: the previous stamp (taken
+            // after the previous handler, or at the cycle's first batch)
+            // starts this one, so a handler's time includes the user-space
+            // poll that fetched its batch.
+            let t = match self.last_stamp {
+                Some(t) => t,
+                None => {
+                    let now = Instant::now();
+                    self.cycle_start.get_or_insert(now);
+                    now
+                }
+            };
             self.ctl.0.in_handler.store(true, SeqCst);
             (self.entries[i].handler)(batch, &self.ctl);
             self.ctl.0.in_handler.store(false, SeqCst);
-            c.handler_time(t.elapsed());
+            let after = Instant::now();
+            c.handler_time(after.duration_since(t));
+            self.last_stamp = Some(after);
             total += n;
             // Fewer than asked: the CQ was empty at that moment. In event
             // mode it was re-armed before this drain, so a later completion
@@ -468,7 +488,14 @@ impl CqLoop {
     /// Reads every ready CQ event; counts acks on the CQ each names and
     /// marks it fired. Events for CQs not in the loop are acked at once.
     fn read_events(&mut self) -> Result<()> {
+        // Each arm raises at most one event, so once every CQ that was armed
+        // has fired nothing more can be queued: skip the read that would
+        // only return EAGAIN. (With none armed, read until EAGAIN.)
+        let mut armed = self.entries.iter().filter(|e| e.armed).count();
         loop {
+            if armed == 0 && self.entries.iter().any(|e| e.fired) {
+                return Ok(());
+            }
             let mut cq = std::ptr::null_mut();
             let mut ctx = std::ptr::null_mut();
             // SAFETY: live channel (non-blocking fd); out-pointers valid.
@@ -487,6 +514,9 @@ impl CqLoop {
             match self.entries.iter().position(|e| e.cq == cq) {
                 Some(i) => {
                     let e = &mut self.entries[i];
+                    if e.armed {
+                        armed -= 1;
+                    }
                     e.pending_acks += 1;
                     e.fired = true;
                     e.armed = false;
@@ -525,14 +555,26 @@ impl CqLoop {
         Ok((ch, woke, watchdog && !ch && !woke))
     }
 
-    fn record_wakeup(&self, n: usize, t0: Instant) {
+    /// Starts a cycle's clock bookkeeping (no clock read).
+    fn begin_cycle(&mut self) {
+        self.cycle_start = None;
+        self.last_stamp = None;
+    }
+
+    fn record_wakeup(&mut self, n: usize) {
         let c = &self.ctl.0.counters;
         c.wakeups.fetch_add(1, Relaxed);
         if n == 0 {
             c.empty_wakeups.fetch_add(1, Relaxed);
         }
         c.per_wakeup.record(n as u64);
-        c.cycle_us.record(t0.elapsed().as_micros() as u64);
+        // Cycle time from the first batch to the end of the last handler
+        // (0 for an empty wakeup): no extra clock read.
+        if let (Some(a), Some(b)) = (self.cycle_start, self.last_stamp) {
+            c.cycle_us.record(b.duration_since(a).as_micros() as u64);
+        } else {
+            c.cycle_us.record(0);
+        }
         crate::log::trace_cq_wakeup(n);
     }
 
@@ -565,10 +607,10 @@ impl CqLoop {
     }
 
     fn event_cycle(&mut self, wait: Wait) -> Result<usize> {
-        let t0 = Instant::now();
+        self.begin_cycle();
         let n = self.arm_and_drain_unarmed()?;
         if n > 0 {
-            self.record_wakeup(n, t0);
+            self.record_wakeup(n);
             return Ok(n);
         }
         self.sleep_and_handle(wait, true)
@@ -578,12 +620,12 @@ impl CqLoop {
     /// re-arming each before its drain when `rearm`.
     fn sleep_and_handle(&mut self, wait: Wait, rearm: bool) -> Result<usize> {
         let (ch, _woke, watchdog_due) = self.wait_fds(wait)?;
-        let t0 = Instant::now();
+        self.begin_cycle();
         if watchdog_due {
             self.ctl.0.counters.watchdog_polls.fetch_add(1, Relaxed);
             let n = self.drain_all()?;
             if n > 0 {
-                self.record_wakeup(n, t0);
+                self.record_wakeup(n);
             }
             return Ok(n);
         }
@@ -601,7 +643,7 @@ impl CqLoop {
                 n += self.drain_entry(i)?;
             }
         }
-        self.record_wakeup(n, t0);
+        self.record_wakeup(n);
         Ok(n)
     }
 
@@ -613,25 +655,35 @@ impl CqLoop {
             Wait::None => Some(Instant::now()),
             Wait::Forever => None,
         };
-        let idle_from = self.polling_since.unwrap_or_else(Instant::now);
+        // Only a deadline, an adaptive spin limit or a keepalive needs the
+        // clock while spinning; plain busy polling reads it only when it
+        // delivers completions.
+        let timed = deadline.is_some() || spin.is_some() || !self.keepalives.is_empty();
+        let idle_from = match (self.polling_since, timed) {
+            (Some(t), _) => Some(t),
+            (None, true) => Some(Instant::now()),
+            (None, false) => None,
+        };
         loop {
-            let t0 = Instant::now();
+            self.begin_cycle();
             let n = self.drain_all()?;
             if n > 0 {
-                self.polling_since = Some(Instant::now());
-                self.record_wakeup(n, t0);
+                self.polling_since = self.last_stamp;
+                self.record_wakeup(n);
                 return Ok(n);
             }
             if self.ctl.0.stop.load(Relaxed) {
                 return Ok(0);
             }
-            let now = Instant::now();
-            if spin.is_some_and(|s| now.duration_since(idle_from) >= s) {
-                self.polling_since = None;
-                return Ok(0);
-            }
-            if deadline.is_some_and(|d| now >= d) || self.keepalive_due(now) {
-                return Ok(0);
+            if timed {
+                let now = Instant::now();
+                if spin.is_some_and(|s| idle_from.is_some_and(|f| now.duration_since(f) >= s)) {
+                    self.polling_since = None;
+                    return Ok(0);
+                }
+                if deadline.is_some_and(|d| now >= d) || self.keepalive_due(now) {
+                    return Ok(0);
+                }
             }
             std::hint::spin_loop();
         }
@@ -652,18 +704,18 @@ impl CqLoop {
                 e.fired = false;
             }
         }
-        let t0 = Instant::now();
+        self.begin_cycle();
         let n = self.arm_and_drain_unarmed()?;
         if n > 0 {
-            self.polling_since = Some(Instant::now());
-            self.record_wakeup(n, t0);
+            self.polling_since = self.last_stamp;
+            self.record_wakeup(n);
             return Ok(n);
         }
         // Woken: drain what fired without re-arming and poll from now on;
         // CQs that fired stay unarmed until the next sleep arms them.
         let n = self.sleep_and_handle(wait, false)?;
         if n > 0 {
-            self.polling_since = Some(Instant::now());
+            self.polling_since = self.last_stamp;
         }
         Ok(n)
     }
@@ -905,10 +957,10 @@ impl CqLoop {
             }
             // Markers may already sit in a CQ that is armed and quiet: poll
             // directly as well as waiting for events.
-            let t0 = Instant::now();
+            self.begin_cycle();
             let n = self.drain_all()?;
             if n > 0 {
-                self.record_wakeup(n, t0);
+                self.record_wakeup(n);
                 continue;
             }
             let wait = Wait::For(left.min(Duration::from_millis(10)));
