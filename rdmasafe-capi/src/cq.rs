@@ -277,26 +277,19 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_add_cq(
 ) -> c_int {
     guard(-libc::EIO, || {
         let (Some(cqp), Some(f)) = (NonNull::new(cq), cb) else { return -libc::EINVAL };
-        let h = match lookup(cq_loop) {
-            Ok(h) => h,
-            Err(e) => return e,
-        };
-        let mut e = match enter(&h, SHORT) {
-            Ok(e) => e,
-            Err(err) => return err,
-        };
-        let l = e.lp();
-        let c = CCallback { f, ctx };
-        let handler: cq::Handler = Box::new(move |wcs: &[ibv_wc], _ctl: &LoopControl| {
-            let c = &c;
-            // SAFETY: the app's callback, called as documented.
-            unsafe { (c.f)(c.ctx, wcs.as_ptr(), wcs.len() as c_int) }
-        });
-        // SAFETY: cq live until removed (caller's contract, documented).
-        match unsafe { l.add_raw_cq(cqp, handler) } {
-            Ok(()) => 0,
-            Err(e) => neg(e),
-        }
+        with_loop(cq_loop, SHORT, |l| {
+            let c = CCallback { f, ctx };
+            let handler: cq::Handler = Box::new(move |wcs: &[ibv_wc], _ctl: &LoopControl| {
+                let c = &c;
+                // SAFETY: the app's callback, called as documented.
+                unsafe { (c.f)(c.ctx, wcs.as_ptr(), wcs.len() as c_int) }
+            });
+            // SAFETY: cq live until removed (caller's contract, documented).
+            match unsafe { l.add_raw_cq(cqp, handler) } {
+                Ok(()) => 0,
+                Err(e) => neg(e),
+            }
+        })
     })
 }
 
@@ -313,35 +306,32 @@ pub extern "C" fn rdmasafe_cq_loop_remove_cq(cq_loop: *mut rdmasafe_cq_loop, cq:
         if cq.is_null() {
             return -libc::EINVAL;
         }
-        let h = match lookup(cq_loop) {
-            Ok(h) => h,
-            Err(e) => return e,
-        };
-        let mut e = match enter(&h, SHORT) {
-            Ok(e) => e,
-            Err(err) => return err,
-        };
-        let l = e.lp();
-        match l.remove_cq(cq) {
+        with_loop(cq_loop, SHORT, |l| match l.remove_cq(cq) {
             Ok(()) => 0,
             Err(e) => neg(e),
-        }
+        })
     })
 }
 
-/// Runs `f` on the idle loop, marking this thread as its runner.
-fn with_runner(cq_loop: *mut rdmasafe_cq_loop, f: impl FnOnce(&mut CqLoop) -> c_int) -> c_int {
+/// Looks the loop up, takes it for an operation of `kind` (see `enter`)
+/// and runs `f` on it. A RUNNING operation marks this thread as the loop's
+/// runner, so calls from inside its callbacks get -EDEADLK.
+fn with_loop(cq_loop: *mut rdmasafe_cq_loop, kind: u8, f: impl FnOnce(&mut CqLoop) -> c_int) -> c_int {
     let h = match lookup(cq_loop) {
         Ok(h) => h,
         Err(e) => return e,
     };
-    let mut e = match enter(&h, RUNNING) {
+    let mut e = match enter(&h, kind) {
         Ok(e) => e,
         Err(err) => return err,
     };
-    h.runner.store(thread_tag(), SeqCst);
+    if kind == RUNNING {
+        h.runner.store(thread_tag(), SeqCst);
+    }
     let r = f(e.lp());
-    h.runner.store(0, SeqCst);
+    if kind == RUNNING {
+        h.runner.store(0, SeqCst);
+    }
     r
 }
 
@@ -354,7 +344,7 @@ fn with_runner(cq_loop: *mut rdmasafe_cq_loop, f: impl FnOnce(&mut CqLoop) -> c_
 #[no_mangle]
 pub extern "C" fn rdmasafe_cq_loop_run(cq_loop: *mut rdmasafe_cq_loop) -> c_int {
     guard(-libc::EIO, || {
-        with_runner(cq_loop, |l| match l.run() {
+        with_loop(cq_loop, RUNNING, |l| match l.run() {
             Ok(()) => 0,
             Err(e) => neg(e),
         })
@@ -373,7 +363,7 @@ pub extern "C" fn rdmasafe_cq_loop_run_once(cq_loop: *mut rdmasafe_cq_loop, time
         if timeout_ms < -1 {
             return -libc::EINVAL;
         }
-        with_runner(cq_loop, |l| match l.process_once(Wait::from_millis(timeout_ms as i64)) {
+        with_loop(cq_loop, RUNNING, |l| match l.process_once(Wait::from_millis(timeout_ms as i64)) {
             Ok(n) => n.min(c_int::MAX as usize) as c_int,
             Err(e) => neg(e),
         })
@@ -484,7 +474,7 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_drain_qp(
         if timeout_ms <= 0 {
             return -libc::EINVAL;
         }
-        with_runner(cq_loop, |l| {
+        with_loop(cq_loop, RUNNING, |l| {
             // SAFETY: qp live (caller).
             match unsafe { l.drain_qp(qp, use_srq != 0, Duration::from_millis(timeout_ms as u64)) } {
                 Ok(()) => 0,
@@ -540,31 +530,24 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_add_keepalive(
         let (Some(qpp), Some(f), true) = (NonNull::new(qp), on_dead, period_ms > 0 && bound_ms > 0) else {
             return -libc::EINVAL;
         };
-        let h = match lookup(cq_loop) {
-            Ok(h) => h,
-            Err(e) => return e,
-        };
-        let mut e = match enter(&h, SHORT) {
-            Ok(e) => e,
-            Err(err) => return err,
-        };
-        let l = e.lp();
-        let cfg = Keepalive {
-            period: Duration::from_millis(period_ms as u64),
-            bound: Duration::from_millis(bound_ms as u64),
-            wr_id: probe_wr_id,
-        };
-        let cb = CDeadPeer { f, ctx, qp };
-        let on_dead: cq::DeadPeer = Box::new(move |qpn, _| {
-            let cb = &cb;
-            // SAFETY: the app's callback, called as documented.
-            unsafe { (cb.f)(cb.ctx, cb.qp, qpn) }
-        });
-        // SAFETY: qp live until removed (caller's contract, documented).
-        match unsafe { l.add_keepalive(qpp, cfg, on_dead) } {
-            Ok(()) => 0,
-            Err(e) => neg(e),
-        }
+        with_loop(cq_loop, SHORT, |l| {
+            let cfg = Keepalive {
+                period: Duration::from_millis(period_ms as u64),
+                bound: Duration::from_millis(bound_ms as u64),
+                wr_id: probe_wr_id,
+            };
+            let cb = CDeadPeer { f, ctx, qp };
+            let on_dead: cq::DeadPeer = Box::new(move |qpn, _| {
+                let cb = &cb;
+                // SAFETY: the app's callback, called as documented.
+                unsafe { (cb.f)(cb.ctx, cb.qp, qpn) }
+            });
+            // SAFETY: qp live until removed (caller's contract, documented).
+            match unsafe { l.add_keepalive(qpp, cfg, on_dead) } {
+                Ok(()) => 0,
+                Err(e) => neg(e),
+            }
+        })
     })
 }
 
@@ -579,21 +562,14 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_remove_keepalive(cq_loop: *mut rdmasaf
         if qp.is_null() {
             return -libc::EINVAL;
         }
-        let h = match lookup(cq_loop) {
-            Ok(h) => h,
-            Err(e) => return e,
-        };
-        let mut e = match enter(&h, SHORT) {
-            Ok(e) => e,
-            Err(err) => return err,
-        };
-        let l = e.lp();
-        // SAFETY: live QP (caller).
-        let qpn = unsafe { (*qp).qp_num };
-        match l.remove_keepalive(qpn) {
-            Ok(()) => 0,
-            Err(e) => neg(e),
-        }
+        with_loop(cq_loop, SHORT, |l| {
+            // SAFETY: live QP (caller).
+            let qpn = unsafe { (*qp).qp_num };
+            match l.remove_keepalive(qpn) {
+                Ok(()) => 0,
+                Err(e) => neg(e),
+            }
+        })
     })
 }
 
