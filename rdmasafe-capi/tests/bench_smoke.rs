@@ -9,20 +9,14 @@
 //! Runs on the host (its name does not start with `rxe_`); run.sh boots
 //! the guest itself. The full benchmark is `tests/bench/run.sh`.
 
+mod common;
+
+use common::{profile_dir, root};
+
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+
 use std::process::Command;
 use std::time::Instant;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
-
-/// `<target>/<profile>` of this test binary (`<target>/<profile>/deps/<exe>`).
-fn profile_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    exe.parent().and_then(Path::parent).expect("<target>/<profile>/deps/<exe>").to_path_buf()
-}
 
 /// A flat JSON object of numbers, strings and arrays of numbers, as
 /// tests/bench/guest.sh prints them (no nesting except `counts`, skipped).

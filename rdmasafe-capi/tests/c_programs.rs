@@ -24,6 +24,10 @@
 //! boots the guest itself, once. With RDMASAFE_DEVICE and RDMASAFE_ADDR set
 //! (real hardware, opt-in) the script runs directly on the host instead.
 
+mod common;
+
+use common::{blocks, profile_dir, root, Block};
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -31,17 +35,6 @@ use std::time::Instant;
 
 /// Seconds the guest may run before vm-run kills it.
 const GUEST_TIMEOUT: u32 = 300;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
-
-/// The profile directory this test was built into (target/debug), where
-/// cargo also put librdmasafe.so: `<target>/<profile>/deps/c_programs-<hash>`.
-fn profile_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    exe.parent().and_then(Path::parent).expect("<target>/<profile>/deps/<exe>").to_path_buf()
-}
 
 fn run_logged(what: &str, cmd: &mut Command) -> std::process::Output {
     let out = cmd.output().unwrap_or_else(|e| panic!("{what}: cannot run {cmd:?}: {e}"));
@@ -103,49 +96,6 @@ fn build_c_programs(profile: &Path, bin: &Path) {
             "make did not produce {p} (mpi_ring needs mpicc: apt-get install openmpi-bin libopenmpi-dev)"
         );
     }
-}
-
-/// One program's output block from the script.
-#[derive(Debug, Default)]
-struct Block {
-    out: String,
-    exit: Option<i32>,
-}
-
-impl Block {
-    fn lines(&self) -> impl Iterator<Item = &str> {
-        self.out.lines()
-    }
-    fn has(&self, needle: &str) -> bool {
-        self.out.contains(needle)
-    }
-    fn count(&self, needle: &str) -> usize {
-        self.lines().filter(|l| l.contains(needle)).count()
-    }
-    /// The first line that starts with `prefix`.
-    fn line(&self, prefix: &str) -> Option<&str> {
-        self.lines().find(|l| l.starts_with(prefix))
-    }
-}
-
-/// Splits "==== BEGIN label" / "==== END label exit N" blocks.
-fn blocks(stdout: &str) -> BTreeMap<String, Block> {
-    let mut map = BTreeMap::new();
-    let mut cur: Option<(String, String)> = None;
-    for line in stdout.lines() {
-        if let Some(label) = line.strip_prefix("==== BEGIN ") {
-            cur = Some((label.to_string(), String::new()));
-        } else if let Some(rest) = line.strip_prefix("==== END ") {
-            let exit = rest.rsplit_once(" exit ").and_then(|(_, n)| n.trim().parse().ok());
-            if let Some((label, out)) = cur.take() {
-                map.insert(label, Block { out, exit });
-            }
-        } else if let Some((_, out)) = cur.as_mut() {
-            out.push_str(line);
-            out.push('\n');
-        }
-    }
-    map
 }
 
 /// Collects failed expectations, so one run reports all of them.

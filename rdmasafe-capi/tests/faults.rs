@@ -33,21 +33,15 @@
 //! take links down, delete the device), so they always run in guests, never
 //! on real hardware.
 
+mod common;
+
+use common::{blocks, profile_dir, root, Block};
+
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
 use std::time::Instant;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
-
-/// `<target>/<profile>` of this test binary (`.../deps/faults-<hash>`).
-fn profile_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    exe.parent().and_then(Path::parent).expect("<target>/<profile>/deps/<exe>").to_path_buf()
-}
 
 fn run_checked(what: &str, cmd: &mut Command) -> Result<(), String> {
     let out = cmd.output().map_err(|e| format!("{what}: cannot run {cmd:?}: {e}"))?;
@@ -158,48 +152,6 @@ fn two_guests(label: &str, timeout: u32, case: &str, env: &[(&str, &str)]) -> Ru
 fn guest_lines(stdout: &str, guest: char) -> String {
     let prefix = format!("[{guest}] ");
     stdout.lines().filter_map(|l| l.strip_prefix(&prefix)).flat_map(|l| [l, "\n"]).collect()
-}
-
-/// One program's output block ("==== BEGIN label" .. "==== END label exit N").
-#[derive(Debug, Default)]
-struct Block {
-    out: String,
-    exit: Option<i32>,
-}
-
-impl Block {
-    fn has(&self, needle: &str) -> bool {
-        self.out.contains(needle)
-    }
-    fn measure(&self, name: &str) -> Option<&str> {
-        let key = format!("measure {name}=");
-        self.out.lines().find_map(|l| l.strip_prefix(key.as_str()))
-    }
-    fn num(&self, name: &str) -> Option<f64> {
-        self.measure(name).and_then(|v| v.trim().parse().ok())
-    }
-    fn fails(&self) -> Vec<&str> {
-        self.out.lines().filter(|l| l.starts_with("FAIL")).collect()
-    }
-}
-
-fn blocks(text: &str) -> BTreeMap<String, Block> {
-    let mut map = BTreeMap::new();
-    let mut cur: Option<(String, String)> = None;
-    for line in text.lines() {
-        if let Some(label) = line.strip_prefix("==== BEGIN ") {
-            cur = Some((label.to_string(), String::new()));
-        } else if let Some(rest) = line.strip_prefix("==== END ") {
-            let exit = rest.rsplit_once(" exit ").and_then(|(_, n)| n.trim().parse().ok());
-            if let Some((label, out)) = cur.take() {
-                map.insert(label, Block { out, exit });
-            }
-        } else if let Some((_, out)) = cur.as_mut() {
-            out.push_str(line);
-            out.push('\n');
-        }
-    }
-    map
 }
 
 /// Failed expectations of one group, reported together.

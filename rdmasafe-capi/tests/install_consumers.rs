@@ -39,6 +39,10 @@
 //! guest itself, once. With RDMASAFE_DEVICE and RDMASAFE_ADDR set (real
 //! hardware, opt-in) the device part runs on the host instead.
 
+mod common;
+
+use common::{blocks, root, Block};
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -51,10 +55,6 @@ const GUEST_TIMEOUT: u32 = 300;
 const GUIDES: &[&str] = &["docs/migrating-from-librdmacm.md", "README.md"];
 /// The migration programs (each has guide regions).
 const MIGRATION_DIR: &str = "docs/migration";
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
 
 /// The cargo target dir this test was built into:
 /// `<target>/<profile>/deps/install_consumers-<hash>`.
@@ -714,46 +714,6 @@ fn run_cxx_consumers(c: &mut Checks, l: &Layout) {
         );
         log(format!("{dir}/cxx_consumer: {last}"));
     }
-}
-
-/// One program's output block from run-in-guest.sh.
-#[derive(Debug, Default)]
-struct Block {
-    out: String,
-    exit: Option<i32>,
-}
-
-impl Block {
-    fn has(&self, needle: &str) -> bool {
-        self.out.contains(needle)
-    }
-    fn lines_with(&self, needle: &str) -> Vec<&str> {
-        self.out.lines().filter(|l| l.contains(needle)).collect()
-    }
-    fn last_line(&self) -> &str {
-        self.out.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("")
-    }
-}
-
-/// Splits "==== BEGIN label" / "==== END label exit N (T ms)" blocks.
-fn blocks(stdout: &str) -> BTreeMap<String, Block> {
-    let mut map = BTreeMap::new();
-    let mut cur: Option<(String, String)> = None;
-    for line in stdout.lines() {
-        if let Some(label) = line.strip_prefix("==== BEGIN ") {
-            cur = Some((label.trim().to_string(), String::new()));
-        } else if let Some(rest) = line.strip_prefix("==== END ") {
-            let exit =
-                rest.split_once(" exit ").and_then(|(_, r)| r.split_whitespace().next()).and_then(|n| n.parse().ok());
-            if let Some((label, out)) = cur.take() {
-                map.insert(label, Block { out, exit });
-            }
-        } else if let Some((_, out)) = cur.as_mut() {
-            out.push_str(line);
-            out.push('\n');
-        }
-    }
-    map
 }
 
 fn check_cm_server(c: &mut Checks, label: &str, b: &Block) {

@@ -1,0 +1,79 @@
+//! Helpers shared by the host-side integration tests that build C programs
+//! and run them in the Soft-RoCE guest.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// The workspace root.
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+/// `<target>/<profile>` of this test binary (`<target>/<profile>/deps/<exe>`),
+/// where cargo also puts librdmasafe.so.
+pub fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    exe.parent().and_then(Path::parent).expect("<target>/<profile>/deps/<exe>").to_path_buf()
+}
+
+/// One program's output block ("==== BEGIN label" .. "==== END label exit N").
+#[derive(Debug, Default)]
+pub struct Block {
+    pub out: String,
+    pub exit: Option<i32>,
+}
+
+impl Block {
+    pub fn lines(&self) -> impl Iterator<Item = &str> {
+        self.out.lines()
+    }
+    pub fn has(&self, needle: &str) -> bool {
+        self.out.contains(needle)
+    }
+    pub fn count(&self, needle: &str) -> usize {
+        self.lines().filter(|l| l.contains(needle)).count()
+    }
+    /// The first line that starts with `prefix`.
+    pub fn line(&self, prefix: &str) -> Option<&str> {
+        self.lines().find(|l| l.starts_with(prefix))
+    }
+    pub fn lines_with(&self, needle: &str) -> Vec<&str> {
+        self.lines().filter(|l| l.contains(needle)).collect()
+    }
+    pub fn last_line(&self) -> &str {
+        self.out.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("")
+    }
+    /// The value of a `measure NAME=VALUE` line.
+    pub fn measure(&self, name: &str) -> Option<&str> {
+        let key = format!("measure {name}=");
+        self.out.lines().find_map(|l| l.strip_prefix(key.as_str()))
+    }
+    pub fn num(&self, name: &str) -> Option<f64> {
+        self.measure(name).and_then(|v| v.trim().parse().ok())
+    }
+    pub fn fails(&self) -> Vec<&str> {
+        self.out.lines().filter(|l| l.starts_with("FAIL")).collect()
+    }
+}
+
+/// Splits "==== BEGIN label" / "==== END label exit N [(T ms)]" blocks.
+pub fn blocks(text: &str) -> BTreeMap<String, Block> {
+    let mut map = BTreeMap::new();
+    let mut cur: Option<(String, String)> = None;
+    for line in text.lines() {
+        if let Some(label) = line.strip_prefix("==== BEGIN ") {
+            cur = Some((label.trim().to_string(), String::new()));
+        } else if let Some(rest) = line.strip_prefix("==== END ") {
+            let exit =
+                rest.rsplit_once(" exit ").and_then(|(_, r)| r.split_whitespace().next()).and_then(|n| n.parse().ok());
+            if let Some((label, out)) = cur.take() {
+                map.insert(label, Block { out, exit });
+            }
+        } else if let Some((_, out)) = cur.as_mut() {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    map
+}
