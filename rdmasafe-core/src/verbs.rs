@@ -2,7 +2,7 @@
 //! and CQ. Enough for CM programs and tests; the CQ notification loop builds
 //! on these.
 
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -263,6 +263,13 @@ impl AsRawFd for CompChannel {
     fn as_raw_fd(&self) -> RawFd {
         // SAFETY: live channel.
         unsafe { (*self.raw()).fd }
+    }
+}
+
+impl AsFd for CompChannel {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        // SAFETY: the fd stays open while the channel (kept by self) lives.
+        unsafe { BorrowedFd::borrow_raw(self.as_raw_fd()) }
     }
 }
 

@@ -8,7 +8,7 @@
 //! async fd before each read and never changes the fd's blocking mode.
 
 use std::fmt;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::os::raw::c_void;
 use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::sync::Arc;
@@ -207,6 +207,13 @@ impl AsRawFd for AsyncEvents {
     fn as_raw_fd(&self) -> RawFd {
         // SAFETY: live context.
         unsafe { (*self.ctx.raw()).async_fd }
+    }
+}
+
+impl AsFd for AsyncEvents {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        // SAFETY: the context (and its async fd) stays open for the process.
+        unsafe { BorrowedFd::borrow_raw(self.as_raw_fd()) }
     }
 }
 

@@ -22,7 +22,7 @@
 //! `ibv_destroy_cq` waits for acks that only the loop can give.
 
 use std::collections::HashSet;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -978,6 +978,14 @@ impl AsRawFd for CqLoop {
     /// The completion channel's fd: readable when a CQ event is ready.
     fn as_raw_fd(&self) -> RawFd {
         self.fd()
+    }
+}
+
+impl AsFd for CqLoop {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        // SAFETY: the channel outlives the loop (it is kept or the app's
+        // contract), so its fd is open while self is borrowed.
+        unsafe { BorrowedFd::borrow_raw(self.fd()) }
     }
 }
 
