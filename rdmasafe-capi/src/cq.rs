@@ -454,7 +454,8 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_get_stats(
 /// the error state, posts marker work requests (wr_id UINT64_MAX on the send
 /// queue, UINT64_MAX - 1 on the receive queue unless `use_srq`), and runs
 /// the loop until both flush completions were delivered to the callbacks.
-/// Then every request posted before has completed. The QP's CQs must be in
+/// Then every request posted before has completed, and every CQ event the
+/// loop read is acked. The QP's CQs must be in
 /// this loop. Blocks up to `timeout_ms` (> 0). Not while the loop runs.
 ///
 /// Returns 0, -EINVAL (NULL, unknown loop, CQs not in the loop,

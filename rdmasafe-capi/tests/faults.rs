@@ -379,7 +379,9 @@ fn faults_3_two_hosts_peer_host_killed() {
     c.figure(b, l, "killed_seen_after_fault_ms");
     let errs = c.figure(b, l, "error_completions").unwrap_or(0.0);
     let flush = c.figure(b, l, "flush_after_first").unwrap_or(-1.0);
-    c.that(errs >= 9.0 && flush == errs - 1.0, format!("{errs} errors, {flush} flushes after the first"));
+    // How many depends on what was in flight at the fault (timing): at
+    // least one error, and every error after the first is a flush.
+    c.that(errs >= 1.0 && flush == errs - 1.0, format!("{errs} errors, {flush} flushes after the first"));
     // keepalive on the idle connection, retry_count 7: period 200 + bound 2000
     let period = c.figure(b, l, "keepalive_period_ms").unwrap_or(0.0);
     let bound = c.figure(b, l, "keepalive_bound_ms").unwrap_or(0.0);
@@ -442,7 +444,9 @@ fn faults_4_two_hosts_link_flap() {
     );
     let errs = c.figure(b, l, "error_completions").unwrap_or(0.0);
     let flush = c.figure(b, l, "flush_after_first").unwrap_or(-1.0);
-    c.that(errs >= 9.0 && flush == errs - 1.0, format!("{errs} errors, {flush} flushes after the first"));
+    // How many depends on what was in flight at the fault (timing): at
+    // least one error, and every error after the first is a flush.
+    c.that(errs >= 1.0 && flush == errs - 1.0, format!("{errs} errors, {flush} flushes after the first"));
     c.equals(b, l, "async_events", 2.0);
     c.clean_end(b, l, Some("survivor"));
     c.clean_end(runs_b.get("linkflap_peer"), "peer", Some("peer"));
@@ -469,7 +473,9 @@ fn faults_5_one_host_process_kill_overrun_device_removal() {
     c.that(first.starts_with("IBV_WC_") && first != "IBV_WC_SUCCESS", format!("prockill first error {first}"));
     let errs = c.figure(b, l, "error_completions").unwrap_or(0.0);
     let flush = c.figure(b, l, "flush_after_first").unwrap_or(-1.0);
-    c.that(errs >= 9.0 && flush == errs - 1.0, format!("{errs} errors, {flush} flushes after the first"));
+    // How many depends on what was in flight at the fault (timing): at
+    // least one error, and every error after the first is a flush.
+    c.that(errs >= 1.0 && flush == errs - 1.0, format!("{errs} errors, {flush} flushes after the first"));
     c.clean_end(b, l, Some("survivor"));
 
     // 6) CQ overrun

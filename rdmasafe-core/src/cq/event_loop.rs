@@ -932,6 +932,8 @@ impl CqLoop {
     /// or `timeout` passes (ETIMEDOUT). Flush completions are in order per
     /// queue, so when this returns every request posted before it has
     /// completed. The QP's CQs must be in this loop (EINVAL otherwise).
+    /// Returns with every CQ event the loop read acked (whatever
+    /// `ack_batch`), as teardown follows.
     ///
     /// # Safety
     /// `qp` must be a live QP with a free slot on each queue.
@@ -970,6 +972,8 @@ impl CqLoop {
             };
         };
         self.drain = None;
+        // A drain precedes teardown: leave no ack pending, whatever ack_batch.
+        self.flush_acks();
         result
     }
 }
