@@ -313,7 +313,7 @@ int main(int argc, char **argv)
 	const char *addr = NULL, *port = NULL;
 	unsigned watchdog = 60;
 	struct addrinfo hints = { .ai_flags = AI_NUMERICHOST | AI_NUMERICSERV };
-	struct rdmasafe_cm_counters cnt;
+	struct rdmasafe_cm_counters cnt = { .size = sizeof cnt };
 	uint32_t ok = 0, i;
 	int op, r, status = 0, have_id = 0;
 

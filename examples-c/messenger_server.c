@@ -414,7 +414,7 @@ int main(int argc, char **argv)
 	const char *addr = NULL, *port = NULL;
 	unsigned watchdog = 60;
 	struct addrinfo hints = { .ai_flags = AI_NUMERICHOST | AI_NUMERICSERV | AI_PASSIVE }, *res;
-	struct rdmasafe_cm_counters cnt;
+	struct rdmasafe_cm_counters cnt = { .size = sizeof cnt };
 	struct sigaction sa;
 	unsigned long cq_events;
 	int op, r, status = 0;

@@ -438,11 +438,10 @@ static void connect_ring(const struct endpoint *eps)
 
 static struct rdmasafe_cq_loop *new_loop(uint32_t mode)
 {
-	struct rdmasafe_cq_loop_options o;
+	struct rdmasafe_cq_loop_options o = { .size = sizeof o };
 	struct rdmasafe_cq_loop *l = NULL;
 	int r;
 
-	memset(&o, 0, sizeof o);
 	o.mode = (int)mode;
 	o.adaptive_spin_us = spin_us;
 	if ((r = rdmasafe_cq_loop_create(comp, &o, &l)) ||
@@ -454,7 +453,7 @@ static struct rdmasafe_cq_loop *new_loop(uint32_t mode)
 
 static void run_mode(uint32_t mode)
 {
-	struct rdmasafe_cq_loop_stats st;
+	struct rdmasafe_cq_loop_stats st = { .size = sizeof st };
 	double t0, t1;
 	int r;
 
@@ -559,7 +558,7 @@ static void drain_ring(void)
 
 static void teardown(void)
 {
-	struct rdmasafe_cm_counters c = { 0 };
+	struct rdmasafe_cm_counters c = { .size = sizeof c };
 
 	phase = "teardown";
 	alarm(20);

@@ -227,7 +227,7 @@ static void print_bytes(const char *what, const uint8_t *b, unsigned len)
 
 static int print_counters(void)
 {
-	struct rdmasafe_cm_counters c;
+	struct rdmasafe_cm_counters c = { .size = sizeof c };
 
 	if (rdmasafe_cm_get_counters(&c))
 		return -1;

@@ -12,6 +12,21 @@
  *    a negative errno (-EINVAL, ...) on failure; errno is not used.
  *  - No function aborts or unwinds on bad input: each checks its arguments
  *    and returns the error documented next to it.
+ *
+ * Struct sizes: every struct rdmasafe reads or fills starts with
+ * `uint32_t size`, which the caller sets to sizeof the struct as this header
+ * declares it, e.g. `struct rdmasafe_cq_loop_stats st = { .size = sizeof st };`.
+ * Fields are only ever appended. The library writes at most `size` bytes of
+ * an output struct and sets `size` to what it filled (so a program built
+ * against an older header is never written past its struct, and one built
+ * against a newer header learns which fields were filled); it reads at most
+ * `size` bytes of an input struct, fields past it take their defaults, and
+ * bytes past the library's own struct must be 0 (else -E2BIG). A size below
+ * 4 (never set) or above 4096 is -EINVAL.
+ *
+ * ABI: the soname (librdmasafe.so.1) changes on every incompatible change;
+ * every function carries the symbol version of the release that added it
+ * (RDMASAFE_0.2 for everything in 0.2.0). See docs/ABI.md.
  */
 
 #ifndef RDMASAFE_H
@@ -20,6 +35,26 @@
 #include <stdint.h>
 #include <stddef.h>
 #include <rdma/rdma_cma.h>
+/** "MAJOR.MINOR.PATCH" of this header (compare with rdmasafe_version()). */
+#define RDMASAFE_STRINGIFY_(x) #x
+#define RDMASAFE_STRINGIFY(x) RDMASAFE_STRINGIFY_(x)
+#define RDMASAFE_VERSION_STRING RDMASAFE_STRINGIFY(RDMASAFE_VERSION_MAJOR) "." RDMASAFE_STRINGIFY(RDMASAFE_VERSION_MINOR) "." RDMASAFE_STRINGIFY(RDMASAFE_VERSION_PATCH)
+
+
+/**
+ * Major version of this library (`RDMASAFE_VERSION_MAJOR` in the header).
+ */
+#define RDMASAFE_VERSION_MAJOR 0
+
+/**
+ * Minor version.
+ */
+#define RDMASAFE_VERSION_MINOR 2
+
+/**
+ * Patch version.
+ */
+#define RDMASAFE_VERSION_PATCH 0
 
 /**
  * Event mode: arm, sleep until notified, re-arm, drain.
@@ -78,9 +113,19 @@
 struct rdmasafe_cq_loop;
 
 /**
- * Process-wide CM copy figures.
+ * Process-wide CM copy figures. Set `size` to `sizeof` the struct before
+ * the call.
  */
 struct rdmasafe_cm_counters {
+  /**
+   * In: `sizeof(struct rdmasafe_cm_counters)` as the caller's header
+   * declares it. Out: the number of bytes the library filled.
+   */
+  uint32_t size;
+  /**
+   * Always 0.
+   */
+  uint32_t reserved;
   /**
    * Events copied (each acked to librdmacm at once).
    */
@@ -100,10 +145,16 @@ struct rdmasafe_cm_counters {
 };
 
 /**
- * Options of `rdmasafe_cq_loop_create`. Zero-initialise and set what you
- * need: 0 in a field means its default.
+ * Options of `rdmasafe_cq_loop_create`. Zero-initialise, set `size`, and
+ * set what you need: 0 in a field means its default.
+ * `struct rdmasafe_cq_loop_options o = { .size = sizeof o };`
  */
 struct rdmasafe_cq_loop_options {
+  /**
+   * `sizeof(struct rdmasafe_cq_loop_options)` as the caller's header
+   * declares it (see "Struct sizes" at the top of this header).
+   */
+  uint32_t size;
   /**
    * RDMASAFE_MODE_EVENT (default), RDMASAFE_MODE_BUSY_POLL or RDMASAFE_MODE_ADAPTIVE.
    */
@@ -142,9 +193,19 @@ struct rdmasafe_cq_loop_options {
 typedef void (*rdmasafe_wc_cb)(void *ctx, const struct ibv_wc *wc, int n);
 
 /**
- * Figures of a loop (see `rdmasafe_cq_loop_stats`).
+ * Figures of a loop (see `rdmasafe_cq_loop_get_stats`). Set `size` to
+ * `sizeof` the struct before the call.
  */
 struct rdmasafe_cq_loop_stats {
+  /**
+   * In: `sizeof(struct rdmasafe_cq_loop_stats)` as the caller's header
+   * declares it. Out: the number of bytes the library filled.
+   */
+  uint32_t size;
+  /**
+   * Always 0.
+   */
+  uint32_t reserved;
   /**
    * Wakeups with something to do.
    */
@@ -220,9 +281,15 @@ struct rdmasafe_cq_loop_stats {
 typedef void (*rdmasafe_dead_peer_cb)(void *ctx, struct ibv_qp *qp, uint32_t qp_num);
 
 /**
- * A copy of one async event; the original is already acked.
+ * A copy of one async event; the original is already acked. Set `size`
+ * to `sizeof` the struct before the call.
  */
 struct rdmasafe_async_event {
+  /**
+   * In: `sizeof(struct rdmasafe_async_event)` as the caller's header
+   * declares it. Out: the number of bytes the library filled.
+   */
+  uint32_t size;
   /**
    * `enum ibv_event_type` value (unknown values pass through).
    */
@@ -256,6 +323,19 @@ typedef void (*rdmasafe_log_cb)(void *ctx, int level, const char *msg);
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+/**
+ * The library's version: returns "MAJOR.MINOR.PATCH" (static, never NULL)
+ * and stores the parts through the pointers that are not NULL. Compare
+ * with RDMASAFE_VERSION_MAJOR / _MINOR / _PATCH from the header the
+ * program was built with: the same major and a minor at least the
+ * header's means every function and struct field the program knows is
+ * there. Thread-safe, never fails.
+ *
+ * # Safety
+ * Each pointer NULL or writable.
+ */
+const char *rdmasafe_version(int *major, int *minor, int *patch);
 
 /**
  * Gets the next CM event of `channel`, like `rdma_get_cm_event`, but
@@ -363,8 +443,9 @@ int rdmasafe_event_free(struct rdma_cm_event *event);
 const char *rdmasafe_event_str(int event);
 
 /**
- * Reads the CM copy counters into `*out`. Never blocks; thread-safe.
- * Returns 0, or -EINVAL if `out` is NULL.
+ * Reads the CM copy counters into `*out` (set `out->size` first). Never
+ * blocks; thread-safe. Returns 0, or -EINVAL if `out` is NULL or its size
+ * is not set.
  *
  * # Safety
  * `out` must be NULL or writable.

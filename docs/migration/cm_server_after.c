@@ -110,7 +110,7 @@ static void on_alarm(int sig)
 /* Prints the copy counters; 0 if no copy is left. */
 static int counters(const char *who)
 {
-	struct rdmasafe_cm_counters k;
+	struct rdmasafe_cm_counters k = { .size = sizeof k };
 	int rc = rdmasafe_cm_get_counters(&k); /* 0 or a negative errno */
 
 	if (rc < 0) {

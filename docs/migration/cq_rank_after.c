@@ -310,7 +310,7 @@ int main(int argc, char **argv)
 	const char *addr = getenv("RDMASAFE_TEST_ADDR"), *port = "7492";
 	struct rdma_cm_id *listener = NULL;
 	struct rdmasafe_cq_loop_options opts;
-	struct rdmasafe_cq_loop_stats st;
+	struct rdmasafe_cq_loop_stats st = { .size = sizeof st };
 	struct addrinfo hints, *ai;
 	int op, rc, i;
 
@@ -341,6 +341,7 @@ int main(int argc, char **argv)
 
 	/* guide:setup begin */
 	memset(&opts, 0, sizeof opts);  /* 0 in a field: its default */
+	opts.size = sizeof opts;        /* the struct as this header has it */
 	opts.mode = RDMASAFE_MODE_EVENT; /* arm, sleep, re-arm, drain */
 	rc = rdmasafe_cq_loop_create(channel, &opts, &loop);
 	if (rc < 0) {                   /* a negative errno, not -1 */

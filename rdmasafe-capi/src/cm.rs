@@ -228,10 +228,16 @@ pub extern "C" fn rdmasafe_event_str(event: c_int) -> *const c_char {
     })
 }
 
-/// Process-wide CM copy figures.
+/// Process-wide CM copy figures. Set `size` to `sizeof` the struct before
+/// the call.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct rdmasafe_cm_counters {
+    /// In: `sizeof(struct rdmasafe_cm_counters)` as the caller's header
+    /// declares it. Out: the number of bytes the library filled.
+    pub size: u32,
+    /// Always 0.
+    pub reserved: u32,
     /// Events copied (each acked to librdmacm at once).
     pub copied: u64,
     /// Copies freed.
@@ -242,8 +248,9 @@ pub struct rdmasafe_cm_counters {
     pub slots_allocated: u64,
 }
 
-/// Reads the CM copy counters into `*out`. Never blocks; thread-safe.
-/// Returns 0, or -EINVAL if `out` is NULL.
+/// Reads the CM copy counters into `*out` (set `out->size` first). Never
+/// blocks; thread-safe. Returns 0, or -EINVAL if `out` is NULL or its size
+/// is not set.
 ///
 /// # Safety
 /// `out` must be NULL or writable.
@@ -255,14 +262,18 @@ pub unsafe extern "C" fn rdmasafe_cm_get_counters(out: *mut rdmasafe_cm_counters
         }
         let c = cm::counters();
         let v = rdmasafe_cm_counters {
+            size: 0,
+            reserved: 0,
             copied: c.copied,
             freed: c.freed,
             outstanding: c.outstanding,
             slots_allocated: c.slots_allocated,
         };
-        // SAFETY: out checked non-NULL; the caller provides writable storage.
-        unsafe { *out = v };
-        0
+        // SAFETY: out checked non-NULL; writable for its stated size (caller).
+        match unsafe { crate::abi::write_out(out, &v) } {
+            Ok(()) => 0,
+            Err(e) => e,
+        }
     })
 }
 

@@ -37,11 +37,15 @@ pub const RDMASAFE_MODE_ADAPTIVE: c_int = 2;
 /// run or destroy the loop.
 pub type rdmasafe_wc_cb = Option<unsafe extern "C" fn(ctx: *mut c_void, wc: *const ibv_wc, n: c_int)>;
 
-/// Options of `rdmasafe_cq_loop_create`. Zero-initialise and set what you
-/// need: 0 in a field means its default.
+/// Options of `rdmasafe_cq_loop_create`. Zero-initialise, set `size`, and
+/// set what you need: 0 in a field means its default.
+/// `struct rdmasafe_cq_loop_options o = { .size = sizeof o };`
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct rdmasafe_cq_loop_options {
+    /// `sizeof(struct rdmasafe_cq_loop_options)` as the caller's header
+    /// declares it (see "Struct sizes" at the top of this header).
+    pub size: u32,
     /// RDMASAFE_MODE_EVENT (default), RDMASAFE_MODE_BUSY_POLL or RDMASAFE_MODE_ADAPTIVE.
     pub mode: c_int,
     /// Non-zero: arm for solicited completions only.
@@ -58,10 +62,16 @@ pub struct rdmasafe_cq_loop_options {
     pub watchdog_ms: c_int,
 }
 
-/// Figures of a loop (see `rdmasafe_cq_loop_stats`).
+/// Figures of a loop (see `rdmasafe_cq_loop_get_stats`). Set `size` to
+/// `sizeof` the struct before the call.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct rdmasafe_cq_loop_stats {
+    /// In: `sizeof(struct rdmasafe_cq_loop_stats)` as the caller's header
+    /// declares it. Out: the number of bytes the library filled.
+    pub size: u32,
+    /// Always 0.
+    pub reserved: u32,
     /// Wakeups with something to do.
     pub wakeups: u64,
     /// Wakeups that delivered no completion.
@@ -222,8 +232,16 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_create(
         if out.is_null() {
             return -libc::EINVAL;
         }
-        // SAFETY: opts is NULL or readable (caller).
-        let opts = match options(unsafe { opts.as_ref() }) {
+        let opts = if opts.is_null() {
+            None
+        } else {
+            // SAFETY: readable for its stated size (caller).
+            match unsafe { crate::abi::read_in(opts) } {
+                Ok(o) => Some(o),
+                Err(e) => return e,
+            }
+        };
+        let opts = match options(opts.as_ref()) {
             Ok(o) => o,
             Err(e) => return e,
         };
@@ -427,6 +445,8 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_get_stats(
         };
         let s = h.ctl.stats();
         let v = rdmasafe_cq_loop_stats {
+            size: 0,
+            reserved: 0,
             wakeups: s.wakeups,
             empty_wakeups: s.empty_wakeups,
             cq_events: s.cq_events,
@@ -444,9 +464,11 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_get_stats(
             completions_per_wakeup: s.completions_per_wakeup,
             cycle_time_us: s.cycle_time_us,
         };
-        // SAFETY: out checked non-NULL.
-        unsafe { *out = v };
-        0
+        // SAFETY: out checked non-NULL; writable for its stated size (caller).
+        match unsafe { crate::abi::write_out(out, &v) } {
+            Ok(()) => 0,
+            Err(e) => e,
+        }
     })
 }
 
@@ -616,10 +638,14 @@ pub const RDMASAFE_ASYNC_DEVICE: c_int = 6;
 /// An event type rdmasafe does not know; `element` is the raw value.
 pub const RDMASAFE_ASYNC_UNKNOWN: c_int = 0;
 
-/// A copy of one async event; the original is already acked.
+/// A copy of one async event; the original is already acked. Set `size`
+/// to `sizeof` the struct before the call.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct rdmasafe_async_event {
+    /// In: `sizeof(struct rdmasafe_async_event)` as the caller's header
+    /// declares it. Out: the number of bytes the library filled.
+    pub size: u32,
     /// `enum ibv_event_type` value (unknown values pass through).
     pub event_type: u32,
     /// One of RDMASAFE_ASYNC_*.
@@ -652,6 +678,11 @@ pub unsafe extern "C" fn rdmasafe_async_get(
         if out.is_null() || timeout_ms < -1 {
             return -libc::EINVAL;
         }
+        // Before an event is taken (and acked): a bad size loses nothing.
+        // SAFETY: out is non-NULL and readable for its size field (caller).
+        if let Err(e) = unsafe { crate::abi::check_size(out) } {
+            return e;
+        }
         // SAFETY: context NULL or live (caller).
         let Some(ctx) = (unsafe { DeviceContext::from_raw_checked(context) }) else { return -libc::EINVAL };
         match AsyncEvents::new(ctx).get(Wait::from_millis(timeout_ms as i64)) {
@@ -665,11 +696,19 @@ pub unsafe extern "C" fn rdmasafe_async_get(
                     AsyncElement::Device => (RDMASAFE_ASYNC_DEVICE, std::ptr::null_mut(), 0, 0),
                     AsyncElement::Unknown(v) => (RDMASAFE_ASYNC_UNKNOWN, v as *mut c_void, 0, 0),
                 };
-                let v =
-                    rdmasafe_async_event { event_type: ev.event_type.0, element_kind: kind, element, qp_num, port_num };
-                // SAFETY: out checked non-NULL.
-                unsafe { *out = v };
-                0
+                let v = rdmasafe_async_event {
+                    size: 0,
+                    event_type: ev.event_type.0,
+                    element_kind: kind,
+                    element,
+                    qp_num,
+                    port_num,
+                };
+                // SAFETY: out checked non-NULL; writable for its size (caller).
+                match unsafe { crate::abi::write_out(out, &v) } {
+                    Ok(()) => 0,
+                    Err(e) => e,
+                }
             }
             Err(e) => neg(e),
         }

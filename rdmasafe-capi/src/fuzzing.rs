@@ -167,6 +167,7 @@ pub fn c_args_case(data: &[u8]) {
             7 => assert_eq!(rdmasafe_cq_loop_destroy(wild.cast()), -libc::EINVAL),
             8 => {
                 let opts = rdmasafe_cq_loop_options {
+                    size: std::mem::size_of::<rdmasafe_cq_loop_options>() as u32,
                     mode: i,
                     poll_batch: j,
                     ack_batch: b.i32(),
@@ -200,7 +201,10 @@ pub fn c_args_case(data: &[u8]) {
                 assert_eq!(rdmasafe_async_get(std::ptr::null_mut(), &mut a, i), -libc::EINVAL);
             }
             _ => {
-                let mut s = rdmasafe_cq_loop_stats::default();
+                let mut s = rdmasafe_cq_loop_stats {
+                    size: std::mem::size_of::<rdmasafe_cq_loop_stats>() as u32,
+                    ..Default::default()
+                };
                 assert_eq!(rdmasafe_cq_loop_get_stats(wild.cast(), &mut s), -libc::EINVAL);
                 assert_eq!(
                     rdmasafe_cq_loop_add_cq(wild.cast(), std::ptr::null_mut(), None, std::ptr::null_mut()),

@@ -10,12 +10,14 @@
 // Exported types carry their C names (rdmasafe_cq_loop, ...).
 #![allow(non_camel_case_types)]
 
+mod abi;
 mod cm;
 mod cq;
 #[doc(hidden)]
 pub mod fuzzing;
 mod log;
 
+pub use abi::*;
 pub use cm::*;
 pub use cq::*;
 pub use log::*;

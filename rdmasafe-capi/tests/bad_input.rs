@@ -26,13 +26,18 @@ fn every_export_rejects_bad_input_with_its_documented_error() {
     let wild = wild_mem.as_mut_ptr().cast::<u8>();
     let mut ev: *mut rdma_sys::rdma_cm_event = null_mut();
     let mut evs: [*mut rdma_sys::rdma_cm_event; 4] = [null_mut(); 4];
-    let mut counters = rdmasafe_cm_counters::default();
-    let mut stats = rdmasafe_cq_loop_stats::default();
+    let mut counters =
+        rdmasafe_cm_counters { size: std::mem::size_of::<rdmasafe_cm_counters>() as u32, ..Default::default() };
+    let mut unsized_counters = rdmasafe_cm_counters::default(); // size 0: never set
+    let mut stats =
+        rdmasafe_cq_loop_stats { size: std::mem::size_of::<rdmasafe_cq_loop_stats>() as u32, ..Default::default() };
     let mut out_loop: *mut rdmasafe_cq_loop = null_mut();
-    let opts = rdmasafe_cq_loop_options::default();
+    let opts =
+        rdmasafe_cq_loop_options { size: std::mem::size_of::<rdmasafe_cq_loop_options>() as u32, ..Default::default() };
     let bad_mode = rdmasafe_cq_loop_options { mode: 7, ..Default::default() };
     // SAFETY: zeroed plain C struct.
     let mut aev: rdmasafe_async_event = unsafe { std::mem::zeroed() };
+    aev.size = std::mem::size_of::<rdmasafe_async_event>() as u32;
 
     // SAFETY (all rows): every pointer is NULL, or one the function looks up
     // before use (events, loops), or scalars are checked before a non-NULL
@@ -65,6 +70,11 @@ fn every_export_rejects_bad_input_with_its_documented_error() {
             ("rdmasafe_event_str", "INT_MAX", !rdmasafe_event_str(c_int::MAX).is_null()),
             ("rdmasafe_cm_get_counters", "NULL", rdmasafe_cm_get_counters(null_mut()) == -libc::EINVAL),
             ("rdmasafe_cm_get_counters", "valid", rdmasafe_cm_get_counters(&mut counters) == 0),
+            (
+                "rdmasafe_cm_get_counters",
+                "size 0",
+                rdmasafe_cm_get_counters(&mut unsized_counters) == -libc::EINVAL && unsized_counters.copied == 0,
+            ),
             ("rdmasafe_cm_reserve", "-1", rdmasafe_cm_reserve(-1) == -libc::EINVAL),
             ("rdmasafe_cm_reserve", "INT_MAX capped", rdmasafe_cm_reserve(c_int::MAX) == 4096),
             (
@@ -150,6 +160,7 @@ fn every_export_rejects_bad_input_with_its_documented_error() {
             ("rdmasafe_async_get", "timeout -2", rdmasafe_async_get(wild.cast(), &mut aev, -2) == -libc::EINVAL),
             ("rdmasafe_async_event_str", "u32::MAX", !rdmasafe_async_event_str(u32::MAX).is_null()),
             ("rdmasafe_set_log_level", "6", rdmasafe_set_log_level(6) == -libc::EINVAL),
+            ("rdmasafe_version", "NULL parts", !rdmasafe_version(null_mut(), null_mut(), null_mut()).is_null()),
             ("rdmasafe_set_log_level", "-1", rdmasafe_set_log_level(-1) == -libc::EINVAL),
             ("rdmasafe_set_log_callback", "NULL (back to stderr)", rdmasafe_set_log_callback(None, null_mut()) == 0),
         ]

@@ -26,49 +26,15 @@
 
 mod common;
 
-use common::{blocks, profile_dir, root, Block};
+use common::{blocks, ensure_library, profile_dir, root, run_logged, Block};
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
 
 /// Seconds the guest may run before vm-run kills it.
 const GUEST_TIMEOUT: u32 = 300;
-
-fn run_logged(what: &str, cmd: &mut Command) -> std::process::Output {
-    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: cannot run {cmd:?}: {e}"));
-    if !out.status.success() {
-        panic!(
-            "{what} failed ({}):\n--- stdout\n{}\n--- stderr\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    out
-}
-
-/// Builds the cdylib the C programs link. Always: `cargo test --test
-/// c_programs` compiles only the rlib this test needs, so an existing
-/// librdmasafe.so may be stale. A no-op when it is up to date.
-fn ensure_library(profile: &Path) -> PathBuf {
-    let lib = profile.join("librdmasafe.so");
-    {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| env!("CARGO").to_string());
-        let mut cmd = Command::new(cargo);
-        cmd.current_dir(root()).args(["build", "-p", "rdmasafe-capi"]);
-        if profile.file_name().is_some_and(|n| n == "release") {
-            cmd.arg("--release");
-        }
-        if let Some(target) = profile.parent() {
-            cmd.env("CARGO_TARGET_DIR", target);
-        }
-        run_logged("cargo build -p rdmasafe-capi", &mut cmd);
-    }
-    assert!(lib.exists(), "{} is missing after the build", lib.display());
-    lib
-}
 
 fn build_c_programs(profile: &Path, bin: &Path) {
     for dir in ["tests/c", "examples-c"] {

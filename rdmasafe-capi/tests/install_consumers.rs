@@ -6,7 +6,7 @@
 //!    target dir, so an up-to-date release build costs nothing);
 //! 2. the installed tree: the ABI of `librdmasafe.so.X.Y.Z` (`nm -D
 //!    --defined-only`) is exactly `rdmasafe-capi/abi/exports.txt`, every one
-//!    under the RDMASAFE_0.1 node, and the same set of functions
+//!    under the RDMASAFE_0.2 node, and the same set of functions
 //!    `include/rdmasafe.h` declares; SONAME `librdmasafe.so.X`; the two
 //!    links; the static library, header, pkg-config and CMake package files;
 //!    what pkg-config answers for the prefix (relocatable paths, version,
@@ -49,6 +49,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Instant;
 
+/// The soname policy (docs/ABI.md): the number changes on every
+/// incompatible ABI change, independently of the package version.
+const SONAME: &str = "librdmasafe.so.1";
 /// Seconds the guest may run before vm-run kills it.
 const GUEST_TIMEOUT: u32 = 300;
 /// Files whose `<!-- snippet: ... -->` markers are checked.
@@ -351,12 +354,11 @@ struct Layout {
 impl Layout {
     fn new() -> Layout {
         let version = env!("CARGO_PKG_VERSION");
-        let major = version.split('.').next().unwrap();
         let work = target_dir().join("install-consumers");
         let prefix = work.join("prefix");
         Layout {
             version,
-            soname: format!("librdmasafe.so.{major}"),
+            soname: SONAME.to_string(),
             real: format!("librdmasafe.so.{version}"),
             build: work.join("build"),
             lib: prefix.join("lib"),
@@ -449,19 +451,19 @@ fn check_abi(c: &mut Checks, l: &Layout) {
              listed but not exported: {removed:?}\n    \
              If the change is intended, update the list on purpose:\n      \
              nm -D --defined-only {} | awk '$2 != \"A\" {{print $3}}' | sort > rdmasafe-capi/abi/exports.txt\n    \
-             (a removed or changed function breaks users of the RDMASAFE_0.1 node: bump the node in \
+             (a removed or changed function breaks users of the RDMASAFE_0.2 node: bump the node in \
              rdmasafe-capi/abi/rdmasafe.map and the soname instead)",
             l.real,
             so.display()
         ),
     );
     c.that(
-        exported.iter().all(|n| n.starts_with("rdmasafe_") && n.ends_with("@@RDMASAFE_0.1")),
-        format!("every exported symbol is rdmasafe_*@@RDMASAFE_0.1: {exported:?}"),
+        exported.iter().all(|n| n.starts_with("rdmasafe_") && n.ends_with("@@RDMASAFE_0.2")),
+        format!("every exported symbol is rdmasafe_*@@RDMASAFE_0.2: {exported:?}"),
     );
     c.that(
-        version_nodes == BTreeSet::from(["RDMASAFE_0.1".to_string()]),
-        format!("version nodes {version_nodes:?} (want only RDMASAFE_0.1)"),
+        version_nodes == BTreeSet::from(["RDMASAFE_0.2".to_string()]),
+        format!("version nodes {version_nodes:?} (want only RDMASAFE_0.2)"),
     );
     let header = fs::read_to_string(root.join("include/rdmasafe.h")).expect("read include/rdmasafe.h");
     let declared = header_functions(&header);

@@ -85,7 +85,7 @@ int main(int argc, char **argv)
 		if (poll(&pfd, 1, 0) != 1)
 			late++;
 #ifdef USE_RDMASAFE
-		struct rdmasafe_cm_counters c0, c1;
+		struct rdmasafe_cm_counters c0 = { .size = sizeof c0 }, c1 = { .size = sizeof c1 };
 		rdmasafe_cm_get_counters(&c0);
 #endif
 		double u0, s0, u1, s1;

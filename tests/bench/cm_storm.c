@@ -81,7 +81,7 @@ static void print_cpu(struct jline *j)
 #ifdef USE_RDMASAFE
 static void print_counters(struct jline *j)
 {
-	struct rdmasafe_cm_counters c;
+	struct rdmasafe_cm_counters c = { .size = sizeof c };
 	rdmasafe_cm_get_counters(&c);
 	j_u64(j, "rs_copied", c.copied);
 	j_u64(j, "rs_outstanding", c.outstanding);

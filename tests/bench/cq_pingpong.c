@@ -224,8 +224,7 @@ static void on_wc(void *ctx, const struct ibv_wc *wc, int n)
 #ifdef USE_RDMASAFE
 static void loop_setup(struct app *a)
 {
-	struct rdmasafe_cq_loop_options o;
-	memset(&o, 0, sizeof(o));
+	struct rdmasafe_cq_loop_options o = { .size = sizeof o };
 	o.mode = a->mode == M_EVENT ? RDMASAFE_MODE_EVENT
 		 : a->mode == M_BUSY ? RDMASAFE_MODE_BUSY_POLL
 				      : RDMASAFE_MODE_ADAPTIVE;
@@ -260,7 +259,7 @@ static void loop_until_pong(struct app *a)
 
 static void loop_report(struct app *a, struct jline *j)
 {
-	struct rdmasafe_cq_loop_stats s;
+	struct rdmasafe_cq_loop_stats s = { .size = sizeof s };
 	rdmasafe_cq_loop_get_stats(a->loop, &s);
 	j_u64(j, "cq_events", s.cq_events);
 	j_u64(j, "ack_calls", s.ack_calls);

@@ -260,6 +260,7 @@ static struct sockaddr *addr_port(struct sockaddr_storage *ss, uint16_t port)
 static void counters(struct rdmasafe_cm_counters *c)
 {
 	memset(c, 0, sizeof *c);
+	c->size = sizeof *c;
 	if (rdmasafe_cm_get_counters(c))
 		CHECK(0, "rdmasafe_cm_get_counters failed");
 }
@@ -719,7 +720,7 @@ static void test_hold_copies(void)
 	struct rdma_event_channel *ch;
 	struct rdma_cm_id *ids[HOLD_IDS] = { 0 };
 	struct rdma_cm_event *evs[HOLD_IDS] = { 0 };
-	struct rdmasafe_cm_counters c0, c1, c2;
+	struct rdmasafe_cm_counters c0 = { .size = sizeof c0 }, c1 = { .size = sizeof c1 }, c2 = { .size = sizeof c2 };
 	struct sockaddr_storage ss;
 	int i, n = 0, created = 0, destroyed = 0, good = 1;
 	double t0;
@@ -925,7 +926,7 @@ static void test_device(const char *addr)
 int main(void)
 {
 	struct rdma_event_channel *blocking, *nonblocking;
-	struct rdmasafe_cm_counters c;
+	struct rdmasafe_cm_counters c = { .size = sizeof c };
 	const char *addr = getenv("RDMASAFE_TEST_ADDR");
 
 	setvbuf(stdout, NULL, _IOLBF, 0);

@@ -172,9 +172,8 @@ static void sleep_ms(int ms)
 
 static struct rdmasafe_cq_loop_stats stats_of(struct rdmasafe_cq_loop *l)
 {
-	struct rdmasafe_cq_loop_stats s;
+	struct rdmasafe_cq_loop_stats s = { .size = sizeof s };
 
-	memset(&s, 0, sizeof s);
 	if (rdmasafe_cq_loop_get_stats(l, &s))
 		CHECK(0, "rdmasafe_cq_loop_get_stats failed");
 	return s;
@@ -233,7 +232,7 @@ static void *run_thread(void *arg)
 static void test_bad_handles(const char *what, struct rdmasafe_cq_loop *bad,
 			     struct ibv_cq *cq, struct ibv_qp *qp)
 {
-	struct rdmasafe_cq_loop_stats st;
+	struct rdmasafe_cq_loop_stats st = { .size = sizeof st };
 	char w[160];
 
 #define BAD(call, name)                                                        \
@@ -255,11 +254,43 @@ static void test_bad_handles(const char *what, struct rdmasafe_cq_loop *bad,
 #undef BAD
 }
 
+/* Sized output structs (header "Struct sizes"): an older caller's shorter
+ * struct gets nothing written past its size; a newer caller's longer one
+ * learns how much was filled; an unset size is -EINVAL. */
+static void test_stats_sizes(struct rdmasafe_cq_loop *l)
+{
+	union {
+		struct rdmasafe_cq_loop_stats s;
+		unsigned char b[sizeof(struct rdmasafe_cq_loop_stats) + 32];
+	} u;
+	size_t old = offsetof(struct rdmasafe_cq_loop_stats, completions);
+	size_t i;
+	int clean = 1;
+
+	memset(&u, 0xAA, sizeof u);
+	u.s.size = old;
+	CHECK_RC(rdmasafe_cq_loop_get_stats(l, &u.s), 0, "get_stats into an older, shorter struct");
+	CHECK(u.s.size == old, "older struct: size stays %zu (got %u)", old, u.s.size);
+	for (i = old; i < sizeof u; i++)
+		clean &= u.b[i] == 0xAA;
+	CHECK(clean, "older struct: no byte written past its size");
+	memset(&u, 0xAA, sizeof u);
+	u.s.size = sizeof u;
+	CHECK_RC(rdmasafe_cq_loop_get_stats(l, &u.s), 0, "get_stats into a newer, longer struct");
+	CHECK(u.s.size == sizeof(struct rdmasafe_cq_loop_stats), "newer struct: size says %zu bytes filled (got %u)",
+	      sizeof(struct rdmasafe_cq_loop_stats), u.s.size);
+	clean = 1;
+	for (i = sizeof(struct rdmasafe_cq_loop_stats); i < sizeof u; i++)
+		clean &= u.b[i] == 0xAA;
+	CHECK(clean, "newer struct: nothing written past the library's struct");
+	memset(&u, 0, sizeof u);
+	CHECK_RC(rdmasafe_cq_loop_get_stats(l, &u.s), -EINVAL, "get_stats with size 0 (never set)");
+}
+
 static int make_loop(struct ibv_comp_channel *ch, int mode, struct rdmasafe_cq_loop **out)
 {
-	struct rdmasafe_cq_loop_options o;
+	struct rdmasafe_cq_loop_options o = { .size = sizeof o };
 
-	memset(&o, 0, sizeof o);
 	o.mode = mode;
 	*out = NULL;
 	return rdmasafe_cq_loop_create(ch, &o, out);
@@ -267,31 +298,37 @@ static int make_loop(struct ibv_comp_channel *ch, int mode, struct rdmasafe_cq_l
 
 static void test_options(struct ibv_comp_channel *ch)
 {
+#define OPT(...) { .size = sizeof(struct rdmasafe_cq_loop_options), __VA_ARGS__ }
 	static const struct {
 		const char *what;
 		struct rdmasafe_cq_loop_options o;
 	} bad[] = {
-		{ "mode 3", { .mode = 3 } },
-		{ "mode -1", { .mode = -1 } },
-		{ "poll_batch -1", { .poll_batch = -1 } },
-		{ "poll_batch 4097", { .poll_batch = 4097 } },
-		{ "ack_batch -1", { .ack_batch = -1 } },
-		{ "ack_batch 65537", { .ack_batch = 65537 } },
-		{ "adaptive_spin_us -1", { .mode = RDMASAFE_MODE_ADAPTIVE, .adaptive_spin_us = -1 } },
-		{ "watchdog_ms -1", { .watchdog_ms = -1 } },
-		{ "poll_batch INT_MIN", { .poll_batch = INT_MIN } },
+		{ "mode 3", OPT(.mode = 3) },
+		{ "mode -1", OPT(.mode = -1) },
+		{ "poll_batch -1", OPT(.poll_batch = -1) },
+		{ "poll_batch 4097", OPT(.poll_batch = 4097) },
+		{ "ack_batch -1", OPT(.ack_batch = -1) },
+		{ "ack_batch 65537", OPT(.ack_batch = 65537) },
+		{ "adaptive_spin_us -1", OPT(.mode = RDMASAFE_MODE_ADAPTIVE, .adaptive_spin_us = -1) },
+		{ "watchdog_ms -1", OPT(.watchdog_ms = -1) },
+		{ "poll_batch INT_MIN", OPT(.poll_batch = INT_MIN) },
+		{ "size 0 (never set)", { .size = 0, .mode = 0 } },
+		{ "size 5000", { .size = 5000 } },
 	};
 	static const struct {
 		const char *what;
 		struct rdmasafe_cq_loop_options o;
 	} good[] = {
-		{ "all zero (defaults)", { 0 } },
-		{ "poll_batch 4096, ack_batch 65536", { .poll_batch = 4096, .ack_batch = 65536 } },
-		{ "poll_batch 1, ack_batch 1", { .poll_batch = 1, .ack_batch = 1 } },
-		{ "busy poll", { .mode = RDMASAFE_MODE_BUSY_POLL } },
-		{ "adaptive, spin 1 us, watchdog 5 ms", { .mode = RDMASAFE_MODE_ADAPTIVE, .adaptive_spin_us = 1, .watchdog_ms = 5 } },
-		{ "solicited only", { .solicited_only = 1 } },
+		{ "all zero (defaults)", OPT(.mode = 0) },
+		{ "poll_batch 4096, ack_batch 65536", OPT(.poll_batch = 4096, .ack_batch = 65536) },
+		{ "poll_batch 1, ack_batch 1", OPT(.poll_batch = 1, .ack_batch = 1) },
+		{ "busy poll", OPT(.mode = RDMASAFE_MODE_BUSY_POLL) },
+		{ "adaptive, spin 1 us, watchdog 5 ms", OPT(.mode = RDMASAFE_MODE_ADAPTIVE, .adaptive_spin_us = 1, .watchdog_ms = 5) },
+		{ "solicited only", OPT(.solicited_only = 1) },
+		/* an older caller: the struct ends before poll_batch (defaults from there on) */
+		{ "truncated (older header)", { .size = offsetof(struct rdmasafe_cq_loop_options, poll_batch), .mode = RDMASAFE_MODE_BUSY_POLL } },
 	};
+#undef OPT
 	struct rdmasafe_cq_loop *l, *sentinel = (struct rdmasafe_cq_loop *)&l;
 	size_t i;
 
@@ -310,6 +347,26 @@ static void test_options(struct ibv_comp_channel *ch)
 		if (r == 0)
 			CHECK_RC(rdmasafe_cq_loop_destroy(l), 0, "rdmasafe_cq_loop_destroy of it");
 	}
+	{
+		/* A newer caller: its struct is longer than ours. Zero bytes past
+		 * ours are fine; a field we do not know that is set is -E2BIG. */
+		union {
+			struct rdmasafe_cq_loop_options o;
+			unsigned char b[sizeof(struct rdmasafe_cq_loop_options) + 16];
+		} newer;
+		memset(&newer, 0, sizeof newer);
+		newer.o.size = sizeof newer;
+		l = NULL;
+		int r = rdmasafe_cq_loop_create(ch, &newer.o, &l);
+		CHECK(r == 0 && l, "rdmasafe_cq_loop_create(newer struct, unknown tail zero) -> %s", rname(r));
+		if (r == 0)
+			CHECK_RC(rdmasafe_cq_loop_destroy(l), 0, "rdmasafe_cq_loop_destroy of it");
+		newer.b[sizeof(struct rdmasafe_cq_loop_options) + 3] = 1;
+		l = sentinel;
+		CHECK_RC(rdmasafe_cq_loop_create(ch, &newer.o, &l), -E2BIG,
+			 "rdmasafe_cq_loop_create(newer struct, an unknown field set)");
+		CHECK(l == sentinel, "E2BIG leaves *out untouched");
+	}
 	l = sentinel;
 	CHECK_RC(rdmasafe_cq_loop_create(NULL, NULL, &l), -EINVAL, "rdmasafe_cq_loop_create(NULL channel)");
 	CHECK(l == sentinel, "rdmasafe_cq_loop_create(NULL channel) leaves *out untouched");
@@ -322,7 +379,7 @@ static void test_handles(struct ibv_context *ctx)
 	struct ibv_cq *cq1 = NULL, *cq1b = NULL, *cq2 = NULL, *nocq = NULL, *ocq = NULL;
 	struct ibv_context *octx = NULL;
 	struct rdmasafe_cq_loop *a = NULL, *b = NULL, *d = NULL;
-	struct rdmasafe_cq_loop_stats st;
+	struct rdmasafe_cq_loop_stats st = { .size = sizeof st };
 	uint64_t stack_fake[32] = { 0 };
 	void *heap_fake;
 	int fl, r;
@@ -355,6 +412,7 @@ static void test_handles(struct ibv_context *ctx)
 	phase = "handles: one loop";
 	if (!CHECK(make_loop(ch1, RDMASAFE_MODE_EVENT, &a) == 0 && a, "rdmasafe_cq_loop_create on channel 1"))
 		goto out;
+	test_stats_sizes(a);
 	fl = fcntl(ch1->fd, F_GETFL);
 	CHECK(fl >= 0 && (fl & O_NONBLOCK), "rdmasafe_cq_loop_create set O_NONBLOCK on the channel fd");
 	r = rdmasafe_cq_loop_fd(a);
@@ -503,7 +561,7 @@ out:
 
 static void test_async(struct ibv_context *ctx)
 {
-	struct rdmasafe_async_event ev;
+	struct rdmasafe_async_event ev = { .size = sizeof ev };
 	int r, n = 0, names_ok = 1;
 	double t0, dt;
 
@@ -692,6 +750,7 @@ static void run_probes(struct cbctx *c)
 	probe.add = rdmasafe_cq_loop_add_cq(l, spare_cq, noop_cb, NULL);
 	probe.remove = rdmasafe_cq_loop_remove_cq(l, c->send ? c->s->scq : c->s->rcq);
 	probe.drain = rdmasafe_cq_loop_drain_qp(l, c->s->qp, 0, 100);
+	probe.st.size = sizeof probe.st;
 	probe.stats = rdmasafe_cq_loop_get_stats(l, &probe.st);
 	probe.fd = rdmasafe_cq_loop_fd(l);
 	probe.outstanding = rdmasafe_cq_loop_set_outstanding(l, 0);
@@ -979,8 +1038,8 @@ static void print_figures(const char *mode, uint64_t messages, const struct rdma
 static void stream_mode(int mode, uint64_t n, uint64_t win, int threaded, int first)
 {
 	struct rdmasafe_cq_loop *l = NULL;
-	struct rdmasafe_cq_loop_options o;
-	struct rdmasafe_cq_loop_stats st;
+	struct rdmasafe_cq_loop_options o = { .size = sizeof o };
+	struct rdmasafe_cq_loop_stats st = { .size = sizeof st };
 	char m[48];
 	uint64_t want = 4 * n; /* a send and a receive completion per message, both ways */
 	pthread_t th;
@@ -990,7 +1049,6 @@ static void stream_mode(int mode, uint64_t n, uint64_t win, int threaded, int fi
 	snprintf(m, sizeof m, "%s/w%" PRIu64, mode_name(mode), win);
 	phase = mode_name(mode);
 	window = win;
-	memset(&o, 0, sizeof o);
 	o.mode = mode;
 	o.adaptive_spin_us = 100;
 	if (!CHECK(rdmasafe_cq_loop_create(comp, &o, &l) == 0, "%s: rdmasafe_cq_loop_create (mode %d)", m, mode))
@@ -1107,7 +1165,7 @@ out:
 static void stream_run_once(uint64_t n)
 {
 	struct rdmasafe_cq_loop *l = NULL;
-	struct rdmasafe_cq_loop_stats st;
+	struct rdmasafe_cq_loop_stats st = { .size = sizeof st };
 	uint64_t want = 4 * n, delivered = 0;
 	int r, calls = 0, stalls = 0, bad = 0, fd;
 	double t0;
@@ -1216,7 +1274,7 @@ static void disconnect_pair(void)
 static void drain_pair(void)
 {
 	struct rdmasafe_cq_loop *l = NULL;
-	struct rdmasafe_cq_loop_stats st;
+	struct rdmasafe_cq_loop_stats st = { .size = sizeof st };
 	uint64_t pending[2];
 	int r;
 
@@ -1256,7 +1314,7 @@ static void drain_pair(void)
 	info("drain: stats completions %" PRIu64 " wakeups %" PRIu64 " cq_events %" PRIu64 " unacked_now %" PRIu64,
 	     st.completions, st.wakeups, st.cq_events, st.unacked_now);
 	{
-		struct rdmasafe_async_event ev;
+		struct rdmasafe_async_event ev = { .size = sizeof ev };
 		while ((r = rdmasafe_async_get(sides[0].id->verbs, &ev, 0)) == 0)
 			info("async event after the drain: %s (kind %d, qp_num %u)",
 			     rdmasafe_async_event_str(ev.event_type), ev.element_kind, ev.qp_num);
@@ -1366,7 +1424,7 @@ done:
 	if (cch)
 		rdma_destroy_event_channel(cch);
 	{
-		struct rdmasafe_cm_counters c;
+		struct rdmasafe_cm_counters c = { .size = sizeof c };
 		if (rdmasafe_cm_get_counters(&c) == 0)
 			CHECK(c.outstanding == 0, "CM copies: copied %" PRIu64 ", outstanding %" PRIu64, c.copied, c.outstanding);
 	}

@@ -95,6 +95,8 @@ int main()
 
 	// a negative errno, errno untouched
 	rdmasafe_cm_counters k{}; // the type name alone works in C++
+	check(rdmasafe_cm_get_counters(&k) == -EINVAL, "rdmasafe_cm_get_counters with size unset -> -EINVAL");
+	k.size = sizeof k;
 	check(rdmasafe_cm_get_counters(&k) == 0 && k.copied == 0 && k.outstanding == 0,
 	      "rdmasafe_cm_counters: nothing copied, nothing outstanding");
 	check(rdmasafe_cm_get_counters(nullptr) == -EINVAL, "rdmasafe_cm_get_counters(nullptr) -> -EINVAL");
@@ -111,11 +113,13 @@ int main()
 		Loop loop(loop_out); // nullptr: the deleter is not called
 	}
 	struct rdmasafe_cq_loop_stats st{};
+	st.size = sizeof st;
 	check(rdmasafe_cq_loop_get_stats(nullptr, &st) == -EINVAL, "rdmasafe_cq_loop_get_stats(nullptr) -> -EINVAL");
 	check(rdmasafe_cq_loop_stop(nullptr) == -EINVAL, "rdmasafe_cq_loop_stop(nullptr) -> -EINVAL");
 	check(rdmasafe_cq_loop_fd(nullptr) == -EINVAL, "rdmasafe_cq_loop_fd(nullptr) -> -EINVAL");
 	check(rdmasafe_cq_loop_destroy(nullptr) == -EINVAL, "rdmasafe_cq_loop_destroy(nullptr) -> -EINVAL");
 	rdmasafe_async_event ae{};
+	ae.size = sizeof ae;
 	check(rdmasafe_async_get(nullptr, &ae, 0) == -EINVAL, "rdmasafe_async_get(nullptr) -> -EINVAL");
 
 	// logging: a captureless lambda converts to the C callback type

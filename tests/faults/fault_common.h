@@ -365,9 +365,8 @@ HELPER int my_cm_ids(void)
 
 HELPER void check_counters_zero(const char *when)
 {
-	struct rdmasafe_cm_counters c;
+	struct rdmasafe_cm_counters c = { .size = sizeof c };
 
-	memset(&c, 0, sizeof c);
 	CHECK(rdmasafe_cm_get_counters(&c) == 0, "rdmasafe_cm_get_counters");
 	measure("cm_copied", "%" PRIu64, c.copied);
 	measure("cm_outstanding", "%" PRIu64, c.outstanding);
@@ -408,7 +407,7 @@ HELPER void *async_main(void *arg)
 	struct async_reader *a = arg;
 
 	while (!atomic_load(&a->stop)) {
-		struct rdmasafe_async_event ev;
+		struct rdmasafe_async_event ev = { .size = sizeof ev };
 		int r = rdmasafe_async_get(a->ctx, &ev, 100);
 
 		if (r == -ETIMEDOUT || r == -EINTR)
@@ -503,10 +502,9 @@ HELPER int loop_join(struct loop_thread *lt)
 HELPER void print_loop_stats(struct rdmasafe_cq_loop *loop, const char *prefix,
 			     struct rdmasafe_cq_loop_stats *out)
 {
-	struct rdmasafe_cq_loop_stats s;
+	struct rdmasafe_cq_loop_stats s = { .size = sizeof s };
 	char name[64];
 
-	memset(&s, 0, sizeof s);
 	CHECK(rdmasafe_cq_loop_get_stats(loop, &s) == 0, "%s: rdmasafe_cq_loop_stats", prefix);
 	info("%s loop: wakeups %" PRIu64 " completions %" PRIu64 " errors %" PRIu64
 	     " cq_events %" PRIu64 " acked %" PRIu64 " in %" PRIu64 " calls, unacked_now %" PRIu64

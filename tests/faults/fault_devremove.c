@@ -208,7 +208,7 @@ int main(int argc, char **argv)
 		drain(&srv[i]);
 	}
 	{
-		struct rdmasafe_cq_loop_stats s;
+		struct rdmasafe_cq_loop_stats s = { .size = sizeof s };
 		print_loop_stats(loop, "devremove", &s);
 		CHECK(s.unacked_now == 0, "loop: unacked_now %" PRIu64 " after stop", s.unacked_now);
 	}

@@ -153,7 +153,7 @@ static int run_peer(const char *addr, uint16_t port, int nconns, const char *mar
 		CHECK(r == 0, "peer: rdmasafe_cq_loop_remove_cq -> %s", rname(r));
 	}
 	{
-		struct rdmasafe_cq_loop_stats s;
+		struct rdmasafe_cq_loop_stats s = { .size = sizeof s };
 		print_loop_stats(loop, "peer", &s);
 		CHECK(s.unacked_now == 0, "peer loop: unacked_now %" PRIu64 " after removing its CQs",
 		      s.unacked_now);
@@ -283,7 +283,7 @@ static int run_survivor(enum mode mode, const char *addr, uint16_t port, int ret
 			next_send = t + PACE_MS;
 		}
 		if (!flowing && atomic_load(&T->sends_done) >= FLOWING_AFTER && !atomic_load(&T->errors)) {
-			struct rdmasafe_cq_loop_stats s;
+			struct rdmasafe_cq_loop_stats s = { .size = sizeof s };
 			rdmasafe_cq_loop_get_stats(loop, &s);
 			if (!idle_ka || s.keepalive_probes_ok >= 2) {
 				flowing = 1;
@@ -376,7 +376,7 @@ static int run_survivor(enum mode mode, const char *addr, uint16_t port, int ret
 			measure("traffic_dead_after_fault_ms", "%.0f", us_to_ms(atomic_load(&T->t_dead_us)) - t_fault);
 	}
 	if (idle_ka) {
-		struct rdmasafe_cq_loop_stats s;
+		struct rdmasafe_cq_loop_stats s = { .size = sizeof s };
 		double t_dead = us_to_ms(atomic_load(&K->t_dead_us));
 		rdmasafe_cq_loop_get_stats(loop, &s);
 		CHECK(atomic_load(&K->dead) == 1 && K->dead_qp == K->id->qp && K->dead_qpn == K->id->qp->qp_num,
@@ -467,7 +467,7 @@ static int run_survivor(enum mode mode, const char *addr, uint16_t port, int ret
 		CHECK(r == 0, "traffic: rdmasafe_cq_loop_remove_keepalive -> %s", rname(r));
 	}
 	{
-		struct rdmasafe_cq_loop_stats s;
+		struct rdmasafe_cq_loop_stats s = { .size = sizeof s };
 		print_loop_stats(loop, "survivor", &s);
 		CHECK(s.unacked_now == 0, "survivor loop: unacked_now %" PRIu64 " after stop", s.unacked_now);
 	}

@@ -296,7 +296,7 @@ int main(int argc, char **argv)
 	r = rdmasafe_cq_loop_drain_qp(cli.loop, cli.id->qp, 0, 10000);
 	CHECK(r == 0 && atomic_load(&cli.markers) == 2, "client: rdmasafe_cq_loop_drain_qp -> %s", rname(r));
 	{
-		struct rdmasafe_cq_loop_stats a, b;
+		struct rdmasafe_cq_loop_stats a = { .size = sizeof a }, b = { .size = sizeof b };
 		print_loop_stats(cli.loop, "client", &a);
 		print_loop_stats(srv.loop, "server", &b);
 		CHECK(a.unacked_now == 0 && b.unacked_now == 0, "unacked_now %" PRIu64 " / %" PRIu64 " after stop",

@@ -268,7 +268,7 @@ out:
 	if (!ok)
 		CHECK(0, "cycle %d failed", k);
 	if (c.loop) {
-		struct rdmasafe_cq_loop_stats s;
+		struct rdmasafe_cq_loop_stats s = { .size = sizeof s };
 		/* removing the CQs acks what run_once left pending */
 		if (c.cli.cq)
 			rdmasafe_cq_loop_remove_cq(c.loop, c.cli.cq);
@@ -330,7 +330,7 @@ int main(int argc, char **argv)
 	phase = "cycles";
 	t0 = now_ms();
 	for (int k = 0; k < cycles; k++) {
-		struct rdmasafe_async_event ae;
+		struct rdmasafe_async_event ae = { .size = sizeof ae };
 		if (one_cycle(k, round_trips, chs, chc, &ss, pd) == 0)
 			good++;
 		else

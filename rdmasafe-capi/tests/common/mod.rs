@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::process::Command;
 
 /// The workspace root.
 pub fn root() -> PathBuf {
@@ -76,4 +77,39 @@ pub fn blocks(text: &str) -> BTreeMap<String, Block> {
         }
     }
     map
+}
+
+/// Runs `cmd`, panicking with its output unless it succeeds.
+pub fn run_logged(what: &str, cmd: &mut Command) -> std::process::Output {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: cannot run {cmd:?}: {e}"));
+    if !out.status.success() {
+        panic!(
+            "{what} failed ({}):\n--- stdout\n{}\n--- stderr\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    out
+}
+
+/// Builds the cdylib the C programs link. Always: `cargo test --test
+/// c_programs` compiles only the rlib this test needs, so an existing
+/// librdmasafe.so may be stale. A no-op when it is up to date.
+pub fn ensure_library(profile: &Path) -> PathBuf {
+    let lib = profile.join("librdmasafe.so");
+    {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| env!("CARGO").to_string());
+        let mut cmd = Command::new(cargo);
+        cmd.current_dir(root()).args(["build", "-p", "rdmasafe-capi"]);
+        if profile.file_name().is_some_and(|n| n == "release") {
+            cmd.arg("--release");
+        }
+        if let Some(target) = profile.parent() {
+            cmd.env("CARGO_TARGET_DIR", target);
+        }
+        run_logged("cargo build -p rdmasafe-capi", &mut cmd);
+    }
+    assert!(lib.exists(), "{} is missing after the build", lib.display());
+    lib
 }
