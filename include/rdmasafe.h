@@ -127,7 +127,7 @@ struct rdmasafe_cm_counters {
    */
   uint32_t reserved;
   /**
-   * Events copied (each acked to librdmacm at once).
+   * Events copied.
    */
   uint64_t copied;
   /**
@@ -142,6 +142,30 @@ struct rdmasafe_cm_counters {
    * Storage slots ever allocated (flat in steady state).
    */
   uint64_t slots_allocated;
+  /**
+   * Most copies alive at once so far.
+   */
+  uint64_t high_water;
+  /**
+   * Age in ms of the oldest copy alive now (0 without any).
+   */
+  uint64_t oldest_age_ms;
+  /**
+   * Copies whose librdmacm original was held un-acked (the barrier).
+   */
+  uint64_t acks_deferred;
+  /**
+   * Of those, originals acked by `rdmasafe_event_free`.
+   */
+  uint64_t acked_at_free;
+  /**
+   * Of those, originals acked because the ack deadline passed first.
+   */
+  uint64_t acked_at_deadline;
+  /**
+   * Gets refused with ENOBUFS by `rdmasafe_cm_set_limit`.
+   */
+  uint64_t refused_at_limit;
 };
 
 /**
@@ -316,7 +340,7 @@ struct rdmasafe_async_event {
  * Receives each log message: `level` 1 (error) ... 5 (trace), `msg` a
  * NUL-terminated string valid during the call. Called from whichever
  * thread logs (the loop's thread for trace messages about CQ wakeups), so
- * it must be thread-safe.
+ * it must be thread-safe. It may call rdmasafe functions (no lock is held).
  */
 typedef void (*rdmasafe_log_cb)(void *ctx, int level, const char *msg);
 
@@ -339,21 +363,40 @@ const char *rdmasafe_version(int *major, int *minor, int *patch);
 
 /**
  * Gets the next CM event of `channel`, like `rdma_get_cm_event`, but
- * returns rdmasafe's own copy: librdmacm's event is already acked when this
- * returns, so holding the copy never blocks `rdma_destroy_id`.
- *
- * `*event` receives a `struct rdma_cm_event` owned by rdmasafe. Its
+ * returns rdmasafe's own copy, in storage rdmasafe owns:
  * `param.conn.private_data` / `param.ud.private_data` point into the copy
- * and stay valid until `rdmasafe_event_free(*event)` (for
+ * and stay valid until `rdmasafe_event_free(*event)`, whatever happens to
+ * the id. Every other byte of `param` is librdmacm's, passed through (for
  * MULTICAST_JOIN / MULTICAST_ERROR `param.ud.private_data` is the context
- * pointer given to `rdma_join_multicast`, unchanged). `id` and `listen_id`
- * are the application's ids, as with librdmacm: a CONNECT_REQUEST's new id
- * must still be accepted, or rejected and destroyed, by the app.
- * The received `private_data_len` is the transport's padded maximum (56 on
- * a RoCE/IB connect request, 196 on ESTABLISHED), not what the peer sent.
+ * pointer given to `rdma_join_multicast`; for RDMA_CM_EVENT_USER it is
+ * `param.arg`). Bytes of the private data buffer past `private_data_len`
+ * read 0. The received `private_data_len` is the transport's padded
+ * maximum (56 on a RoCE/IB connect request, 196 on ESTABLISHED), not what
+ * the peer sent: carry your own length inside the data.
  *
- * Never pass the copy to `rdma_ack_cm_event`: that is a bug (librdmacm
- * would free memory it does not own). Free it with `rdmasafe_event_free`.
+ * The barrier, kept and bounded: librdmacm's own event stays un-acked
+ * until `rdmasafe_event_free` of the copy or until the ack deadline passes
+ * (`rdmasafe_cm_set_ack_deadline`, default 1000 ms), whichever comes
+ * first. So, exactly as with librdmacm, `rdma_destroy_id`,
+ * `rdma_migrate_id` and `rdma_leave_multicast` wait until a thread that
+ * still handles an event of the id has freed it, and a program that
+ * destroys an id while another thread finishes handling its event keeps
+ * working after the rename. Unlike librdmacm, a copy that is held (in a
+ * queue, by a slow worker, forgotten) blocks them at most the deadline;
+ * then its original is acked (logged once at warn level), and the copy
+ * stays valid.
+ *
+ * Ids: `ev->id` and `ev->listen_id` are the application's ids, as with
+ * librdmacm: a CONNECT_REQUEST's new id must still be accepted, or
+ * rejected and destroyed, by the app. They may be dereferenced while the
+ * copy is held and its original is un-acked (the id cannot be destroyed
+ * before), i.e. until the ack deadline; after it, only while the app knows
+ * the id is alive. To route a copy that outlives that (a queue, a
+ * worker), use the ids' contexts captured at copy time:
+ * `rdmasafe_event_get_contexts`.
+ *
+ * Never pass the copy to `rdma_ack_cm_event`: librdmacm would free memory
+ * it does not own. Free it with `rdmasafe_event_free`.
  *
  * Blocks like `rdma_get_cm_event` does on this channel: until an event
  * arrives on a blocking fd; on an fd with O_NONBLOCK it fails with EAGAIN
@@ -364,8 +407,10 @@ const char *rdmasafe_version(int *major, int *minor, int *patch);
  *
  * Returns 0, or -1 with errno: EINVAL (`channel` or `event` NULL), EAGAIN
  * (non-blocking fd, nothing ready), EINTR (a signal interrupted the wait),
- * or the error of `rdma_get_cm_event`.
- * `*event` is left untouched on failure.
+ * ENOBUFS (`rdmasafe_cm_set_limit` copies are held: the event stays in the
+ * kernel), ENOMEM, or the error of `rdma_get_cm_event`. errno is left
+ * untouched on success, as librdmacm does. `*event` is left untouched on
+ * failure.
  *
  * # Safety
  * `channel` must be NULL or a live channel from `rdma_create_event_channel`; `event` NULL or writable.
@@ -388,7 +433,8 @@ int rdmasafe_get_event(struct rdma_event_channel *channel,
  *
  * Returns 0, or -1 with errno: EINVAL (NULL argument, `timeout_ms < -1`),
  * EAGAIN (`timeout_ms == 0`, nothing ready), ETIMEDOUT (nothing within
- * `timeout_ms`), EINTR (a signal), or the error of `rdma_get_cm_event`.
+ * `timeout_ms`), EINTR (a signal), ENOBUFS, ENOMEM, or the error of
+ * `rdma_get_cm_event`. errno is untouched on success.
  *
  * # Safety
  * As for `rdmasafe_get_event`.
@@ -405,8 +451,9 @@ int rdmasafe_get_event_timeout(struct rdma_event_channel *channel,
  * costs one system call; otherwise a poll() is added per event.
  *
  * Returns n >= 1, or -1 with errno: EINVAL (NULL argument, `max < 1`,
- * `timeout_ms < -1`), EAGAIN, ETIMEDOUT, or the error of
- * `rdma_get_cm_event`. Nothing is stored on failure.
+ * `timeout_ms < -1`), EAGAIN, ETIMEDOUT, ENOBUFS, ENOMEM, or the error of
+ * `rdma_get_cm_event`. Nothing is stored on failure; errno is untouched
+ * on success.
  *
  * # Safety
  * `channel` NULL or live; `events` NULL or writable for `max` pointers.
@@ -418,22 +465,44 @@ int rdmasafe_get_events(struct rdma_event_channel *channel,
 
 /**
  * Frees a copy returned by the get calls (replaces `rdma_ack_cm_event`).
- * Never blocks on librdmacm (the original event was acked long ago), so it
- * is safe after the event's id was destroyed. Thread-safe.
- * `rdmasafe_event_free(NULL)` does nothing and returns 0.
+ * Never blocks. If librdmacm's original was still held (see
+ * `rdmasafe_get_event`), it is acked here, last, so a thread waiting in
+ * `rdma_destroy_id` for it wakes after the copy is gone. Safe after the
+ * event's id was destroyed. Thread-safe. `rdmasafe_event_free(NULL)` does
+ * nothing and returns 0.
  *
- * The pointer is looked up among the live copies before anything is read
- * through it: a pointer rdmasafe did not hand out, or one already freed,
- * fails with EINVAL and nothing is touched. Limit: once a freed copy's
- * storage has been handed out again by a later get, a second free of the
- * old pointer cannot be told apart from a free of the new copy.
+ * The pointer is checked before anything is read through it (address
+ * arithmetic over rdmasafe's own storage, then the copy's state): a
+ * pointer rdmasafe did not hand out, or one already freed, fails with
+ * EINVAL, nothing is touched, and an error-level log line says so (a
+ * librdmacm event must go to `rdma_ack_cm_event`, or its id's destroy
+ * waits forever). A freed copy's storage is handed out again only after at
+ * least 64 other copies, so a stale pointer freed a second time within
+ * that window is always EINVAL; beyond it, it cannot be told apart from
+ * the newer copy that reuses the storage.
  *
- * Returns 0, or -1 with errno EINVAL.
+ * Returns 0, or -1 with errno EINVAL. errno is untouched on success.
  *
  * # Safety
  * None beyond C's: any pointer value is checked before use.
  */
 int rdmasafe_event_free(struct rdma_cm_event *event);
+
+/**
+ * What was captured from the event's ids at copy time, for routing a copy
+ * without dereferencing `ev->id` (which the app may have destroyed):
+ * `*context` receives `ev->id->context`, `*listen_context`
+ * `ev->listen_id->context` (NULL without a listen id). Either out pointer
+ * may be NULL. Thread-safe; never blocks.
+ *
+ * Returns 0, or -EINVAL (`event` is not a live copy: nothing is written).
+ *
+ * # Safety
+ * `context` and `listen_context` NULL or writable; `event` any value.
+ */
+int rdmasafe_event_get_contexts(const struct rdma_cm_event *event,
+                                void **context,
+                                void **listen_context);
 
 /**
  * The name of a CM event type, e.g. `"RDMA_CM_EVENT_ESTABLISHED"`, like
@@ -443,20 +512,45 @@ int rdmasafe_event_free(struct rdma_cm_event *event);
 const char *rdmasafe_event_str(int event);
 
 /**
+ * Sets how long librdmacm's original event stays un-acked after a get
+ * (the destroy barrier, see `rdmasafe_get_event`): until the copy is
+ * freed, at most `ms` milliseconds. 0 acks at once (a held copy then never
+ * delays `rdma_destroy_id`, and `ev->id` may be destroyed while the copy is
+ * held). Applies to gets from now on. The default is 1000 ms, or
+ * RDMASAFE_ACK_DEADLINE_MS from the environment. Thread-safe.
+ *
+ * Returns the previous value in ms (>= 0), or -EINVAL for `ms < 0`.
+ */
+int rdmasafe_cm_set_ack_deadline(int ms);
+
+/**
+ * Bounds the copies alive at once: with `max_outstanding` copies held, the
+ * get calls fail with ENOBUFS *before* asking librdmacm, so the event stays
+ * in the kernel until copies are freed (0: unlimited, the default). Also,
+ * whatever the limit, a warn-level log line says so when the copies held
+ * pass 4096, and again at every doubling. Thread-safe.
+ *
+ * Returns 0.
+ */
+int rdmasafe_cm_set_limit(uint64_t max_outstanding);
+
+/**
  * Reads the CM copy counters into `*out` (set `out->size` first). Never
- * blocks; thread-safe. Returns 0, or -EINVAL if `out` is NULL or its size
- * is not set.
+ * blocks; thread-safe. The oldest copy's age is found by a scan of
+ * rdmasafe's storage (proportional to `high_water`).
+ *
+ * Returns 0, or -EINVAL if `out` is NULL or its size is not set.
  *
  * # Safety
- * `out` must be NULL or writable.
+ * `out` must be NULL or writable for its stated size.
  */
 int rdmasafe_cm_get_counters(struct rdmasafe_cm_counters *out);
 
 /**
- * Pre-allocates storage for `n` copies so the first `n` live copies
- * allocate nothing (at most 4096 are kept). Returns the number of free
- * slots held afterwards, -EINVAL if `n < 0`, or -ENOMEM. Larger `n` are
- * treated as 4096. Thread-safe.
+ * Pre-allocates storage so that the next `n` copies allocate nothing (at
+ * most 4096 are prepared; larger `n` are treated as 4096). Returns how many
+ * copies can be got now without allocating (>= `n`), -EINVAL if `n < 0`,
+ * or -ENOMEM. Thread-safe.
  */
 int rdmasafe_cm_reserve(int n);
 
@@ -650,14 +744,16 @@ const char *rdmasafe_async_event_str(uint32_t event_type);
  * Sets the log level: 0 off, 1 error, 2 warn, 3 info, 4 debug, 5 trace
  * (every CM event copied and every CQ loop wakeup). Overrides the
  * RDMASAFE_LOG environment variable (error|warn|info|debug|trace), which is
- * read at the first log call otherwise. When off, a log site costs one
- * load and a branch. Thread-safe. Returns 0, or -EINVAL for another value.
+ * read at the first call into the library otherwise. When off, a log site
+ * costs one load and a branch. Thread-safe. Returns 0, or -EINVAL for
+ * another value.
  */
 int rdmasafe_set_log_level(int level);
 
 /**
  * Sends log messages to `cb(ctx, level, msg)` instead of stderr; NULL `cb`
- * goes back to stderr. Thread-safe; returns 0.
+ * goes back to stderr. Thread-safe; may be called from inside the
+ * callback. Returns 0.
  */
 int rdmasafe_set_log_callback(rdmasafe_log_cb cb, void *ctx);
 

@@ -311,7 +311,13 @@ static void *worker(void *arg)
 /* Returns 1 if it kept the copy, 0 if the caller frees it. */
 static int on_event(struct rdma_cm_event *ev)
 {
-	struct conn *c = ev->id->context;
+	struct conn *c = NULL;
+
+	/* guide:route begin */
+	/* The id's context as it was when the event was copied: no need to
+	 * dereference ev->id (which a worker must never do after the destroy). */
+	rdmasafe_event_get_contexts(ev, (void **)&c, NULL);
+	/* guide:route end */
 
 	switch (ev->event) {
 	case RDMA_CM_EVENT_CONNECT_REQUEST:
@@ -346,6 +352,12 @@ static int server(const struct addrinfo *ai, int ready_fd)
 	pthread_t tid;
 	int rc;
 
+	/* guide:deadline begin */
+	/* This server keeps copies past rdma_destroy_id on purpose (the worker
+	 * frees them): it gives up librdmacm's destroy barrier, so that no held
+	 * copy ever delays a destroy. Copies are then acked when they are got. */
+	rdmasafe_cm_set_ack_deadline(0);
+	/* guide:deadline end */
 	if ((rc = pthread_create(&tid, NULL, worker, NULL))) {
 		printf("server: pthread_create: %s\n", strerror(rc));
 		return 1;

@@ -43,10 +43,7 @@ unsafe fn caller_size(p: *const u8) -> Result<usize, c_int> {
     // SAFETY: the first field of every sized struct is a u32 (caller).
     let size = unsafe { p.cast::<u32>().read_unaligned() } as usize;
     if !(SIZE_FIELD..=MAX_STRUCT_SIZE).contains(&size) {
-        rdmasafe_core::log::log(
-            rdmasafe_core::log::Level::Error,
-            format_args!("struct size field is {size}: set .size = sizeof(the struct) before the call"),
-        );
+        log::error!(target: "rdmasafe", "struct size field is {size}: set .size = sizeof(the struct) before the call");
         return Err(-libc::EINVAL);
     }
     Ok(size)
@@ -122,17 +119,20 @@ pub(crate) unsafe fn write_out<T: Copy>(p: *mut T, v: &T) -> Result<(), c_int> {
 /// Each pointer NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn rdmasafe_version(major: *mut c_int, minor: *mut c_int, patch: *mut c_int) -> *const c_char {
-    crate::guard(VERSION_CSTR.as_ptr().cast(), || {
-        for (p, v) in
-            [(major, RDMASAFE_VERSION_MAJOR), (minor, RDMASAFE_VERSION_MINOR), (patch, RDMASAFE_VERSION_PATCH)]
-        {
-            if !p.is_null() {
-                // SAFETY: non-NULL pointers are writable (caller).
-                unsafe { *p = v };
+    crate::guard(
+        || VERSION_CSTR.as_ptr().cast(),
+        || {
+            for (p, v) in
+                [(major, RDMASAFE_VERSION_MAJOR), (minor, RDMASAFE_VERSION_MINOR), (patch, RDMASAFE_VERSION_PATCH)]
+            {
+                if !p.is_null() {
+                    // SAFETY: non-NULL pointers are writable (caller).
+                    unsafe { *p = v };
+                }
             }
-        }
-        VERSION_CSTR.as_ptr().cast()
-    })
+            VERSION_CSTR.as_ptr().cast()
+        },
+    )
 }
 
 #[cfg(test)]

@@ -1,29 +1,18 @@
 //! Drop-in CM event calls: `rdmasafe_get_event` / `rdmasafe_event_free`
-//! replace `rdma_get_cm_event` / `rdma_ack_cm_event`.
+//! replace `rdma_get_cm_event` / `rdma_ack_cm_event`; and the settings,
+//! accessors and counters that go with them.
 
-use std::collections::HashSet;
-use std::os::raw::{c_char, c_int};
+use std::os::raw::{c_char, c_int, c_void};
 use std::ptr::NonNull;
-use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
 
 use rdmasafe_core::cm::{self, ChannelRef, CmEvent, EventType};
 use rdmasafe_core::sys::{rdma_cm_event, rdma_event_channel, Wait};
 
-use crate::{fail_errno, guard, PtrHash};
-
-/// Addresses of the copies handed to C and not freed yet. A free looks the
-/// pointer up here before touching it, so a foreign pointer or a double free
-/// is an EINVAL, never a read through a bad pointer. The set keeps its
-/// capacity, so steady state allocates nothing.
-fn live() -> &'static Mutex<HashSet<usize, PtrHash>> {
-    static LIVE: OnceLock<Mutex<HashSet<usize, PtrHash>>> = OnceLock::new();
-    LIVE.get_or_init(|| Mutex::new(HashSet::with_capacity_and_hasher(1024, PtrHash::default())))
-}
+use crate::{guard, guard_errno};
 
 pub(crate) fn hand_out(ev: CmEvent) -> *mut rdma_cm_event {
-    let p = ev.into_raw();
-    live().lock().unwrap_or_else(|e| e.into_inner()).insert(p as usize);
-    p
+    ev.into_raw()
 }
 
 fn channel<'a>(channel: *mut rdma_event_channel, probe: bool) -> Option<ChannelRef<'a>> {
@@ -45,21 +34,40 @@ fn wait_of(timeout_ms: c_int) -> Option<Wait> {
 }
 
 /// Gets the next CM event of `channel`, like `rdma_get_cm_event`, but
-/// returns rdmasafe's own copy: librdmacm's event is already acked when this
-/// returns, so holding the copy never blocks `rdma_destroy_id`.
-///
-/// `*event` receives a `struct rdma_cm_event` owned by rdmasafe. Its
+/// returns rdmasafe's own copy, in storage rdmasafe owns:
 /// `param.conn.private_data` / `param.ud.private_data` point into the copy
-/// and stay valid until `rdmasafe_event_free(*event)` (for
+/// and stay valid until `rdmasafe_event_free(*event)`, whatever happens to
+/// the id. Every other byte of `param` is librdmacm's, passed through (for
 /// MULTICAST_JOIN / MULTICAST_ERROR `param.ud.private_data` is the context
-/// pointer given to `rdma_join_multicast`, unchanged). `id` and `listen_id`
-/// are the application's ids, as with librdmacm: a CONNECT_REQUEST's new id
-/// must still be accepted, or rejected and destroyed, by the app.
-/// The received `private_data_len` is the transport's padded maximum (56 on
-/// a RoCE/IB connect request, 196 on ESTABLISHED), not what the peer sent.
+/// pointer given to `rdma_join_multicast`; for RDMA_CM_EVENT_USER it is
+/// `param.arg`). Bytes of the private data buffer past `private_data_len`
+/// read 0. The received `private_data_len` is the transport's padded
+/// maximum (56 on a RoCE/IB connect request, 196 on ESTABLISHED), not what
+/// the peer sent: carry your own length inside the data.
 ///
-/// Never pass the copy to `rdma_ack_cm_event`: that is a bug (librdmacm
-/// would free memory it does not own). Free it with `rdmasafe_event_free`.
+/// The barrier, kept and bounded: librdmacm's own event stays un-acked
+/// until `rdmasafe_event_free` of the copy or until the ack deadline passes
+/// (`rdmasafe_cm_set_ack_deadline`, default 1000 ms), whichever comes
+/// first. So, exactly as with librdmacm, `rdma_destroy_id`,
+/// `rdma_migrate_id` and `rdma_leave_multicast` wait until a thread that
+/// still handles an event of the id has freed it, and a program that
+/// destroys an id while another thread finishes handling its event keeps
+/// working after the rename. Unlike librdmacm, a copy that is held (in a
+/// queue, by a slow worker, forgotten) blocks them at most the deadline;
+/// then its original is acked (logged once at warn level), and the copy
+/// stays valid.
+///
+/// Ids: `ev->id` and `ev->listen_id` are the application's ids, as with
+/// librdmacm: a CONNECT_REQUEST's new id must still be accepted, or
+/// rejected and destroyed, by the app. They may be dereferenced while the
+/// copy is held and its original is un-acked (the id cannot be destroyed
+/// before), i.e. until the ack deadline; after it, only while the app knows
+/// the id is alive. To route a copy that outlives that (a queue, a
+/// worker), use the ids' contexts captured at copy time:
+/// `rdmasafe_event_get_contexts`.
+///
+/// Never pass the copy to `rdma_ack_cm_event`: librdmacm would free memory
+/// it does not own. Free it with `rdmasafe_event_free`.
 ///
 /// Blocks like `rdma_get_cm_event` does on this channel: until an event
 /// arrives on a blocking fd; on an fd with O_NONBLOCK it fails with EAGAIN
@@ -70,26 +78,24 @@ fn wait_of(timeout_ms: c_int) -> Option<Wait> {
 ///
 /// Returns 0, or -1 with errno: EINVAL (`channel` or `event` NULL), EAGAIN
 /// (non-blocking fd, nothing ready), EINTR (a signal interrupted the wait),
-/// or the error of `rdma_get_cm_event`.
-/// `*event` is left untouched on failure.
+/// ENOBUFS (`rdmasafe_cm_set_limit` copies are held: the event stays in the
+/// kernel), ENOMEM, or the error of `rdma_get_cm_event`. errno is left
+/// untouched on success, as librdmacm does. `*event` is left untouched on
+/// failure.
 ///
 /// # Safety
 /// `channel` must be NULL or a live channel from `rdma_create_event_channel`; `event` NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn rdmasafe_get_event(channel: *mut rdma_event_channel, event: *mut *mut rdma_cm_event) -> c_int {
-    guard(fail_errno(libc::EIO), || {
+    guard_errno(|| {
         let (Some(ch), false) = (self::channel(channel, false), event.is_null()) else {
-            return fail_errno(libc::EINVAL);
+            return Err(libc::EINVAL);
         };
-        match ch.get() {
-            Ok(ev) => {
-                // SAFETY: event was checked non-NULL; the caller provides a
-                // writable pointer slot.
-                unsafe { *event = hand_out(ev) };
-                0
-            }
-            Err(e) => fail_errno(e.errno()),
-        }
+        let ev = ch.get().map_err(|e| e.errno())?;
+        // SAFETY: event was checked non-NULL; the caller provides a
+        // writable pointer slot.
+        unsafe { *event = hand_out(ev) };
+        Ok(0)
     })
 }
 
@@ -107,7 +113,8 @@ pub unsafe extern "C" fn rdmasafe_get_event(channel: *mut rdma_event_channel, ev
 ///
 /// Returns 0, or -1 with errno: EINVAL (NULL argument, `timeout_ms < -1`),
 /// EAGAIN (`timeout_ms == 0`, nothing ready), ETIMEDOUT (nothing within
-/// `timeout_ms`), EINTR (a signal), or the error of `rdma_get_cm_event`.
+/// `timeout_ms`), EINTR (a signal), ENOBUFS, ENOMEM, or the error of
+/// `rdma_get_cm_event`. errno is untouched on success.
 ///
 /// # Safety
 /// As for `rdmasafe_get_event`.
@@ -117,19 +124,15 @@ pub unsafe extern "C" fn rdmasafe_get_event_timeout(
     event: *mut *mut rdma_cm_event,
     timeout_ms: c_int,
 ) -> c_int {
-    guard(fail_errno(libc::EIO), || {
+    guard_errno(|| {
         let (Some(ch), false, Some(wait)) = (self::channel(channel, false), event.is_null(), wait_of(timeout_ms))
         else {
-            return fail_errno(libc::EINVAL);
+            return Err(libc::EINVAL);
         };
-        match ch.get_wait(wait) {
-            Ok(ev) => {
-                // SAFETY: event checked non-NULL above.
-                unsafe { *event = hand_out(ev) };
-                0
-            }
-            Err(e) => fail_errno(e.errno()),
-        }
+        let ev = ch.get_wait(wait).map_err(|e| e.errno())?;
+        // SAFETY: event checked non-NULL above.
+        unsafe { *event = hand_out(ev) };
+        Ok(0)
     })
 }
 
@@ -140,8 +143,9 @@ pub unsafe extern "C" fn rdmasafe_get_event_timeout(
 /// costs one system call; otherwise a poll() is added per event.
 ///
 /// Returns n >= 1, or -1 with errno: EINVAL (NULL argument, `max < 1`,
-/// `timeout_ms < -1`), EAGAIN, ETIMEDOUT, or the error of
-/// `rdma_get_cm_event`. Nothing is stored on failure.
+/// `timeout_ms < -1`), EAGAIN, ETIMEDOUT, ENOBUFS, ENOMEM, or the error of
+/// `rdma_get_cm_event`. Nothing is stored on failure; errno is untouched
+/// on success.
 ///
 /// # Safety
 /// `channel` NULL or live; `events` NULL or writable for `max` pointers.
@@ -152,15 +156,13 @@ pub unsafe extern "C" fn rdmasafe_get_events(
     max: c_int,
     timeout_ms: c_int,
 ) -> c_int {
-    guard(fail_errno(libc::EIO), || {
+    guard_errno(|| {
         // Scalars first: nothing is read through `channel` unless every
         // argument is valid.
         let (false, true, Some(wait)) = (events.is_null(), max >= 1, wait_of(timeout_ms)) else {
-            return fail_errno(libc::EINVAL);
+            return Err(libc::EINVAL);
         };
-        let Some(ch) = self::channel(channel, true) else {
-            return fail_errno(libc::EINVAL);
-        };
+        let ch = self::channel(channel, true).ok_or(libc::EINVAL)?;
         // A small inline buffer would need unsafe; reuse one Vec per thread
         // so steady state allocates nothing.
         thread_local! {
@@ -169,50 +171,91 @@ pub unsafe extern "C" fn rdmasafe_get_events(
         BUF.with(|buf| {
             let mut buf = buf.borrow_mut();
             buf.clear();
-            match ch.get_batch(&mut buf, max as usize, wait) {
-                Ok(n) => {
-                    for (i, ev) in buf.drain(..).enumerate() {
-                        // SAFETY: events has room for max >= n entries
-                        // (caller's contract), checked non-NULL.
-                        unsafe { *events.add(i) = hand_out(ev) };
-                    }
-                    n as c_int
-                }
-                Err(e) => fail_errno(e.errno()),
+            let n = ch.get_batch(&mut buf, max as usize, wait).map_err(|e| e.errno())?;
+            for (i, ev) in buf.drain(..).enumerate() {
+                // SAFETY: events has room for max >= n entries (caller's
+                // contract), checked non-NULL.
+                unsafe { *events.add(i) = hand_out(ev) };
             }
+            Ok(n as c_int)
         })
     })
 }
 
 /// Frees a copy returned by the get calls (replaces `rdma_ack_cm_event`).
-/// Never blocks on librdmacm (the original event was acked long ago), so it
-/// is safe after the event's id was destroyed. Thread-safe.
-/// `rdmasafe_event_free(NULL)` does nothing and returns 0.
+/// Never blocks. If librdmacm's original was still held (see
+/// `rdmasafe_get_event`), it is acked here, last, so a thread waiting in
+/// `rdma_destroy_id` for it wakes after the copy is gone. Safe after the
+/// event's id was destroyed. Thread-safe. `rdmasafe_event_free(NULL)` does
+/// nothing and returns 0.
 ///
-/// The pointer is looked up among the live copies before anything is read
-/// through it: a pointer rdmasafe did not hand out, or one already freed,
-/// fails with EINVAL and nothing is touched. Limit: once a freed copy's
-/// storage has been handed out again by a later get, a second free of the
-/// old pointer cannot be told apart from a free of the new copy.
+/// The pointer is checked before anything is read through it (address
+/// arithmetic over rdmasafe's own storage, then the copy's state): a
+/// pointer rdmasafe did not hand out, or one already freed, fails with
+/// EINVAL, nothing is touched, and an error-level log line says so (a
+/// librdmacm event must go to `rdma_ack_cm_event`, or its id's destroy
+/// waits forever). A freed copy's storage is handed out again only after at
+/// least 64 other copies, so a stale pointer freed a second time within
+/// that window is always EINVAL; beyond it, it cannot be told apart from
+/// the newer copy that reuses the storage.
 ///
-/// Returns 0, or -1 with errno EINVAL.
+/// Returns 0, or -1 with errno EINVAL. errno is untouched on success.
 ///
 /// # Safety
 /// None beyond C's: any pointer value is checked before use.
 #[no_mangle]
 pub unsafe extern "C" fn rdmasafe_event_free(event: *mut rdma_cm_event) -> c_int {
-    guard(fail_errno(libc::EIO), || {
+    guard_errno(|| {
         if event.is_null() {
-            return 0;
+            return Ok(0);
         }
-        if !live().lock().unwrap_or_else(|e| e.into_inner()).remove(&(event as usize)) {
-            return fail_errno(libc::EINVAL);
+        match CmEvent::from_raw(event) {
+            Some(copy) => {
+                drop(copy);
+                Ok(0)
+            }
+            None => {
+                log::error!(
+                    target: "rdmasafe",
+                    "rdmasafe_event_free({event:p}): not a live rdmasafe copy (freed already, or never handed \
+                     out by rdmasafe_get_event*); an event from rdma_get_cm_event must go to rdma_ack_cm_event, \
+                     or rdma_destroy_id of its id waits forever"
+                );
+                Err(libc::EINVAL)
+            }
         }
-        // SAFETY: the pointer was in the live set, so it came from
-        // CmEvent::into_raw and has not been taken back.
-        drop(unsafe { CmEvent::from_raw(event) });
-        0
     })
+}
+
+/// What was captured from the event's ids at copy time, for routing a copy
+/// without dereferencing `ev->id` (which the app may have destroyed):
+/// `*context` receives `ev->id->context`, `*listen_context`
+/// `ev->listen_id->context` (NULL without a listen id). Either out pointer
+/// may be NULL. Thread-safe; never blocks.
+///
+/// Returns 0, or -EINVAL (`event` is not a live copy: nothing is written).
+///
+/// # Safety
+/// `context` and `listen_context` NULL or writable; `event` any value.
+#[no_mangle]
+pub unsafe extern "C" fn rdmasafe_event_get_contexts(
+    event: *const rdma_cm_event,
+    context: *mut *mut c_void,
+    listen_context: *mut *mut c_void,
+) -> c_int {
+    guard(
+        || -libc::EIO,
+        || {
+            let Some((c, l)) = CmEvent::contexts_of_raw(event) else { return -libc::EINVAL };
+            for (out, v) in [(context, c), (listen_context, l)] {
+                if !out.is_null() {
+                    // SAFETY: non-NULL out pointers are writable (caller).
+                    unsafe { *out = v as *mut c_void };
+                }
+            }
+            0
+        },
+    )
 }
 
 /// The name of a CM event type, e.g. `"RDMA_CM_EVENT_ESTABLISHED"`, like
@@ -220,12 +263,54 @@ pub unsafe extern "C" fn rdmasafe_event_free(event: *mut rdma_cm_event) -> c_int
 /// Never NULL; the string is static. Thread-safe.
 #[no_mangle]
 pub extern "C" fn rdmasafe_event_str(event: c_int) -> *const c_char {
-    guard(c"RDMA_CM_EVENT_UNKNOWN".as_ptr(), || {
-        if event < 0 {
-            return c"RDMA_CM_EVENT_UNKNOWN".as_ptr();
-        }
-        EventType(event as u32).c_name().as_ptr()
-    })
+    guard(
+        || c"RDMA_CM_EVENT_UNKNOWN".as_ptr(),
+        || {
+            if event < 0 {
+                return c"RDMA_CM_EVENT_UNKNOWN".as_ptr();
+            }
+            EventType(event as u32).c_name().as_ptr()
+        },
+    )
+}
+
+/// Sets how long librdmacm's original event stays un-acked after a get
+/// (the destroy barrier, see `rdmasafe_get_event`): until the copy is
+/// freed, at most `ms` milliseconds. 0 acks at once (a held copy then never
+/// delays `rdma_destroy_id`, and `ev->id` may be destroyed while the copy is
+/// held). Applies to gets from now on. The default is 1000 ms, or
+/// RDMASAFE_ACK_DEADLINE_MS from the environment. Thread-safe.
+///
+/// Returns the previous value in ms (>= 0), or -EINVAL for `ms < 0`.
+#[no_mangle]
+pub extern "C" fn rdmasafe_cm_set_ack_deadline(ms: c_int) -> c_int {
+    guard(
+        || -libc::EIO,
+        || {
+            if ms < 0 {
+                return -libc::EINVAL;
+            }
+            cm::set_ack_deadline(Duration::from_millis(ms as u64)).as_millis().min(c_int::MAX as u128) as c_int
+        },
+    )
+}
+
+/// Bounds the copies alive at once: with `max_outstanding` copies held, the
+/// get calls fail with ENOBUFS *before* asking librdmacm, so the event stays
+/// in the kernel until copies are freed (0: unlimited, the default). Also,
+/// whatever the limit, a warn-level log line says so when the copies held
+/// pass 4096, and again at every doubling. Thread-safe.
+///
+/// Returns 0.
+#[no_mangle]
+pub extern "C" fn rdmasafe_cm_set_limit(max_outstanding: u64) -> c_int {
+    guard(
+        || -libc::EIO,
+        || {
+            cm::set_limit(max_outstanding);
+            0
+        },
+    )
 }
 
 /// Process-wide CM copy figures. Set `size` to `sizeof` the struct before
@@ -238,7 +323,7 @@ pub struct rdmasafe_cm_counters {
     pub size: u32,
     /// Always 0.
     pub reserved: u32,
-    /// Events copied (each acked to librdmacm at once).
+    /// Events copied.
     pub copied: u64,
     /// Copies freed.
     pub freed: u64,
@@ -246,57 +331,81 @@ pub struct rdmasafe_cm_counters {
     pub outstanding: u64,
     /// Storage slots ever allocated (flat in steady state).
     pub slots_allocated: u64,
+    /// Most copies alive at once so far.
+    pub high_water: u64,
+    /// Age in ms of the oldest copy alive now (0 without any).
+    pub oldest_age_ms: u64,
+    /// Copies whose librdmacm original was held un-acked (the barrier).
+    pub acks_deferred: u64,
+    /// Of those, originals acked by `rdmasafe_event_free`.
+    pub acked_at_free: u64,
+    /// Of those, originals acked because the ack deadline passed first.
+    pub acked_at_deadline: u64,
+    /// Gets refused with ENOBUFS by `rdmasafe_cm_set_limit`.
+    pub refused_at_limit: u64,
 }
 
 /// Reads the CM copy counters into `*out` (set `out->size` first). Never
-/// blocks; thread-safe. Returns 0, or -EINVAL if `out` is NULL or its size
-/// is not set.
+/// blocks; thread-safe. The oldest copy's age is found by a scan of
+/// rdmasafe's storage (proportional to `high_water`).
+///
+/// Returns 0, or -EINVAL if `out` is NULL or its size is not set.
 ///
 /// # Safety
-/// `out` must be NULL or writable.
+/// `out` must be NULL or writable for its stated size.
 #[no_mangle]
 pub unsafe extern "C" fn rdmasafe_cm_get_counters(out: *mut rdmasafe_cm_counters) -> c_int {
-    guard(-libc::EIO, || {
-        if out.is_null() {
-            return -libc::EINVAL;
-        }
-        let c = cm::counters();
-        let v = rdmasafe_cm_counters {
-            size: 0,
-            reserved: 0,
-            copied: c.copied,
-            freed: c.freed,
-            outstanding: c.outstanding,
-            slots_allocated: c.slots_allocated,
-        };
-        // SAFETY: out checked non-NULL; writable for its stated size (caller).
-        match unsafe { crate::abi::write_out(out, &v) } {
-            Ok(()) => 0,
-            Err(e) => e,
-        }
-    })
+    guard(
+        || -libc::EIO,
+        || {
+            if out.is_null() {
+                return -libc::EINVAL;
+            }
+            let c = cm::counters();
+            let v = rdmasafe_cm_counters {
+                size: 0,
+                reserved: 0,
+                copied: c.copied,
+                freed: c.freed,
+                outstanding: c.outstanding,
+                slots_allocated: c.slots_allocated,
+                high_water: c.high_water,
+                oldest_age_ms: c.oldest_age_ms,
+                acks_deferred: c.acks_deferred,
+                acked_at_free: c.acked_at_free,
+                acked_at_deadline: c.acked_at_deadline,
+                refused_at_limit: c.refused_at_limit,
+            };
+            // SAFETY: out checked non-NULL; writable for its stated size (caller).
+            match unsafe { crate::abi::write_out(out, &v) } {
+                Ok(()) => 0,
+                Err(e) => e,
+            }
+        },
+    )
 }
 
-/// Pre-allocates storage for `n` copies so the first `n` live copies
-/// allocate nothing (at most 4096 are kept). Returns the number of free
-/// slots held afterwards, -EINVAL if `n < 0`, or -ENOMEM. Larger `n` are
-/// treated as 4096. Thread-safe.
+/// Pre-allocates storage so that the next `n` copies allocate nothing (at
+/// most 4096 are prepared; larger `n` are treated as 4096). Returns how many
+/// copies can be got now without allocating (>= `n`), -EINVAL if `n < 0`,
+/// or -ENOMEM. Thread-safe.
 #[no_mangle]
 pub extern "C" fn rdmasafe_cm_reserve(n: c_int) -> c_int {
-    guard(-libc::EIO, || {
-        if n < 0 {
-            return -libc::EINVAL;
-        }
-        // At most the pool's capacity: more would only grow the live set.
-        let n = (n as usize).min(cm::FREE_LIST_CAPACITY);
-        let mut set = live().lock().unwrap_or_else(|e| e.into_inner());
-        let more = n.saturating_sub(set.capacity());
-        if set.try_reserve(more).is_err() {
-            return -libc::ENOMEM;
-        }
-        drop(set);
-        cm::reserve(n) as c_int
-    })
+    guard(
+        || -libc::EIO,
+        || {
+            if n < 0 {
+                return -libc::EINVAL;
+            }
+            let want = (n as usize).min(cm::FREE_LIST_CAPACITY);
+            let got = cm::reserve(want);
+            if got < want {
+                -libc::ENOMEM
+            } else {
+                got.min(cm::FREE_LIST_CAPACITY) as c_int
+            }
+        },
+    )
 }
 
 #[cfg(test)]
@@ -304,8 +413,22 @@ mod tests {
     use super::*;
     use std::ffi::CStr;
 
+    use rdmasafe_core::cm::SyntheticEvent;
+
     fn errno() -> i32 {
         rdmasafe_core::sys::errno()
+    }
+
+    /// Serialises the tests that depend on which storage slot comes next.
+    fn pool_lock() -> std::sync::MutexGuard<'static, ()> {
+        static L: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        L.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn synthetic() -> *mut rdma_cm_event {
+        let raw = SyntheticEvent::zeroed();
+        // SAFETY: a zeroed event has no pointers to follow.
+        hand_out(unsafe { rdmasafe_core::cm::copy_synthetic(&raw.event) })
     }
 
     #[test]
@@ -321,48 +444,93 @@ mod tests {
         assert_eq!(unsafe { rdmasafe_event_free(std::ptr::null_mut()) }, 0);
         assert_eq!(unsafe { rdmasafe_cm_get_counters(std::ptr::null_mut()) }, -libc::EINVAL);
         assert_eq!(rdmasafe_cm_reserve(-1), -libc::EINVAL);
+        assert_eq!(rdmasafe_cm_set_ack_deadline(-1), -libc::EINVAL);
+    }
+
+    /// librdmacm leaves errno alone on success; so must the drop-ins.
+    #[test]
+    fn errno_is_untouched_on_success() {
+        let _g = pool_lock();
+        let p = synthetic();
+        rdmasafe_core::sys::set_errno(12345);
+        assert_eq!(unsafe { rdmasafe_event_free(p) }, 0);
+        assert_eq!(errno(), 12345, "rdmasafe_event_free success changed errno");
+        rdmasafe_core::sys::set_errno(777);
+        assert_eq!(unsafe { rdmasafe_event_free(std::ptr::null_mut()) }, 0);
+        assert_eq!(errno(), 777, "rdmasafe_event_free(NULL) changed errno");
+        assert_eq!(unsafe { rdmasafe_event_free(p) }, -1);
+        assert_eq!(errno(), libc::EINVAL, "a failure sets errno");
     }
 
     #[test]
     fn foreign_pointer_and_double_free_are_einval() {
+        let _g = pool_lock();
         // A pointer rdmasafe never handed out: rejected without a read.
         let mut foreign = [0u64; 64];
         assert_eq!(unsafe { rdmasafe_event_free(foreign.as_mut_ptr().cast()) }, -1);
         assert_eq!(errno(), libc::EINVAL);
-        // A real copy: freed once, then the second free is EINVAL. A full
-        // free list (FIFO) keeps the freed slot from being handed out again
-        // by other tests' threads before the second free.
-        assert_eq!(rdmasafe_cm_reserve(4096), 4096);
-        // SAFETY: a zeroed event has no pointers to follow.
-        let raw: rdma_cm_event = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        let p = hand_out(unsafe { rdmasafe_core::cm::copy_synthetic(&raw) });
+        // A real copy: freed once, then the second free is EINVAL, also
+        // after 63 other copies were got and freed in between (the
+        // quarantine keeps its storage out of circulation).
+        let p = synthetic();
         assert_eq!(unsafe { rdmasafe_event_free(p) }, 0);
-        assert_eq!(unsafe { rdmasafe_event_free(p) }, -1);
+        let mut others = Vec::new();
+        for _ in 0..63 {
+            others.push(synthetic());
+        }
+        for o in others {
+            assert_ne!(o, p, "storage reused inside the quarantine");
+            assert_eq!(unsafe { rdmasafe_event_free(o) }, 0);
+        }
+        assert_eq!(unsafe { rdmasafe_event_free(p) }, -1, "stale double free");
         assert_eq!(errno(), libc::EINVAL);
     }
 
+    #[test]
+    fn contexts_are_read_without_the_id() {
+        let _g = pool_lock();
+        // SAFETY: plain C data; only the contexts are set.
+        let mut id: rdma_sys::rdma_cm_id = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        let mut listen: rdma_sys::rdma_cm_id = unsafe { std::mem::zeroed() };
+        id.context = 0xc0ffee as *mut c_void;
+        listen.context = 0x1157e7 as *mut c_void;
+        let mut raw = SyntheticEvent::zeroed();
+        raw.event.id = &mut id;
+        raw.event.listen_id = &mut listen;
+        // SAFETY: the ids are live for the copy.
+        let p = hand_out(unsafe { rdmasafe_core::cm::copy_synthetic(&raw.event) });
+        // The id changes (or dies): the copy kept what it had.
+        // SAFETY: the id is the local above, still alive.
+        unsafe { (*raw.event.id).context = std::ptr::null_mut() };
+        let (mut c, mut l) = (std::ptr::null_mut(), std::ptr::null_mut());
+        assert_eq!(unsafe { rdmasafe_event_get_contexts(p, &mut c, &mut l) }, 0);
+        assert_eq!((c as usize, l as usize), (0xc0ffee, 0x1157e7));
+        assert_eq!(unsafe { rdmasafe_event_get_contexts(p, std::ptr::null_mut(), &mut l) }, 0);
+        assert_eq!(unsafe { rdmasafe_event_free(p) }, 0);
+        c = 7 as *mut c_void;
+        assert_eq!(unsafe { rdmasafe_event_get_contexts(p, &mut c, &mut l) }, -libc::EINVAL);
+        assert_eq!(c as usize, 7, "nothing written for a freed copy");
+    }
+
     /// Many threads handing out and freeing copies at once, with foreign
-    /// and double frees mixed in: every free of a live copy succeeds once,
-    /// everything else is EINVAL.
+    /// frees mixed in: every free of a live copy succeeds once, everything
+    /// else is EINVAL.
     #[test]
     fn concurrent_get_free_and_bad_frees() {
+        let _g = pool_lock();
         let threads: Vec<_> = (0..8)
             .map(|t| {
                 std::thread::spawn(move || {
                     let mut bogus = [0u64; 8];
                     for i in 0..5_000u32 {
-                        // SAFETY: a zeroed event has no pointers to follow.
-                        let mut raw: rdma_cm_event = unsafe { std::mem::zeroed() };
-                        raw.status = (t * 100_000 + i) as i32;
-                        // SAFETY: as above.
-                        let p = hand_out(unsafe { rdmasafe_core::cm::copy_synthetic(&raw) });
+                        let mut raw = SyntheticEvent::zeroed();
+                        raw.event.status = (t * 100_000 + i) as i32;
+                        // SAFETY: no ids, no private data.
+                        let p = hand_out(unsafe { rdmasafe_core::cm::copy_synthetic(&raw.event) });
                         // SAFETY: p is a live copy; the status is readable.
                         assert_eq!(unsafe { (*p).status }, (t * 100_000 + i) as i32);
-                        // SAFETY: frees go through the live-set check.
-                        // (No double frees here: with other threads getting
-                        // copies, a freed slot may be live again -- the
-                        // documented limit; see the single-thread test.)
+                        // SAFETY: frees check the pointer first.
                         unsafe {
                             assert_eq!(rdmasafe_event_free(bogus.as_mut_ptr().cast()), -1);
                             assert_eq!(rdmasafe_event_free(p), 0);
@@ -378,6 +546,7 @@ mod tests {
 
     #[test]
     fn huge_reserve_is_capped_not_an_abort() {
+        let _g = pool_lock();
         let n = rdmasafe_cm_reserve(c_int::MAX);
         assert_eq!(n as usize, cm::FREE_LIST_CAPACITY);
     }

@@ -227,43 +227,46 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_create(
     opts: *const rdmasafe_cq_loop_options,
     out: *mut *mut rdmasafe_cq_loop,
 ) -> c_int {
-    guard(-libc::EIO, || {
-        let Some(chan) = NonNull::new(channel) else { return -libc::EINVAL };
-        if out.is_null() {
-            return -libc::EINVAL;
-        }
-        let opts = if opts.is_null() {
-            None
-        } else {
-            // SAFETY: readable for its stated size (caller).
-            match unsafe { crate::abi::read_in(opts) } {
-                Ok(o) => Some(o),
-                Err(e) => return e,
+    guard(
+        || -libc::EIO,
+        || {
+            let Some(chan) = NonNull::new(channel) else { return -libc::EINVAL };
+            if out.is_null() {
+                return -libc::EINVAL;
             }
-        };
-        let opts = match options(opts.as_ref()) {
-            Ok(o) => o,
-            Err(e) => return e,
-        };
-        // SAFETY: channel live for the loop's life (caller).
-        let l = match unsafe { CqLoop::from_raw(chan, opts) } {
-            Ok(l) => l,
-            Err(e) => return neg(e),
-        };
-        let fd = l.as_raw_fd();
-        let h = Arc::new(rdmasafe_cq_loop {
-            ctl: l.control(),
-            inner: Mutex::new(Some(l)),
-            state: AtomicU8::new(IDLE),
-            runner: AtomicU64::new(0),
-            fd,
-        });
-        let p = Arc::as_ptr(&h) as *mut rdmasafe_cq_loop;
-        loops().lock().unwrap_or_else(|e| e.into_inner()).insert(p as usize, h);
-        // SAFETY: out checked non-NULL.
-        unsafe { *out = p };
-        0
-    })
+            let opts = if opts.is_null() {
+                None
+            } else {
+                // SAFETY: readable for its stated size (caller).
+                match unsafe { crate::abi::read_in(opts) } {
+                    Ok(o) => Some(o),
+                    Err(e) => return e,
+                }
+            };
+            let opts = match options(opts.as_ref()) {
+                Ok(o) => o,
+                Err(e) => return e,
+            };
+            // SAFETY: channel live for the loop's life (caller).
+            let l = match unsafe { CqLoop::from_raw(chan, opts) } {
+                Ok(l) => l,
+                Err(e) => return neg(e),
+            };
+            let fd = l.as_raw_fd();
+            let h = Arc::new(rdmasafe_cq_loop {
+                ctl: l.control(),
+                inner: Mutex::new(Some(l)),
+                state: AtomicU8::new(IDLE),
+                runner: AtomicU64::new(0),
+                fd,
+            });
+            let p = Arc::as_ptr(&h) as *mut rdmasafe_cq_loop;
+            loops().lock().unwrap_or_else(|e| e.into_inner()).insert(p as usize, h);
+            // SAFETY: out checked non-NULL.
+            unsafe { *out = p };
+            0
+        },
+    )
 }
 
 struct CCallback {
@@ -293,22 +296,25 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_add_cq(
     cb: rdmasafe_wc_cb,
     ctx: *mut c_void,
 ) -> c_int {
-    guard(-libc::EIO, || {
-        let (Some(cqp), Some(f)) = (NonNull::new(cq), cb) else { return -libc::EINVAL };
-        with_loop(cq_loop, SHORT, |l| {
-            let c = CCallback { f, ctx };
-            let handler: cq::Handler = Box::new(move |wcs: &[ibv_wc], _ctl: &LoopControl| {
-                let c = &c;
-                // SAFETY: the app's callback, called as documented.
-                unsafe { (c.f)(c.ctx, wcs.as_ptr(), wcs.len() as c_int) }
-            });
-            // SAFETY: cq live until removed (caller's contract, documented).
-            match unsafe { l.add_raw_cq(cqp, handler) } {
-                Ok(()) => 0,
-                Err(e) => neg(e),
-            }
-        })
-    })
+    guard(
+        || -libc::EIO,
+        || {
+            let (Some(cqp), Some(f)) = (NonNull::new(cq), cb) else { return -libc::EINVAL };
+            with_loop(cq_loop, SHORT, |l| {
+                let c = CCallback { f, ctx };
+                let handler: cq::Handler = Box::new(move |wcs: &[ibv_wc], _ctl: &LoopControl| {
+                    let c = &c;
+                    // SAFETY: the app's callback, called as documented.
+                    unsafe { (c.f)(c.ctx, wcs.as_ptr(), wcs.len() as c_int) }
+                });
+                // SAFETY: cq live until removed (caller's contract, documented).
+                match unsafe { l.add_raw_cq(cqp, handler) } {
+                    Ok(()) => 0,
+                    Err(e) => neg(e),
+                }
+            })
+        },
+    )
 }
 
 /// Removes `cq`: acks its pending events and forgets it; events for it read
@@ -320,15 +326,18 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_add_cq(
 /// keepalive first), -EDEADLK (from a callback).
 #[no_mangle]
 pub extern "C" fn rdmasafe_cq_loop_remove_cq(cq_loop: *mut rdmasafe_cq_loop, cq: *mut ibv_cq) -> c_int {
-    guard(-libc::EIO, || {
-        if cq.is_null() {
-            return -libc::EINVAL;
-        }
-        with_loop(cq_loop, SHORT, |l| match l.remove_cq(cq) {
-            Ok(()) => 0,
-            Err(e) => neg(e),
-        })
-    })
+    guard(
+        || -libc::EIO,
+        || {
+            if cq.is_null() {
+                return -libc::EINVAL;
+            }
+            with_loop(cq_loop, SHORT, |l| match l.remove_cq(cq) {
+                Ok(()) => 0,
+                Err(e) => neg(e),
+            })
+        },
+    )
 }
 
 /// Looks the loop up, takes it for an operation of `kind` (see `enter`)
@@ -361,12 +370,15 @@ fn with_loop(cq_loop: *mut rdmasafe_cq_loop, kind: u8, f: impl FnOnce(&mut CqLoo
 /// -EDEADLK (from a callback), or the negative errno of a failed verbs call.
 #[no_mangle]
 pub extern "C" fn rdmasafe_cq_loop_run(cq_loop: *mut rdmasafe_cq_loop) -> c_int {
-    guard(-libc::EIO, || {
-        with_loop(cq_loop, RUNNING, |l| match l.run() {
-            Ok(()) => 0,
-            Err(e) => neg(e),
-        })
-    })
+    guard(
+        || -libc::EIO,
+        || {
+            with_loop(cq_loop, RUNNING, |l| match l.run() {
+                Ok(()) => 0,
+                Err(e) => neg(e),
+            })
+        },
+    )
 }
 
 /// One cycle: waits at most `timeout_ms` (-1 forever, 0 not at all), then
@@ -377,25 +389,31 @@ pub extern "C" fn rdmasafe_cq_loop_run(cq_loop: *mut rdmasafe_cq_loop) -> c_int 
 /// loop, `timeout_ms < -1`), -EBUSY, -EDEADLK, or a negative errno.
 #[no_mangle]
 pub extern "C" fn rdmasafe_cq_loop_run_once(cq_loop: *mut rdmasafe_cq_loop, timeout_ms: c_int) -> c_int {
-    guard(-libc::EIO, || {
-        if timeout_ms < -1 {
-            return -libc::EINVAL;
-        }
-        with_loop(cq_loop, RUNNING, |l| match l.process_once(Wait::from_millis(timeout_ms as i64)) {
-            Ok(n) => n.min(c_int::MAX as usize) as c_int,
-            Err(e) => neg(e),
-        })
-    })
+    guard(
+        || -libc::EIO,
+        || {
+            if timeout_ms < -1 {
+                return -libc::EINVAL;
+            }
+            with_loop(cq_loop, RUNNING, |l| match l.process_once(Wait::from_millis(timeout_ms as i64)) {
+                Ok(n) => n.min(c_int::MAX as usize) as c_int,
+                Err(e) => neg(e),
+            })
+        },
+    )
 }
 
 /// The completion channel's fd (readable when a CQ event is ready), for the
 /// app's own poll/epoll. Returns the fd (>= 0) or -EINVAL. Thread-safe.
 #[no_mangle]
 pub extern "C" fn rdmasafe_cq_loop_fd(cq_loop: *mut rdmasafe_cq_loop) -> c_int {
-    guard(-libc::EIO, || match lookup(cq_loop) {
-        Ok(h) => h.fd,
-        Err(e) => e,
-    })
+    guard(
+        || -libc::EIO,
+        || match lookup(cq_loop) {
+            Ok(h) => h.fd,
+            Err(e) => e,
+        },
+    )
 }
 
 /// Asks the loop to stop; `rdmasafe_cq_loop_run` returns after the current
@@ -403,26 +421,32 @@ pub extern "C" fn rdmasafe_cq_loop_fd(cq_loop: *mut rdmasafe_cq_loop) -> c_int {
 /// never blocks. Returns 0 or -EINVAL.
 #[no_mangle]
 pub extern "C" fn rdmasafe_cq_loop_stop(cq_loop: *mut rdmasafe_cq_loop) -> c_int {
-    guard(-libc::EIO, || match lookup(cq_loop) {
-        Ok(h) => {
-            h.ctl.stop();
-            0
-        }
-        Err(e) => e,
-    })
+    guard(
+        || -libc::EIO,
+        || match lookup(cq_loop) {
+            Ok(h) => {
+                h.ctl.stop();
+                0
+            }
+            Err(e) => e,
+        },
+    )
 }
 
 /// Reports how much work the app has outstanding (for the watchdog).
 /// Thread-safe. Returns 0 or -EINVAL.
 #[no_mangle]
 pub extern "C" fn rdmasafe_cq_loop_set_outstanding(cq_loop: *mut rdmasafe_cq_loop, n: u64) -> c_int {
-    guard(-libc::EIO, || match lookup(cq_loop) {
-        Ok(h) => {
-            h.ctl.set_outstanding(n);
-            0
-        }
-        Err(e) => e,
-    })
+    guard(
+        || -libc::EIO,
+        || match lookup(cq_loop) {
+            Ok(h) => {
+                h.ctl.set_outstanding(n);
+                0
+            }
+            Err(e) => e,
+        },
+    )
 }
 
 /// Reads the loop's figures into `*out` without stopping it. Thread-safe.
@@ -435,41 +459,44 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_get_stats(
     cq_loop: *mut rdmasafe_cq_loop,
     out: *mut rdmasafe_cq_loop_stats,
 ) -> c_int {
-    guard(-libc::EIO, || {
-        if out.is_null() {
-            return -libc::EINVAL;
-        }
-        let h = match lookup(cq_loop) {
-            Ok(h) => h,
-            Err(e) => return e,
-        };
-        let s = h.ctl.stats();
-        let v = rdmasafe_cq_loop_stats {
-            size: 0,
-            reserved: 0,
-            wakeups: s.wakeups,
-            empty_wakeups: s.empty_wakeups,
-            cq_events: s.cq_events,
-            completions: s.completions,
-            error_completions: s.error_completions,
-            ack_calls: s.ack_calls,
-            acked_events: s.acked_events,
-            unacked_now: s.unacked_now,
-            longest_handler_ns: s.longest_handler_ns,
-            watchdog_polls: s.watchdog_polls,
-            arm_calls: s.arm_calls,
-            keepalive_probes: s.keepalive_probes,
-            keepalive_probes_ok: s.keepalive_probes_ok,
-            keepalive_dead: s.keepalive_dead,
-            completions_per_wakeup: s.completions_per_wakeup,
-            cycle_time_us: s.cycle_time_us,
-        };
-        // SAFETY: out checked non-NULL; writable for its stated size (caller).
-        match unsafe { crate::abi::write_out(out, &v) } {
-            Ok(()) => 0,
-            Err(e) => e,
-        }
-    })
+    guard(
+        || -libc::EIO,
+        || {
+            if out.is_null() {
+                return -libc::EINVAL;
+            }
+            let h = match lookup(cq_loop) {
+                Ok(h) => h,
+                Err(e) => return e,
+            };
+            let s = h.ctl.stats();
+            let v = rdmasafe_cq_loop_stats {
+                size: 0,
+                reserved: 0,
+                wakeups: s.wakeups,
+                empty_wakeups: s.empty_wakeups,
+                cq_events: s.cq_events,
+                completions: s.completions,
+                error_completions: s.error_completions,
+                ack_calls: s.ack_calls,
+                acked_events: s.acked_events,
+                unacked_now: s.unacked_now,
+                longest_handler_ns: s.longest_handler_ns,
+                watchdog_polls: s.watchdog_polls,
+                arm_calls: s.arm_calls,
+                keepalive_probes: s.keepalive_probes,
+                keepalive_probes_ok: s.keepalive_probes_ok,
+                keepalive_dead: s.keepalive_dead,
+                completions_per_wakeup: s.completions_per_wakeup,
+                cycle_time_us: s.cycle_time_us,
+            };
+            // SAFETY: out checked non-NULL; writable for its stated size (caller).
+            match unsafe { crate::abi::write_out(out, &v) } {
+                Ok(()) => 0,
+                Err(e) => e,
+            }
+        },
+    )
 }
 
 /// Drains `qp` before teardown (like the kernel's ib_drain_qp): moves it to
@@ -492,19 +519,22 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_drain_qp(
     use_srq: c_int,
     timeout_ms: c_int,
 ) -> c_int {
-    guard(-libc::EIO, || {
-        let Some(qp) = NonNull::new(qp) else { return -libc::EINVAL };
-        if timeout_ms <= 0 {
-            return -libc::EINVAL;
-        }
-        with_loop(cq_loop, RUNNING, |l| {
-            // SAFETY: qp live (caller).
-            match unsafe { l.drain_qp(qp, use_srq != 0, Duration::from_millis(timeout_ms as u64)) } {
-                Ok(()) => 0,
-                Err(e) => neg(e),
+    guard(
+        || -libc::EIO,
+        || {
+            let Some(qp) = NonNull::new(qp) else { return -libc::EINVAL };
+            if timeout_ms <= 0 {
+                return -libc::EINVAL;
             }
-        })
-    })
+            with_loop(cq_loop, RUNNING, |l| {
+                // SAFETY: qp live (caller).
+                match unsafe { l.drain_qp(qp, use_srq != 0, Duration::from_millis(timeout_ms as u64)) } {
+                    Ok(()) => 0,
+                    Err(e) => neg(e),
+                }
+            })
+        },
+    )
 }
 
 /// Called once when a keepalive declares the peer of `qp` dead (after the
@@ -549,29 +579,32 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_add_keepalive(
     on_dead: rdmasafe_dead_peer_cb,
     ctx: *mut c_void,
 ) -> c_int {
-    guard(-libc::EIO, || {
-        let (Some(qpp), Some(f), true) = (NonNull::new(qp), on_dead, period_ms > 0 && bound_ms > 0) else {
-            return -libc::EINVAL;
-        };
-        with_loop(cq_loop, SHORT, |l| {
-            let cfg = Keepalive {
-                period: Duration::from_millis(period_ms as u64),
-                bound: Duration::from_millis(bound_ms as u64),
-                wr_id: probe_wr_id,
+    guard(
+        || -libc::EIO,
+        || {
+            let (Some(qpp), Some(f), true) = (NonNull::new(qp), on_dead, period_ms > 0 && bound_ms > 0) else {
+                return -libc::EINVAL;
             };
-            let cb = CDeadPeer { f, ctx, qp };
-            let on_dead: cq::DeadPeer = Box::new(move |qpn, _| {
-                let cb = &cb;
-                // SAFETY: the app's callback, called as documented.
-                unsafe { (cb.f)(cb.ctx, cb.qp, qpn) }
-            });
-            // SAFETY: qp live until removed (caller's contract, documented).
-            match unsafe { l.add_keepalive(qpp, cfg, on_dead) } {
-                Ok(()) => 0,
-                Err(e) => neg(e),
-            }
-        })
-    })
+            with_loop(cq_loop, SHORT, |l| {
+                let cfg = Keepalive {
+                    period: Duration::from_millis(period_ms as u64),
+                    bound: Duration::from_millis(bound_ms as u64),
+                    wr_id: probe_wr_id,
+                };
+                let cb = CDeadPeer { f, ctx, qp };
+                let on_dead: cq::DeadPeer = Box::new(move |qpn, _| {
+                    let cb = &cb;
+                    // SAFETY: the app's callback, called as documented.
+                    unsafe { (cb.f)(cb.ctx, cb.qp, qpn) }
+                });
+                // SAFETY: qp live until removed (caller's contract, documented).
+                match unsafe { l.add_keepalive(qpp, cfg, on_dead) } {
+                    Ok(()) => 0,
+                    Err(e) => neg(e),
+                }
+            })
+        },
+    )
 }
 
 /// Stops dead-peer detection for `qp`. Not while the loop runs.
@@ -581,19 +614,22 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_add_keepalive(
 /// `qp` NULL or a live QP.
 #[no_mangle]
 pub unsafe extern "C" fn rdmasafe_cq_loop_remove_keepalive(cq_loop: *mut rdmasafe_cq_loop, qp: *mut ibv_qp) -> c_int {
-    guard(-libc::EIO, || {
-        if qp.is_null() {
-            return -libc::EINVAL;
-        }
-        with_loop(cq_loop, SHORT, |l| {
-            // SAFETY: live QP (caller).
-            let qpn = unsafe { (*qp).qp_num };
-            match l.remove_keepalive(qpn) {
-                Ok(()) => 0,
-                Err(e) => neg(e),
+    guard(
+        || -libc::EIO,
+        || {
+            if qp.is_null() {
+                return -libc::EINVAL;
             }
-        })
-    })
+            with_loop(cq_loop, SHORT, |l| {
+                // SAFETY: live QP (caller).
+                let qpn = unsafe { (*qp).qp_num };
+                match l.remove_keepalive(qpn) {
+                    Ok(()) => 0,
+                    Err(e) => neg(e),
+                }
+            })
+        },
+    )
 }
 
 /// Destroys the loop: acks every pending CQ event and every event still in
@@ -604,23 +640,26 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_remove_keepalive(cq_loop: *mut rdmasaf
 /// (another thread runs it: stop it first), -EDEADLK (from its callback).
 #[no_mangle]
 pub extern "C" fn rdmasafe_cq_loop_destroy(cq_loop: *mut rdmasafe_cq_loop) -> c_int {
-    guard(-libc::EIO, || {
-        let h = match lookup(cq_loop) {
-            Ok(h) => h,
-            Err(e) => return e,
-        };
-        let mut e = match enter(&h, SHORT) {
-            Ok(e) => e,
-            Err(err) => return err,
-        };
-        // Out of the registry first (new calls get EINVAL), then the loop
-        // is dropped here, on this thread: its acks are done when this
-        // returns. Calls that looked the handle up earlier find it DEAD.
-        loops().lock().unwrap_or_else(|e| e.into_inner()).remove(&(cq_loop as usize));
-        e.release_to = DEAD;
-        drop(e.guard.take());
-        0
-    })
+    guard(
+        || -libc::EIO,
+        || {
+            let h = match lookup(cq_loop) {
+                Ok(h) => h,
+                Err(e) => return e,
+            };
+            let mut e = match enter(&h, SHORT) {
+                Ok(e) => e,
+                Err(err) => return err,
+            };
+            // Out of the registry first (new calls get EINVAL), then the loop
+            // is dropped here, on this thread: its acks are done when this
+            // returns. Calls that looked the handle up earlier find it DEAD.
+            loops().lock().unwrap_or_else(|e| e.into_inner()).remove(&(cq_loop as usize));
+            e.release_to = DEAD;
+            drop(e.guard.take());
+            0
+        },
+    )
 }
 
 /// What an async event concerns (`rdmasafe_async_event.element_kind`).
@@ -674,45 +713,48 @@ pub unsafe extern "C" fn rdmasafe_async_get(
     out: *mut rdmasafe_async_event,
     timeout_ms: c_int,
 ) -> c_int {
-    guard(-libc::EIO, || {
-        if out.is_null() || timeout_ms < -1 {
-            return -libc::EINVAL;
-        }
-        // Before an event is taken (and acked): a bad size loses nothing.
-        // SAFETY: out is non-NULL and readable for its size field (caller).
-        if let Err(e) = unsafe { crate::abi::check_size(out) } {
-            return e;
-        }
-        // SAFETY: context NULL or live (caller).
-        let Some(ctx) = (unsafe { DeviceContext::from_raw_checked(context) }) else { return -libc::EINVAL };
-        match AsyncEvents::new(ctx).get(Wait::from_millis(timeout_ms as i64)) {
-            Ok(ev) => {
-                let (kind, element, qp_num, port_num) = match ev.element {
-                    AsyncElement::Cq(p) => (RDMASAFE_ASYNC_CQ, p.cast(), 0, 0),
-                    AsyncElement::Qp(p, n) => (RDMASAFE_ASYNC_QP, p.cast(), n, 0),
-                    AsyncElement::Srq(p) => (RDMASAFE_ASYNC_SRQ, p, 0, 0),
-                    AsyncElement::Wq(p) => (RDMASAFE_ASYNC_WQ, p, 0, 0),
-                    AsyncElement::Port(n) => (RDMASAFE_ASYNC_PORT, std::ptr::null_mut(), 0, n),
-                    AsyncElement::Device => (RDMASAFE_ASYNC_DEVICE, std::ptr::null_mut(), 0, 0),
-                    AsyncElement::Unknown(v) => (RDMASAFE_ASYNC_UNKNOWN, v as *mut c_void, 0, 0),
-                };
-                let v = rdmasafe_async_event {
-                    size: 0,
-                    event_type: ev.event_type.0,
-                    element_kind: kind,
-                    element,
-                    qp_num,
-                    port_num,
-                };
-                // SAFETY: out checked non-NULL; writable for its size (caller).
-                match unsafe { crate::abi::write_out(out, &v) } {
-                    Ok(()) => 0,
-                    Err(e) => e,
-                }
+    guard(
+        || -libc::EIO,
+        || {
+            if out.is_null() || timeout_ms < -1 {
+                return -libc::EINVAL;
             }
-            Err(e) => neg(e),
-        }
-    })
+            // Before an event is taken (and acked): a bad size loses nothing.
+            // SAFETY: out is non-NULL and readable for its size field (caller).
+            if let Err(e) = unsafe { crate::abi::check_size(out) } {
+                return e;
+            }
+            // SAFETY: context NULL or live (caller).
+            let Some(ctx) = (unsafe { DeviceContext::from_raw_checked(context) }) else { return -libc::EINVAL };
+            match AsyncEvents::new(&ctx).get(Wait::from_millis(timeout_ms as i64)) {
+                Ok(ev) => {
+                    let (kind, element, qp_num, port_num) = match ev.element {
+                        AsyncElement::Cq(p) => (RDMASAFE_ASYNC_CQ, p.cast(), 0, 0),
+                        AsyncElement::Qp(p, n) => (RDMASAFE_ASYNC_QP, p.cast(), n, 0),
+                        AsyncElement::Srq(p) => (RDMASAFE_ASYNC_SRQ, p, 0, 0),
+                        AsyncElement::Wq(p) => (RDMASAFE_ASYNC_WQ, p, 0, 0),
+                        AsyncElement::Port(n) => (RDMASAFE_ASYNC_PORT, std::ptr::null_mut(), 0, n),
+                        AsyncElement::Device => (RDMASAFE_ASYNC_DEVICE, std::ptr::null_mut(), 0, 0),
+                        AsyncElement::Unknown(v) => (RDMASAFE_ASYNC_UNKNOWN, v as *mut c_void, 0, 0),
+                    };
+                    let v = rdmasafe_async_event {
+                        size: 0,
+                        event_type: ev.event_type.0,
+                        element_kind: kind,
+                        element,
+                        qp_num,
+                        port_num,
+                    };
+                    // SAFETY: out checked non-NULL; writable for its size (caller).
+                    match unsafe { crate::abi::write_out(out, &v) } {
+                        Ok(()) => 0,
+                        Err(e) => e,
+                    }
+                }
+                Err(e) => neg(e),
+            }
+        },
+    )
 }
 
 /// The name of an async event type, e.g. "IBV_EVENT_CQ_ERR";
@@ -720,7 +762,7 @@ pub unsafe extern "C" fn rdmasafe_async_get(
 /// static. Thread-safe.
 #[no_mangle]
 pub extern "C" fn rdmasafe_async_event_str(event_type: u32) -> *const c_char {
-    guard(c"IBV_EVENT_UNKNOWN".as_ptr(), || AsyncEventType(event_type).c_name().as_ptr())
+    guard(|| c"IBV_EVENT_UNKNOWN".as_ptr(), || AsyncEventType(event_type).c_name().as_ptr())
 }
 
 #[cfg(test)]

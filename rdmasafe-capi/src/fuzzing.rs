@@ -8,8 +8,8 @@
 use std::ffi::CStr;
 use std::os::raw::{c_int, c_void};
 
-use rdmasafe_core::cm::{copy_synthetic, EventType};
-use rdmasafe_core::sys::{rdma_cm_event, rdma_cm_id};
+use rdmasafe_core::cm::{copy_synthetic, EventType, SyntheticEvent};
+use rdmasafe_core::sys::rdma_cm_id;
 
 use crate::*;
 
@@ -38,12 +38,14 @@ impl Bytes<'_> {
     }
 }
 
-/// Copies a synthetic `rdma_cm_event` built from `data` (random type,
-/// status, ids present or not, contexts, private data length and bytes, or
-/// a multicast context pointer) and checks the copy: fields equal, private
-/// data byte-identical and owned (the C view points into the copy), the
-/// multicast context kept as a value and never read, unknown types passed
-/// through; then hands it to C and frees it once (0) and twice (EINVAL).
+/// Copies a synthetic event built from `data`, laid out as librdmacm hands
+/// events out (random type, status, ids present or not, contexts, private
+/// data in librdmacm's inline buffer, or an arbitrary first word of `param`:
+/// a multicast context, USER's cookie, anything) and checks the copy:
+/// fields equal; private data byte-identical, owned (the C view points into
+/// the copy) and zero past its length; any other first word passed through
+/// untouched and never read; unknown types passed through; then hands it to
+/// C and frees it once (0) and twice (EINVAL).
 pub fn event_copy_case(data: &[u8]) {
     let mut b = Bytes(data);
     let flags = b.u8();
@@ -54,7 +56,7 @@ pub fn event_copy_case(data: &[u8]) {
     let (ctx, listen_ctx) = (b.u64() as usize, b.u64() as usize);
     let qp_type = b.u32() % 8;
     let len = b.u8();
-    let mc_ptr = b.u64() as usize;
+    let word = b.u64() as usize;
     let mut src = [0u8; 256];
     for v in src.iter_mut() {
         *v = b.u8();
@@ -67,32 +69,34 @@ pub fn event_copy_case(data: &[u8]) {
     id.context = ctx as *mut c_void;
     id.qp_type = qp_type;
     listen.context = listen_ctx as *mut c_void;
-    // SAFETY: as above.
-    let mut ev: rdma_cm_event = unsafe { std::mem::zeroed() };
-    ev.event = event;
-    ev.status = status;
+    let mut ev = SyntheticEvent::zeroed();
+    ev.event.event = event;
+    ev.event.status = status;
     if flags & 1 != 0 {
-        ev.id = &mut id;
+        ev.event.id = &mut id;
     }
     if flags & 2 != 0 {
-        ev.listen_id = &mut listen;
+        ev.event.listen_id = &mut listen;
     }
     let multicast = matches!(EventType(event), EventType::MULTICAST_JOIN | EventType::MULTICAST_ERROR);
-    let with_data = flags & 4 != 0;
-    if multicast {
-        // The app's context pointer: must be kept as a value, never read.
-        ev.param.ud.private_data = mc_ptr as *const c_void;
-    } else if with_data {
-        ev.param.conn.private_data = src.as_ptr().cast();
+    // librdmacm's private data only for non-multicast types, as librdmacm.
+    let with_data = flags & 4 != 0 && !multicast;
+    let inline_addr = ev.private_data.as_ptr() as usize;
+    // Anything else in the first word: a value, never read (never the
+    // inline buffer's own address).
+    let word = if word == inline_addr { word ^ 1 } else { word };
+    if with_data {
+        ev.set_private_data(&src[..len as usize]);
+    } else {
+        ev.event.param.conn.private_data = word as *const c_void;
+        ev.event.param.conn.private_data_len = len;
     }
-    ev.param.conn.private_data_len = len;
 
-    // SAFETY: ids are NULL or live locals; private data (when not multicast)
-    // is readable for len bytes (src has 256).
-    let copy = unsafe { copy_synthetic(&ev) };
+    // SAFETY: ids are NULL or live locals; private data (when present) is
+    // in the inline buffer, readable for len bytes.
+    let copy = unsafe { copy_synthetic(&ev.event) };
     let want = src;
-    let flip = !src[0];
-    src.fill(flip); // the source changes after the copy
+    ev.private_data.fill(!src[0]); // the source changes after the copy
 
     assert_eq!(copy.event_type().0, event);
     assert_eq!(copy.status(), status);
@@ -100,28 +104,30 @@ pub fn event_copy_case(data: &[u8]) {
     assert_eq!(copy.listen_context(), if flags & 2 != 0 { listen_ctx } else { 0 });
     let c_view = copy.as_raw();
     // SAFETY: reading pointer values out of a union of plain data.
-    let c_ptr = unsafe { c_view.param.conn.private_data } as usize;
-    if multicast {
-        assert_eq!(copy.multicast_context(), Some(mc_ptr as *mut c_void));
-        assert!(copy.private_data().is_empty());
-        assert_eq!(c_ptr, mc_ptr, "multicast context unchanged in the C view");
-    } else if with_data {
+    let (c_ptr, c_len) = unsafe { (c_view.param.conn.private_data as usize, c_view.param.conn.private_data_len) };
+    assert_eq!(c_len, len, "private_data_len passed through");
+    if with_data {
         assert_eq!(copy.private_data(), &want[..len as usize], "private data byte-identical");
         assert_eq!(c_ptr, copy.private_data().as_ptr() as usize, "C view points into the copy");
+        // SAFETY: the copy's buffer is 256 bytes long.
+        let all = unsafe { std::slice::from_raw_parts(c_ptr as *const u8, 256) };
+        assert!(all[len as usize..].iter().all(|b| *b == 0), "bytes past the private data read 0");
     } else {
         assert!(copy.private_data().is_empty());
-        assert_eq!(c_ptr, 0);
+        assert_eq!(c_ptr, word, "a first word that is not librdmacm's buffer passes through");
+        assert_eq!(copy.param_word(), word as u64);
+        if multicast {
+            assert_eq!(copy.multicast_context(), Some(word as *mut c_void));
+        }
     }
     // Name of any type: a static C string, never NULL.
     let name = crate::rdmasafe_event_str(event as c_int);
     // SAFETY: rdmasafe_event_str returns a static NUL-terminated string.
     assert!(unsafe { CStr::from_ptr(name) }.to_bytes().starts_with(b"RDMA_CM_EVENT_"));
 
-    // A full FIFO free list keeps this slot from being reused (by another
-    // thread) between the two frees below.
-    crate::rdmasafe_cm_reserve(4096);
     let p = crate::cm::hand_out(copy);
-    // SAFETY: p was handed out just above; freeing twice is the point.
+    // SAFETY: p was handed out just above; freeing twice is the point (the
+    // quarantine keeps the storage from being handed out again in between).
     unsafe {
         assert_eq!(rdmasafe_event_free(p), 0);
         assert_eq!(rdmasafe_event_free(p), -1);

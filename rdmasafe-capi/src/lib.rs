@@ -25,19 +25,37 @@ pub use log::*;
 use std::os::raw::c_int;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-/// Runs an export's body; a panic becomes `on_panic` instead of unwinding
-/// into C (which would be undefined behaviour).
-pub(crate) fn guard<T>(on_panic: T, f: impl FnOnce() -> T) -> T {
+/// Runs an export's body; a panic becomes `on_panic()` instead of
+/// unwinding into C (which would be undefined behaviour). The panic value
+/// is only computed on a panic (it may set errno). Every export goes
+/// through here, which is also where the C log backend is installed.
+pub(crate) fn guard<T>(on_panic: impl FnOnce() -> T, f: impl FnOnce() -> T) -> T {
+    log::ensure_installed();
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(v) => v,
         Err(_) => {
-            rdmasafe_core::log::log(
-                rdmasafe_core::log::Level::Error,
-                format_args!("internal panic caught at the C boundary"),
-            );
-            on_panic
+            ::log::error!(target: "rdmasafe", "internal panic caught at the C boundary");
+            on_panic()
         }
     }
+}
+
+/// The boundary of the drop-in CM calls, which keep librdmacm's -1/errno
+/// convention exactly: `Ok(v)` returns `v` with errno as it was when the
+/// call began (whatever the library's own system calls left in it);
+/// `Err(e)` sets errno to `e` and returns -1; a panic is -1 with EIO.
+pub(crate) fn guard_errno(f: impl FnOnce() -> Result<c_int, c_int>) -> c_int {
+    let saved = rdmasafe_core::sys::errno_raw();
+    guard(
+        || fail_errno(libc::EIO),
+        || match f() {
+            Ok(v) => {
+                rdmasafe_core::sys::set_errno(saved);
+                v
+            }
+            Err(e) => fail_errno(e),
+        },
+    )
 }
 
 /// A hasher for the registries keyed by pointer values (live copies, live

@@ -76,6 +76,19 @@ fn every_export_rejects_bad_input_with_its_documented_error() {
                 rdmasafe_cm_get_counters(&mut unsized_counters) == -libc::EINVAL && unsized_counters.copied == 0,
             ),
             ("rdmasafe_cm_reserve", "-1", rdmasafe_cm_reserve(-1) == -libc::EINVAL),
+            ("rdmasafe_cm_set_ack_deadline", "-1", rdmasafe_cm_set_ack_deadline(-1) == -libc::EINVAL),
+            ("rdmasafe_cm_set_ack_deadline", "INT_MIN", rdmasafe_cm_set_ack_deadline(c_int::MIN) == -libc::EINVAL),
+            ("rdmasafe_cm_set_limit", "0 (unlimited)", rdmasafe_cm_set_limit(0) == 0),
+            (
+                "rdmasafe_event_get_contexts",
+                "never handed out",
+                rdmasafe_event_get_contexts(wild.cast(), null_mut(), null_mut()) == -libc::EINVAL,
+            ),
+            (
+                "rdmasafe_event_get_contexts",
+                "NULL",
+                rdmasafe_event_get_contexts(std::ptr::null(), null_mut(), null_mut()) == -libc::EINVAL,
+            ),
             ("rdmasafe_cm_reserve", "INT_MAX capped", rdmasafe_cm_reserve(c_int::MAX) == 4096),
             (
                 "rdmasafe_cq_loop_create",

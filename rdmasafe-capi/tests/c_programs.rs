@@ -126,6 +126,20 @@ fn check_cm_capi_test(c: &mut Checks, b: &Block) {
         "ok   batch (non-blocking): the first call after 50 were queued returned",
         "ok   batch (blocking): all 30 ADDR_RESOLVED events came, each id once, none lost",
         "ok   counters at the end: outstanding 0,",
+        "ok   rdmasafe_cm_set_ack_deadline: the default was 1000 ms",
+        "ok   rdmasafe_get_event_timeout success leaves errno alone",
+        "ok   rdmasafe_event_free success leaves errno alone",
+        "ok   rdmasafe_get_event success leaves errno alone",
+        "ok   rdmasafe_get_events success leaves errno alone",
+        "ok   barrier: rdma_destroy_id on another thread still waits while the copy is held",
+        "ok   barrier: rdma_destroy_id returned once the copy was freed",
+        "ok   barrier: counters: 1 original held, 1 acked at free",
+        "ok   bound: rdma_destroy_id returned while the copy is still held",
+        "ok   bound: the original was acked at its deadline",
+        "ok   bound: the copy is still valid after its id is gone",
+        "ok   idle: the original was acked at its deadline without another rdmasafe call",
+        "ok   get at the limit -> -1/ENOBUFS",
+        "ok   limit: the refused event stayed in the kernel and comes after a free",
     ] {
         c.that(b.has(needle), format!("cm_capi_test output lacks {needle:?}"));
     }

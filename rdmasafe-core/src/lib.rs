@@ -5,13 +5,18 @@
 //!   `rdma_destroy_id`.
 //! * [`verbs`]: owned PD / MR / CQ / completion channel handles.
 //! * [`sys`]: the one raw FFI layer.
+//!
+//! Logging goes through the [`log`](https://docs.rs/log) facade (target
+//! `rdmasafe`): pick any backend (`env_logger`, `tracing-log`, ...). Trace
+//! level logs every CM event copied and every CQ wakeup; with the level
+//! off, a log site costs one atomic load and a branch. The C library
+//! installs its own backend (RDMASAFE_LOG, `rdmasafe_set_log_callback`).
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
 pub mod cm;
 pub mod cq;
 pub mod error;
-pub mod log;
 pub mod sys;
 pub mod verbs;
 

@@ -21,6 +21,7 @@
 #![allow(unused_imports)]
 
 use std::os::raw::{c_int, c_void};
+use std::ptr::NonNull;
 use std::time::{Duration, Instant};
 
 pub use rdma_sys::{
@@ -31,8 +32,9 @@ pub use rdma_sys::{
     ibv_send_wr, ibv_sge, ibv_wc, ibv_wc_opcode, ibv_wc_status, ibv_wr_opcode, param_t, rdma_accept, rdma_ack_cm_event,
     rdma_bind_addr, rdma_cm_event, rdma_cm_event_type, rdma_cm_id, rdma_conn_param, rdma_connect,
     rdma_create_event_channel, rdma_create_id, rdma_create_qp, rdma_destroy_event_channel, rdma_destroy_id,
-    rdma_destroy_qp, rdma_disconnect, rdma_event_channel, rdma_get_cm_event, rdma_get_src_port, rdma_listen,
-    rdma_migrate_id, rdma_port_space, rdma_reject, rdma_resolve_addr, rdma_resolve_route, rdma_ud_param,
+    rdma_destroy_qp, rdma_disconnect, rdma_event_channel, rdma_free_devices, rdma_get_cm_event, rdma_get_devices,
+    rdma_get_src_port, rdma_listen, rdma_migrate_id, rdma_port_space, rdma_reject, rdma_resolve_addr,
+    rdma_resolve_route, rdma_ud_param,
 };
 
 /// `RDMA_MAX_PRIVATE_DATA` from librdmacm: the largest private data any CM
@@ -65,10 +67,64 @@ pub fn errno() -> i32 {
     std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)
 }
 
+/// The calling thread's errno as it is (0 included), for saving and
+/// restoring around calls that must leave it untouched.
+pub fn errno_raw() -> i32 {
+    // SAFETY: __errno_location always returns the calling thread's errno slot.
+    unsafe { *libc::__errno_location() }
+}
+
 /// Sets the calling thread's errno (the C API's -1/errno convention).
 pub fn set_errno(value: i32) {
     // SAFETY: __errno_location always returns the calling thread's errno slot.
     unsafe { *libc::__errno_location() = value };
+}
+
+/// Reserves `bytes` of address space, inaccessible until [`commit`]ed
+/// (`mmap(PROT_NONE, MAP_NORESERVE)`: costs no memory). Never unmapped:
+/// rdmasafe's CM event slots live there for the life of the process, so a
+/// pointer into the region stays readable whatever the app does with it.
+pub fn reserve_address_space(bytes: usize) -> std::io::Result<NonNull<u8>> {
+    // SAFETY: an anonymous mapping at an address the kernel picks; no
+    // existing memory is affected.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            bytes,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(NonNull::new(p.cast()).expect("mmap never returns NULL on success"))
+}
+
+/// Makes `bytes` at `at` (inside a [`reserve_address_space`] region,
+/// page-aligned) readable and writable; the pages read as zero.
+///
+/// # Safety
+/// `at..at + bytes` must lie in a reserved region and not be in use.
+pub unsafe fn commit(at: NonNull<u8>, bytes: usize) -> std::io::Result<()> {
+    // SAFETY: the range is ours (caller's contract).
+    if unsafe { libc::mprotect(at.as_ptr().cast(), bytes, libc::PROT_READ | libc::PROT_WRITE) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// A coarse monotonic clock in milliseconds (`CLOCK_MONOTONIC_COARSE`,
+/// a few ms of resolution). It is read from the vDSO's data page without
+/// touching the hardware clock, so it is no system call even on VMs whose
+/// clocksource (hpet) makes `CLOCK_MONOTONIC` one.
+pub fn coarse_now_ms() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: ts is a valid out-pointer; this clock id exists since 2.6.32.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
+    ts.tv_sec as u64 * 1000 + ts.tv_nsec as u64 / 1_000_000
 }
 
 /// Reads an fd's status flags (`fcntl(F_GETFL)`).

@@ -2,10 +2,11 @@
 //! and CQ. Enough for CM programs and tests; the CQ notification loop builds
 //! on these.
 
+use std::collections::HashMap;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use crate::sys::{self, ibv_comp_channel, ibv_context, ibv_cq, ibv_mr, ibv_pd, ibv_wc, Wait};
 use crate::{Error, Result};
@@ -29,33 +30,121 @@ pub fn device_names() -> Result<Vec<String>> {
     Ok(names)
 }
 
-/// A device context opened by librdmacm for a CM id. librdmacm keeps it open
-/// for the life of the process, so this handle is a plain copyable pointer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DeviceContext(NonNull<ibv_context>);
+/// A device context, kept open as long as this value or anything built on
+/// it (PD, MR, CQ, completion channel, async event reader) lives.
+///
+/// librdmacm opens one context per device and shares it with every id on
+/// the device, but it does not keep it open for the life of the process:
+/// since rdma-core v30, once the device is removed
+/// (RDMA_CM_EVENT_DEVICE_REMOVAL) the context is closed as soon as the
+/// last reference librdmacm counts is released. A context obtained from a
+/// CM id ([`crate::cm::CmId::device_context`]) therefore holds a reference
+/// of its own (the list of `rdma_get_devices`, released with
+/// `rdma_free_devices` when the last clone goes), so verbs objects on it
+/// stay valid until they are dropped, even after the ids that opened it.
+#[derive(Clone)]
+pub struct DeviceContext(Arc<DeviceInner>);
 
-// SAFETY: libibverbs context calls are thread-safe.
-unsafe impl Send for DeviceContext {}
+struct DeviceInner {
+    raw: NonNull<ibv_context>,
+    /// `rdma_get_devices()`'s list holding a reference on `raw`, or `None`
+    /// for a context the app vouches for ([`DeviceContext::from_raw_checked`]).
+    cm_ref: Option<NonNull<*mut ibv_context>>,
+}
+
+// SAFETY: libibverbs context calls are thread-safe; the list is only
+// touched at drop, once.
+unsafe impl Send for DeviceInner {}
 // SAFETY: as above.
-unsafe impl Sync for DeviceContext {}
+unsafe impl Sync for DeviceInner {}
+
+impl Drop for DeviceInner {
+    fn drop(&mut self) {
+        if let Some(list) = self.cm_ref {
+            // SAFETY: the list came from rdma_get_devices and is freed once;
+            // nothing built on the context is left (each holds a clone).
+            unsafe { sys::rdma_free_devices(list.as_ptr()) };
+        }
+    }
+}
+
+/// Contexts handed out for CM ids, so the devices list is taken once per
+/// context while any clone lives.
+fn cm_contexts() -> &'static Mutex<HashMap<usize, Weak<DeviceInner>>> {
+    static M: OnceLock<Mutex<HashMap<usize, Weak<DeviceInner>>>> = OnceLock::new();
+    M.get_or_init(Default::default)
+}
+
+/// `[dev, NULL]` in malloc'd memory, as `rdma_free_devices` frees its list.
+fn one_device_list(dev: *mut ibv_context) -> Result<NonNull<*mut ibv_context>> {
+    // SAFETY: a plain allocation of two pointers.
+    let p = unsafe { libc::malloc(2 * std::mem::size_of::<*mut ibv_context>()) }.cast::<*mut ibv_context>();
+    let p = NonNull::new(p).ok_or(Error::new("malloc", libc::ENOMEM))?;
+    // SAFETY: room for two pointers.
+    unsafe {
+        p.as_ptr().write(dev);
+        p.as_ptr().add(1).write(std::ptr::null_mut());
+    }
+    Ok(p)
+}
 
 impl DeviceContext {
-    pub(crate) fn from_raw(raw: *mut ibv_context) -> Option<DeviceContext> {
-        NonNull::new(raw).map(DeviceContext)
+    /// The context librdmacm opened for an id (`id->verbs`), with a
+    /// reference of our own on it. `ENODEV` if librdmacm no longer lists
+    /// the device (removed).
+    ///
+    /// # Safety
+    /// `raw` must be `verbs` of a live id (so the context is open now).
+    pub(crate) unsafe fn for_cm_id(raw: NonNull<ibv_context>) -> Result<DeviceContext> {
+        let mut map = cm_contexts().lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(inner) = map.get(&(raw.as_ptr() as usize)).and_then(Weak::upgrade) {
+            return Ok(DeviceContext(inner));
+        }
+        let mut n = 0;
+        // SAFETY: plain call; the list (NULL-terminated) is ours to free.
+        let list =
+            NonNull::new(unsafe { sys::rdma_get_devices(&mut n) }).ok_or_else(|| Error::last("rdma_get_devices"))?;
+        // The list holds a reference on every device. Keep the one on ours
+        // in a list of its own and give back the others: rdma_free_devices
+        // of a list with more than one device reads freed memory when it
+        // removes a dead device (found by valgrind in the device removal
+        // test: its inner loop reads the cma_device it just freed).
+        let mut ours = None;
+        for i in 0..n.max(0) as usize {
+            // SAFETY: n valid entries.
+            let dev = unsafe { *list.as_ptr().add(i) };
+            let single = one_device_list(dev)?;
+            if dev == raw.as_ptr() && ours.is_none() {
+                ours = Some(single);
+            } else {
+                // SAFETY: a one-entry list holding one reference, freed once.
+                unsafe { sys::rdma_free_devices(single.as_ptr()) };
+            }
+        }
+        // SAFETY: malloc'd by rdma_get_devices; its references were moved to
+        // the one-device lists above.
+        unsafe { libc::free(list.as_ptr().cast()) };
+        let Some(list) = ours else {
+            return Err(Error::new("rdma_get_devices: the id's device is gone", libc::ENODEV));
+        };
+        map.retain(|_, w| w.strong_count() > 0);
+        let inner = Arc::new(DeviceInner { raw, cm_ref: Some(list) });
+        map.insert(raw.as_ptr() as usize, Arc::downgrade(&inner));
+        Ok(DeviceContext(inner))
     }
 
-    /// Wraps a context the app opened (e.g. `id->verbs`).
+    /// Wraps a context the app opened or holds (e.g. `ibv_open_device`).
     ///
     /// # Safety
     /// `raw` must be NULL or a live context that stays open while the
     /// returned handle (and anything made from it) is used.
     pub unsafe fn from_raw_checked(raw: *mut ibv_context) -> Option<DeviceContext> {
-        Self::from_raw(raw)
+        NonNull::new(raw).map(|raw| DeviceContext(Arc::new(DeviceInner { raw, cm_ref: None })))
     }
 
     /// The raw context.
     pub fn raw(&self) -> *mut ibv_context {
-        self.0.as_ptr()
+        self.0.raw.as_ptr()
     }
 
     /// The device name, e.g. `"rxe0"`.
@@ -67,7 +156,21 @@ impl DeviceContext {
     }
 }
 
-struct PdInner(NonNull<ibv_pd>);
+impl std::fmt::Debug for DeviceContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceContext({:p})", self.0.raw)
+    }
+}
+
+impl PartialEq for DeviceContext {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.raw == other.0.raw
+    }
+}
+
+impl Eq for DeviceContext {}
+
+struct PdInner(NonNull<ibv_pd>, #[allow(dead_code)] DeviceContext);
 // SAFETY: PD handles may be used from any thread.
 unsafe impl Send for PdInner {}
 // SAFETY: as above.
@@ -85,11 +188,12 @@ impl Drop for PdInner {
 pub struct Pd(Arc<PdInner>);
 
 impl Pd {
-    /// `ibv_alloc_pd`.
-    pub fn new(ctx: DeviceContext) -> Result<Pd> {
+    /// `ibv_alloc_pd`. The PD keeps the context open.
+    pub fn new(ctx: &DeviceContext) -> Result<Pd> {
         // SAFETY: ctx is a live context.
         let raw = unsafe { sys::ibv_alloc_pd(ctx.raw()) };
-        Ok(Pd(Arc::new(PdInner(NonNull::new(raw).ok_or_else(|| Error::last("ibv_alloc_pd"))?))))
+        let raw = NonNull::new(raw).ok_or_else(|| Error::last("ibv_alloc_pd"))?;
+        Ok(Pd(Arc::new(PdInner(raw, ctx.clone()))))
     }
 
     /// The raw PD.
@@ -98,13 +202,14 @@ impl Pd {
     }
 }
 
-struct MrInner {
+pub(crate) struct MrInner {
     raw: NonNull<ibv_mr>,
     buf: NonNull<u8>,
     len: usize,
     _pd: Pd,
 }
-// SAFETY: the MR is only read through raw-pointer copies (see Mr::read/write).
+// SAFETY: the buffer is only reached through volatile copies (see Mr); the
+// MR handle calls are thread-safe.
 unsafe impl Send for MrInner {}
 // SAFETY: as above.
 unsafe impl Sync for MrInner {}
@@ -120,10 +225,14 @@ impl Drop for MrInner {
 }
 
 /// A registered buffer owned by rdmasafe (local write, remote read/write).
-/// The device may write it at any time while receives are posted, so its
-/// bytes are reached by copying ([`Mr::read`], [`Mr::write`]), never by
-/// reference.
-#[derive(Clone)]
+///
+/// The device reads and writes the buffer on its own (DMA) while work
+/// requests are posted, outside anything Rust can see, so its bytes are only
+/// ever reached by volatile copies ([`Mr::read`], [`Mr::write`]), never by
+/// reference. Writing needs `&mut Mr` and the type is not `Clone`, so two
+/// Rust threads can never race on the buffer; a QP that posted work on the
+/// MR keeps the registration and memory alive (not the `Mr` handle) until
+/// it is destroyed.
 pub struct Mr(Arc<MrInner>);
 
 impl Mr {
@@ -176,8 +285,9 @@ impl Mr {
         self.0.buf.as_ptr() as u64
     }
 
-    pub(crate) fn same(&self, other: &Mr) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
+    /// A keep-alive for a QP that posts work on this MR.
+    pub(crate) fn keep(&self) -> Arc<MrInner> {
+        self.0.clone()
     }
 
     pub(crate) fn sge(&self, offset: usize, len: u32) -> Option<sys::ibv_sge> {
@@ -185,26 +295,43 @@ impl Mr {
         (end <= self.0.len).then(|| sys::ibv_sge { addr: self.addr() + offset as u64, length: len, lkey: self.lkey() })
     }
 
-    /// Copies `dst.len()` bytes out of the buffer at `offset`.
+    fn range(&self, offset: usize, n: usize, op: &'static str) -> Result<*mut u8> {
+        offset.checked_add(n).filter(|e| *e <= self.0.len).ok_or(Error::new(op, libc::EINVAL))?;
+        // SAFETY: in bounds (checked).
+        Ok(unsafe { self.0.buf.as_ptr().add(offset) })
+    }
+
+    /// Copies `dst.len()` bytes out of the buffer at `offset` (volatile
+    /// reads: the device may have written them).
     pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
-        let end = offset.checked_add(dst.len()).filter(|e| *e <= self.0.len);
-        end.ok_or(Error::new("Mr::read", libc::EINVAL))?;
-        // SAFETY: in bounds (checked); the buffer lives as long as self.
-        unsafe { std::ptr::copy_nonoverlapping(self.0.buf.as_ptr().add(offset), dst.as_mut_ptr(), dst.len()) };
+        let p = self.range(offset, dst.len(), "Mr::read")?;
+        for (i, d) in dst.iter_mut().enumerate() {
+            // SAFETY: in bounds; the buffer lives as long as self.
+            *d = unsafe { p.add(i).read_volatile() };
+        }
         Ok(())
     }
 
-    /// Copies `src` into the buffer at `offset`.
-    pub fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
-        let end = offset.checked_add(src.len()).filter(|e| *e <= self.0.len);
-        end.ok_or(Error::new("Mr::write", libc::EINVAL))?;
-        // SAFETY: in bounds (checked); the buffer lives as long as self.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.0.buf.as_ptr().add(offset), src.len()) };
+    /// Copies `src` into the buffer at `offset` (volatile writes: the device
+    /// may read them at any time).
+    pub fn write(&mut self, offset: usize, src: &[u8]) -> Result<()> {
+        let p = self.range(offset, src.len(), "Mr::write")?;
+        for (i, b) in src.iter().enumerate() {
+            // SAFETY: in bounds; the buffer lives as long as self, and
+            // &mut self excludes every other Rust access.
+            unsafe { p.add(i).write_volatile(*b) };
+        }
         Ok(())
     }
 }
 
-struct CompChannelInner(NonNull<ibv_comp_channel>);
+impl PartialEq for Mr {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+struct CompChannelInner(NonNull<ibv_comp_channel>, #[allow(dead_code)] DeviceContext);
 // SAFETY: completion channel calls are thread-safe.
 unsafe impl Send for CompChannelInner {}
 // SAFETY: as above.
@@ -222,12 +349,12 @@ impl Drop for CompChannelInner {
 pub struct CompChannel(Arc<CompChannelInner>);
 
 impl CompChannel {
-    /// `ibv_create_comp_channel`.
-    pub fn new(ctx: DeviceContext) -> Result<CompChannel> {
+    /// `ibv_create_comp_channel`. The channel keeps the context open.
+    pub fn new(ctx: &DeviceContext) -> Result<CompChannel> {
         // SAFETY: ctx is a live context.
         let raw = unsafe { sys::ibv_create_comp_channel(ctx.raw()) };
         let raw = NonNull::new(raw).ok_or_else(|| Error::last("ibv_create_comp_channel"))?;
-        Ok(CompChannel(Arc::new(CompChannelInner(raw))))
+        Ok(CompChannel(Arc::new(CompChannelInner(raw, ctx.clone()))))
     }
 
     /// The raw channel.
@@ -277,6 +404,7 @@ struct CqInner {
     raw: NonNull<ibv_cq>,
     unacked: AtomicU32,
     _channel: Option<CompChannel>,
+    _ctx: DeviceContext,
 }
 // SAFETY: CQ calls are thread-safe in libibverbs.
 unsafe impl Send for CqInner {}
@@ -303,12 +431,13 @@ pub struct Cq(Arc<CqInner>);
 
 impl Cq {
     /// `ibv_create_cq` with `cqe` entries, optionally bound to `channel`.
-    pub fn new(ctx: DeviceContext, cqe: i32, channel: Option<&CompChannel>) -> Result<Cq> {
+    /// The CQ keeps the context (and the channel) open.
+    pub fn new(ctx: &DeviceContext, cqe: i32, channel: Option<&CompChannel>) -> Result<Cq> {
         let ch = channel.map_or(std::ptr::null_mut(), |c| c.raw());
         // SAFETY: live context and channel; no cq_context.
         let raw = unsafe { sys::ibv_create_cq(ctx.raw(), cqe, std::ptr::null_mut(), ch, 0) };
         let raw = NonNull::new(raw).ok_or_else(|| Error::last("ibv_create_cq"))?;
-        Ok(Cq(Arc::new(CqInner { raw, unacked: AtomicU32::new(0), _channel: channel.cloned() })))
+        Ok(Cq(Arc::new(CqInner { raw, unacked: AtomicU32::new(0), _channel: channel.cloned(), _ctx: ctx.clone() })))
     }
 
     /// The raw CQ.

@@ -75,7 +75,7 @@ fn storm_of_500_connections_batch_and_four_workers() {
     let route_batches = drain(&cch, N, E::ROUTE_RESOLVED);
     let mut clients = clients;
     let ctx = clients[0].device_context().unwrap();
-    let (cpd, ccq) = (Pd::new(ctx).unwrap(), Cq::new(ctx, 64, None).unwrap());
+    let (cpd, ccq) = (Pd::new(&ctx).unwrap(), Cq::new(&ctx, 64, None).unwrap());
     let mut by_index = HashMap::new();
     for (i, c) in clients.iter_mut().enumerate() {
         add_qp_on(c, &cpd, &ccq, false);
@@ -136,7 +136,7 @@ fn storm_of_500_connections_batch_and_four_workers() {
         })
         .collect();
 
-    let (spd, scq) = (Pd::new(ctx).unwrap(), Cq::new(ctx, 64, None).unwrap());
+    let (spd, scq) = (Pd::new(&ctx).unwrap(), Cq::new(&ctx, 64, None).unwrap());
     for mut ev in requests.drain(..) {
         let mut r = ev.take_request().unwrap();
         add_qp_on(r.id_mut(), &spd, &scq, false);

@@ -34,8 +34,7 @@ struct Flow {
 
 fn post_send_seq(p: &RcPair, seq: u64) {
     let slot = (seq % WINDOW) as usize * SLOT;
-    p.client_mr.write(slot, &seq.to_le_bytes()).unwrap();
-    p.client.post_send(&p.client_mr, slot, SLOT as u32, seq).unwrap();
+    p.send(slot, &seq.to_le_bytes(), SLOT as u32, seq);
 }
 
 /// Adds a pair's two CQs to the loop with handlers that check order and
@@ -44,7 +43,7 @@ fn post_send_seq(p: &RcPair, seq: u64) {
 fn add_stream(lp: &mut CqLoop, p: &Arc<RcPair>, n: u64, done: &Arc<AtomicUsize>, flows_total: usize) {
     let flow = Arc::new(Mutex::new(Flow::default()));
     for i in 0..DEPTH as u64 {
-        p.server.post_recv(&p.server_mr, (i % DEPTH as u64) as usize * SLOT, SLOT as u32, i).unwrap();
+        p.recv((i % DEPTH as u64) as usize * SLOT, SLOT as u32, i);
     }
     {
         let mut f = flow.lock().unwrap();
@@ -62,11 +61,11 @@ fn add_stream(lp: &mut CqLoop, p: &Arc<RcPair>, n: u64, done: &Arc<AtomicUsize>,
             assert_eq!(wc.wr_id, f.next_recv, "receive completions exactly once, in order");
             let slot = (wc.wr_id % DEPTH as u64) as usize * SLOT;
             let mut seq = [0u8; 8];
-            pp.server_mr.read(slot, &mut seq).unwrap();
+            pp.read_server(slot, &mut seq);
             assert_eq!(u64::from_le_bytes(seq), wc.wr_id, "payload carries its sequence number");
             f.next_recv += 1;
             if wc.wr_id + (DEPTH as u64) < n {
-                pp.server.post_recv(&pp.server_mr, slot, SLOT as u32, wc.wr_id + DEPTH as u64).unwrap();
+                pp.recv(slot, SLOT as u32, wc.wr_id + DEPTH as u64);
             }
             if f.next_recv == n && dd.fetch_add(1, SeqCst) + 1 == flows_total {
                 ctl.stop();
@@ -98,7 +97,7 @@ fn stream(mode: Mode, pairs: usize, n: u64) -> LoopStats {
     let bed = common::bed();
     let _dog = common::watchdog("CQ loop stream", Duration::from_secs(600));
     let (ctx, _keep) = device(bed.addr);
-    let chan = CompChannel::new(ctx).unwrap();
+    let chan = CompChannel::new(&ctx).unwrap();
     let ps: Vec<Arc<RcPair>> = (0..pairs).map(|_| Arc::new(rc_pair(bed.addr, &chan, true, DEPTH))).collect();
     let mut lp = CqLoop::new(&chan, LoopOptions { mode, ..Default::default() }).unwrap();
     let done = Arc::new(AtomicUsize::new(0));
@@ -166,9 +165,9 @@ fn completion_in_the_window_before_sleep_is_delivered() {
         let bed = common::bed();
         let _dog = common::watchdog("arm window", Duration::from_secs(120));
         let (ctx, _keep) = device(bed.addr);
-        let chan = CompChannel::new(ctx).unwrap();
+        let chan = CompChannel::new(&ctx).unwrap();
         let p = Arc::new(rc_pair(bed.addr, &chan, false, 8));
-        p.server.post_recv(&p.server_mr, 0, SLOT as u32, 7).unwrap();
+        p.recv(0, SLOT as u32, 7);
         let mut lp = CqLoop::new(&chan, LoopOptions { mode, ..Default::default() }).unwrap();
         let (got_tx, got_rx) = mpsc::channel();
         lp.add_cq(&p.server_cq, move |wcs, ctl| {
@@ -193,8 +192,7 @@ fn completion_in_the_window_before_sleep_is_delivered() {
         })));
         let t = lp.spawn(None).unwrap();
         in_window_rx.recv_timeout(Duration::from_secs(60)).expect("loop reached its sleep");
-        p.client_mr.write(0, b"in the window").unwrap();
-        p.client.post_send(&p.client_mr, 0, 13, 1).unwrap();
+        p.send(0, b"in the window", 13, 1);
         let mut wcs = [empty_wc()];
         while p.client_cq.poll(&mut wcs).unwrap() == 0 {
             std::thread::yield_now();
@@ -215,7 +213,7 @@ fn stop_under_load_from_a_thread_and_from_a_handler() {
     let bed = common::bed();
     let _dog = common::watchdog("stop under load", Duration::from_secs(300));
     let (ctx, _keep) = device(bed.addr);
-    let chan = CompChannel::new(ctx).unwrap();
+    let chan = CompChannel::new(&ctx).unwrap();
     let p = Arc::new(rc_pair(bed.addr, &chan, true, DEPTH));
     let n = 6_000;
     let mut lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
@@ -248,10 +246,10 @@ fn drain_qp_flushes_everything_and_the_marker_comes_last() {
     let bed = common::bed();
     let _dog = common::watchdog("drain", Duration::from_secs(120));
     let (ctx, _keep) = device(bed.addr);
-    let chan = CompChannel::new(ctx).unwrap();
+    let chan = CompChannel::new(&ctx).unwrap();
     let p = Arc::new(rc_pair(bed.addr, &chan, true, 16));
     for i in 0..10u64 {
-        p.server.post_recv(&p.server_mr, 0, SLOT as u32, i).unwrap();
+        p.recv(0, SLOT as u32, i);
     }
     let mut lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
     let seen: Arc<Mutex<Vec<(u64, u32, u32)>>> = Arc::default();
@@ -263,7 +261,7 @@ fn drain_qp_flushes_everything_and_the_marker_comes_last() {
     lp.add_cq(&p.client_cq, |_, _| {}).unwrap();
     lp.process_once(Wait::None).unwrap(); // arm
                                           // SAFETY: the server's QP is live and has free slots on both queues.
-    let r = unsafe { lp.drain_qp(p.server.raw_qp().unwrap(), false, Duration::from_secs(30)) };
+    let r = unsafe { lp.drain_qp(p.server_qp(), false, Duration::from_secs(30)) };
     let seen = seen.lock().unwrap();
     println!("drain: {r:?}; seen (wr_id, status, opcode): {:?}", *seen);
     r.expect("drain completes");
@@ -282,15 +280,15 @@ fn drain_qp_flushes_everything_and_the_marker_comes_last() {
 fn misuse_gives_errors() {
     let bed = common::bed();
     let (ctx, _keep) = device(bed.addr);
-    let chan = CompChannel::new(ctx).unwrap();
-    let other = CompChannel::new(ctx).unwrap();
+    let chan = CompChannel::new(&ctx).unwrap();
+    let other = CompChannel::new(&ctx).unwrap();
     let mut a = CqLoop::new(&chan, LoopOptions::default()).unwrap();
     // A channel has one reader: a second loop on it would steal its events.
     let second = CqLoop::new(&chan, LoopOptions::default()).err().expect("second loop on one channel refused");
     assert_eq!(second.errno(), libc::EBUSY);
-    let on_other = Cq::new(ctx, 4, Some(&other)).unwrap();
-    let on_none = Cq::new(ctx, 4, None).unwrap();
-    let mine = Cq::new(ctx, 4, Some(&chan)).unwrap();
+    let on_other = Cq::new(&ctx, 4, Some(&other)).unwrap();
+    let on_none = Cq::new(&ctx, 4, None).unwrap();
+    let mine = Cq::new(&ctx, 4, Some(&chan)).unwrap();
     assert_eq!(a.add_cq(&on_other, |_, _| {}).unwrap_err().errno(), libc::EINVAL, "CQ of another channel");
     assert_eq!(a.add_cq(&on_none, |_, _| {}).unwrap_err().errno(), libc::EINVAL, "CQ without a channel");
     a.add_cq(&mine, |_, _| {}).unwrap();
@@ -311,8 +309,8 @@ fn misuse_gives_errors() {
 fn watchdog_polls_when_work_is_outstanding() {
     let bed = common::bed();
     let (ctx, _keep) = device(bed.addr);
-    let chan = CompChannel::new(ctx).unwrap();
-    let cq = Cq::new(ctx, 4, Some(&chan)).unwrap();
+    let chan = CompChannel::new(&ctx).unwrap();
+    let cq = Cq::new(&ctx, 4, Some(&chan)).unwrap();
     let opts = LoopOptions { watchdog: Some(Duration::from_millis(20)), ..Default::default() };
     let mut lp = CqLoop::new(&chan, opts).unwrap();
     lp.add_cq(&cq, |_, _| {}).unwrap();
@@ -333,7 +331,7 @@ fn driven_from_the_apps_own_epoll() {
     let bed = common::bed();
     let _dog = common::watchdog("epoll-driven loop", Duration::from_secs(120));
     let (ctx, _keep) = device(bed.addr);
-    let chan = CompChannel::new(ctx).unwrap();
+    let chan = CompChannel::new(&ctx).unwrap();
     let p = Arc::new(rc_pair(bed.addr, &chan, true, DEPTH));
     let mut lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
     let done = Arc::new(AtomicUsize::new(0));
@@ -368,12 +366,12 @@ fn spawned_loop_pinned_to_a_cpu() {
     let bed = common::bed();
     let _dog = common::watchdog("pinned loop", Duration::from_secs(120));
     let (ctx, _keep) = device(bed.addr);
-    let chan = CompChannel::new(ctx).unwrap();
+    let chan = CompChannel::new(&ctx).unwrap();
     let p = Arc::new(rc_pair(bed.addr, &chan, true, DEPTH));
     let mut lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
     let cpus: Arc<Mutex<Vec<i32>>> = Arc::default();
     let c2 = cpus.clone();
-    p.server.post_recv(&p.server_mr, 0, SLOT as u32, 1).unwrap();
+    p.recv(0, SLOT as u32, 1);
     lp.add_cq(&p.server_cq, move |_, ctl| {
         // SAFETY: sched_getcpu has no preconditions.
         c2.lock().unwrap().push(unsafe { libc::sched_getcpu() });
@@ -383,7 +381,7 @@ fn spawned_loop_pinned_to_a_cpu() {
     lp.add_cq(&p.client_cq, |_, _| {}).unwrap();
     let last = std::thread::available_parallelism().map(|n| n.get() - 1).unwrap_or(0);
     let t = lp.spawn(Some(last)).unwrap();
-    p.client.post_send(&p.client_mr, 0, 8, 1).unwrap();
+    p.send(0, &[], 8, 1);
     while cpus.lock().unwrap().is_empty() {
         std::thread::sleep(Duration::from_millis(5));
     }
@@ -403,17 +401,17 @@ fn event_for_a_removed_cq_is_acked_and_its_destroy_returns() {
     let bed = common::bed();
     let _dog = common::watchdog("removed CQ destroy", Duration::from_secs(120));
     let (ctx, _keep) = device(bed.addr);
-    let chan = CompChannel::new(ctx).unwrap();
+    let chan = CompChannel::new(&ctx).unwrap();
     let p = Arc::new(rc_pair(bed.addr, &chan, true, 8));
-    let other = Cq::new(ctx, 4, Some(&chan)).unwrap();
+    let other = Cq::new(&ctx, 4, Some(&chan)).unwrap();
     let mut lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
     lp.add_cq(&p.server_cq, |_, _| panic!("removed CQ's handler must not run")).unwrap();
     lp.add_cq(&other, |_, _| {}).unwrap();
     lp.process_once(Wait::None).unwrap(); // arms both
     lp.remove_cq(p.server_cq.raw()).unwrap();
     // A completion on the removed (still armed) CQ raises an event.
-    p.server.post_recv(&p.server_mr, 0, SLOT as u32, 5).unwrap();
-    p.client.post_send(&p.client_mr, 0, 8, 5).unwrap();
+    p.recv(0, SLOT as u32, 5);
+    p.send(0, &[], 8, 5);
     let before = lp.stats();
     let start = std::time::Instant::now();
     while lp.stats().cq_events == before.cq_events {
@@ -423,7 +421,7 @@ fn event_for_a_removed_cq_is_acked_and_its_destroy_returns() {
     let s = lp.stats();
     assert_eq!(s.unacked_now, 0, "acked at once");
     assert_eq!(s.completions, before.completions, "nothing delivered for a removed CQ");
-    let (t, cpu) = lp.spawn_near(ctx).unwrap();
+    let (t, cpu) = lp.spawn_near(&ctx).unwrap();
     assert_eq!(cpu, None, "Soft-RoCE has no NUMA node: unpinned");
     drop(t.stop().unwrap());
     // Destroying the removed CQ returns (the watchdog turns a hang into a failure).
@@ -438,7 +436,7 @@ fn stop_in_embedded_mode_is_consumed() {
     let bed = common::bed();
     let _dog = common::watchdog("embedded stop", Duration::from_secs(120));
     let (ctx, _keep) = device(bed.addr);
-    let chan = CompChannel::new(ctx).unwrap();
+    let chan = CompChannel::new(&ctx).unwrap();
     let p = Arc::new(rc_pair(bed.addr, &chan, true, 8));
     let mut lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
     lp.add_cq(&p.server_cq, |_, _| {}).unwrap();
@@ -448,8 +446,8 @@ fn stop_in_embedded_mode_is_consumed() {
     let t = std::time::Instant::now();
     assert_eq!(lp.process_once(Wait::For(Duration::from_millis(200))).unwrap(), 0);
     assert!(t.elapsed() >= Duration::from_millis(150), "no stale wakeup cut the wait short");
-    p.server.post_recv(&p.server_mr, 0, SLOT as u32, 1).unwrap();
-    p.client.post_send(&p.client_mr, 0, 8, 1).unwrap();
+    p.recv(0, SLOT as u32, 1);
+    p.send(0, &[], 8, 1);
     let mut got = 0;
     while got < 2 {
         got += lp.process_once(Wait::For(Duration::from_secs(30))).unwrap();

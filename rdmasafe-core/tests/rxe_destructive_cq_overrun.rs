@@ -24,7 +24,7 @@ fn cq_overrun_reaches_the_app() {
     let id = ch.create_id(PortSpace::Tcp).unwrap();
     id.bind_addr((bed.addr, 0).into()).unwrap();
     let ctx = id.device_context().unwrap();
-    let chan = CompChannel::new(ctx).unwrap();
+    let chan = CompChannel::new(&ctx).unwrap();
     // Receive queue of 64, server CQ asked for 4 entries (rxe rounds up).
     let p = rc_pair_sized(bed.addr, &chan, false, 64, 4);
     // SAFETY: reading the size field of a live CQ.
@@ -32,13 +32,13 @@ fn cq_overrun_reaches_the_app() {
     println!("server CQ: asked for 4 entries, rxe gave cqe = {cqe}");
     assert!(cqe < 64, "the CQ is smaller than the receive queue");
     for i in 0..64u64 {
-        p.server.post_recv(&p.server_mr, (i as usize % 64) * SLOT, SLOT as u32, i).unwrap();
+        p.recv((i as usize % 64) * SLOT, SLOT as u32, i);
     }
     // Client sends more than the server's CQ holds; nobody polls the server CQ.
     let sends = 64u64;
     let mut client_status = Vec::new();
     for i in 0..sends {
-        p.client.post_send(&p.client_mr, 0, 8, i).unwrap();
+        p.send(0, &[], 8, i);
     }
     let mut wcs: Vec<_> = (0..16).map(|_| empty_wc()).collect();
     let start = Instant::now();
@@ -52,7 +52,7 @@ fn cq_overrun_reaches_the_app() {
     println!("client send completions: {} of {sends}, statuses {:?}", client_status.len(), dedup(&client_status));
 
     // What rxe reported asynchronously.
-    let asyncs = AsyncEvents::new(ctx);
+    let asyncs = AsyncEvents::new(&ctx);
     let mut seen = Vec::new();
     while let Ok(ev) = asyncs.get(Wait::For(Duration::from_secs(if seen.is_empty() { 20 } else { 1 }))) {
         println!("async event: {:?} {:?}", ev.event_type, ev.element);
@@ -71,7 +71,7 @@ fn cq_overrun_reaches_the_app() {
     lp.add_cq(&p.server_cq, move |w, _| g.lock().unwrap().extend(w.iter().map(|w| (w.wr_id, w.status)))).unwrap();
     lp.process_once(Wait::None).unwrap();
     // SAFETY: the server QP is live.
-    let drained = unsafe { lp.drain_qp(p.server.raw_qp().unwrap(), false, Duration::from_secs(30)) };
+    let drained = unsafe { lp.drain_qp(p.server_qp(), false, Duration::from_secs(30)) };
     let got = got.lock().unwrap();
     let ok = got.iter().filter(|w| w.1 == ibv_wc_status::IBV_WC_SUCCESS).count();
     let flushed = got.iter().filter(|w| w.1 == ibv_wc_status::IBV_WC_WR_FLUSH_ERR).count();

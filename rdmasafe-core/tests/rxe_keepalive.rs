@@ -58,9 +58,9 @@ fn keepalive_detects_a_killed_idle_peer_with_infinite_retries() {
     let ch = EventChannel::new().unwrap();
     let mut id = resolved(&ch, PortSpace::Tcp, bed.addr, port);
     let ctx = id.device_context().unwrap();
-    let chan = CompChannel::new(ctx).unwrap();
-    let pd = Pd::new(ctx).unwrap();
-    let cq = Cq::new(ctx, 16, Some(&chan)).unwrap();
+    let chan = CompChannel::new(&ctx).unwrap();
+    let pd = Pd::new(&ctx).unwrap();
+    let cq = Cq::new(&ctx, 16, Some(&chan)).unwrap();
     let mr = Mr::new(&pd, 64).unwrap();
     id.create_qp(&pd, &cq, &cq, QpCaps { max_send_wr: 8, max_recv_wr: 8, ..Default::default() }, false).unwrap();
     // rping's server needs a receive credit from us only after we send; we

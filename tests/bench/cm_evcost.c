@@ -70,6 +70,9 @@ int main(int argc, char **argv)
 	double cpu_u = 0, cpu_s = 0;
 #ifdef USE_RDMASAFE
 	uint64_t slots_in_window = 0;
+	/* storage for k copies plus the free list's quarantine, up front */
+	if (rdmasafe_cm_reserve(k) < k)
+		DIE("rdmasafe_cm_reserve");
 #endif
 	for (int r = 0; r < warm + rounds; r++) {
 		int measured = r >= warm;

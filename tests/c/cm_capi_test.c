@@ -9,7 +9,10 @@
  * Part 2 needs a device at $RDMASAFE_TEST_ADDR (rxe0 in the test guest):
  * private data both ways at the transport limits, oversized private data,
  * reject with data, connect to a port nobody listens on, 100 held copies
- * while their ids are destroyed, batch gets, and the copy counters.
+ * while their ids are destroyed, the destroy barrier (kept while a copy is
+ * held, bounded by the ack deadline, which fires with no further call),
+ * errno untouched on success, the limit on held copies, batch gets, and the
+ * copy counters.
  *
  * Prints one line per check ("ok   ..." or "FAIL ..."), then
  * "cm_capi_test: N passed, M failed"; exits 0 only if M is 0.
@@ -22,7 +25,9 @@
 #include <netdb.h>
 #include <poll.h>
 #include <signal.h>
+#include <pthread.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -804,6 +809,190 @@ out:
 	rdma_destroy_event_channel(ch);
 }
 
+/* ================================= part 3: the destroy barrier, errno, limit */
+
+#define SENTINEL 4242
+
+/* One id on ch with its address resolving: its ADDR_RESOLVED comes next. */
+static struct rdma_cm_id *resolving_id(struct rdma_event_channel *ch, uintptr_t tag)
+{
+	struct rdma_cm_id *id = NULL;
+	struct sockaddr_storage ss;
+
+	if (rdma_create_id(ch, &id, (void *)tag, RDMA_PS_TCP))
+		return NULL;
+	if (rdma_resolve_addr(id, NULL, addr_port(&ss, 0), 2000)) {
+		rdma_destroy_id(id);
+		return NULL;
+	}
+	return id;
+}
+
+static struct {
+	struct rdma_cm_id *id;
+	atomic_int returned;
+} destroyer;
+
+static void *destroy_thread(void *arg)
+{
+	(void)arg;
+	rdma_destroy_id(destroyer.id);
+	atomic_store(&destroyer.returned, 1);
+	return NULL;
+}
+
+static void sleep_ms(long ms)
+{
+	struct timespec ts = { ms / 1000, (ms % 1000) * 1000000L };
+	while (nanosleep(&ts, &ts) && errno == EINTR)
+		;
+}
+
+static void test_barrier(void)
+{
+	struct rdma_event_channel *ch, *bch;
+	struct rdma_cm_id *id;
+	struct rdma_cm_event *ev = NULL, *evs[4];
+	struct rdmasafe_cm_counters c0 = { .size = sizeof c0 }, c1 = { .size = sizeof c1 };
+	pthread_t t;
+	int r, prev, e;
+	double t0;
+
+	phase = "errno untouched on success";
+	if (!CHECK((ch = new_channel(1)) && (bch = new_channel(0)), "barrier: non-blocking and blocking channels"))
+		return;
+	prev = rdmasafe_cm_set_ack_deadline(0);
+	CHECK(prev == 1000, "rdmasafe_cm_set_ack_deadline: the default was 1000 ms (got %d)", prev);
+	/* The wait first sees EAGAIN inside (nothing resolved yet), then polls. */
+	id = resolving_id(ch, 1);
+	errno = SENTINEL;
+	r = rdmasafe_get_event_timeout(ch, &ev, STEP_MS);
+	e = errno;
+	CHECK(r == 0 && e == SENTINEL, "rdmasafe_get_event_timeout success leaves errno alone (%d, errno %s)", r,
+	      ename(e));
+	errno = SENTINEL;
+	r = rdmasafe_event_free(r == 0 ? ev : NULL);
+	e = errno;
+	CHECK(r == 0 && e == SENTINEL, "rdmasafe_event_free success leaves errno alone (errno %s)", ename(e));
+	rdma_destroy_id(id);
+	id = resolving_id(bch, 2);
+	errno = SENTINEL;
+	r = rdmasafe_get_event(bch, &ev);
+	e = errno;
+	CHECK(r == 0 && e == SENTINEL, "rdmasafe_get_event success leaves errno alone (errno %s)", ename(e));
+	if (r == 0)
+		rdmasafe_event_free(ev);
+	rdma_destroy_id(id);
+	id = resolving_id(ch, 3);
+	errno = SENTINEL;
+	r = rdmasafe_get_events(ch, evs, 4, STEP_MS);
+	e = errno;
+	CHECK(r == 1 && e == SENTINEL, "rdmasafe_get_events success leaves errno alone (%d, errno %s)", r, ename(e));
+	if (r == 1)
+		rdmasafe_event_free(evs[0]);
+	rdma_destroy_id(id);
+
+	phase = "barrier kept: rdma_destroy_id waits for the copy";
+	rdmasafe_cm_set_ack_deadline(60000);
+	counters(&c0);
+	id = resolving_id(ch, 4);
+	if (!CHECK(id && (ev = expect(ch, RDMA_CM_EVENT_ADDR_RESOLVED, id, "barrier")) != NULL,
+		   "barrier: a held ADDR_RESOLVED copy"))
+		goto out;
+	destroyer.id = id;
+	atomic_store(&destroyer.returned, 0);
+	pthread_create(&t, NULL, destroy_thread, NULL);
+	sleep_ms(300);
+	/* Not a timing guess: with the original un-acked, librdmacm's destroy
+	 * cannot return before the free below (the deadline is a minute). */
+	CHECK(!atomic_load(&destroyer.returned),
+	      "barrier: rdma_destroy_id on another thread still waits while the copy is held");
+	CHECK(ev->id == id && ev->id->context == (void *)4,
+	      "barrier: ev->id can still be dereferenced while the copy is held");
+	alarm(20);
+	free_ok(ev, "the held copy");
+	pthread_join(t, NULL);
+	alarm(120);
+	CHECK(atomic_load(&destroyer.returned), "barrier: rdma_destroy_id returned once the copy was freed");
+	counters(&c1);
+	CHECK(c1.acks_deferred - c0.acks_deferred == 1 && c1.acked_at_free - c0.acked_at_free == 1,
+	      "barrier: counters: 1 original held, 1 acked at free (%llu, %llu)",
+	      (unsigned long long)(c1.acks_deferred - c0.acks_deferred),
+	      (unsigned long long)(c1.acked_at_free - c0.acked_at_free));
+
+	phase = "barrier bounded: a held copy blocks destroy at most the deadline";
+	rdmasafe_cm_set_ack_deadline(300);
+	counters(&c0);
+	id = resolving_id(ch, 5);
+	if (!CHECK(id && (ev = expect(ch, RDMA_CM_EVENT_ADDR_RESOLVED, id, "bound")) != NULL,
+		   "bound: a held ADDR_RESOLVED copy"))
+		goto out;
+	alarm(20);
+	t0 = now_ms();
+	r = rdma_destroy_id(id);
+	alarm(120);
+	CHECK(r == 0, "bound: rdma_destroy_id returned while the copy is still held");
+	printf("measure held_destroy_ms=%.1f\n", now_ms() - t0);
+	counters(&c1);
+	CHECK(c1.acked_at_deadline - c0.acked_at_deadline == 1, "bound: the original was acked at its deadline (%llu)",
+	      (unsigned long long)(c1.acked_at_deadline - c0.acked_at_deadline));
+	CHECK(ev->event == RDMA_CM_EVENT_ADDR_RESOLVED && ev->status == 0,
+	      "bound: the copy is still valid after its id is gone");
+	free_ok(ev, "the copy past its id");
+
+	phase = "the deadline fires with no further call";
+	counters(&c0);
+	id = resolving_id(ch, 6);
+	if (!CHECK(id && (ev = expect(ch, RDMA_CM_EVENT_ADDR_RESOLVED, id, "idle")) != NULL,
+		   "idle: a held ADDR_RESOLVED copy"))
+		goto out;
+	sleep_ms(150);
+	counters(&c1);
+	CHECK(c1.oldest_age_ms >= 130, "counters: the oldest copy is at least 130 ms old after 150 ms (%llu)",
+	      (unsigned long long)c1.oldest_age_ms);
+	CHECK(c1.high_water >= 1, "counters: high water %llu", (unsigned long long)c1.high_water);
+	for (int i = 0; i < 200 && c1.acked_at_deadline == c0.acked_at_deadline; i++) {
+		sleep_ms(100);
+		counters(&c1);
+	}
+	CHECK(c1.acked_at_deadline - c0.acked_at_deadline == 1,
+	      "idle: the original was acked at its deadline without another rdmasafe call");
+	alarm(20);
+	CHECK(rdma_destroy_id(id) == 0, "idle: rdma_destroy_id returns");
+	alarm(120);
+	free_ok(ev, "the idle copy");
+
+	phase = "limit on held copies";
+	rdmasafe_cm_set_ack_deadline(0);
+	counters(&c0);
+	{
+		struct rdma_cm_id *a = resolving_id(ch, 7), *b = NULL;
+		struct rdma_cm_event *ea = NULL, *eb = NULL;
+		CHECK(rdmasafe_cm_set_limit(c0.outstanding + 1) == 0, "rdmasafe_cm_set_limit(outstanding + 1)");
+		ea = a ? expect(ch, RDMA_CM_EVENT_ADDR_RESOLVED, a, "limit") : NULL;
+		b = resolving_id(ch, 8);
+		sleep_ms(200); /* b's event may or may not be queued: either way */
+		CHECK_ERRNO(rdmasafe_get_event_timeout(ch, &eb, 0), ENOBUFS, "get at the limit");
+		CHECK_ERRNO(rdmasafe_get_events(ch, evs, 4, 0), ENOBUFS, "batch get at the limit");
+		counters(&c1);
+		CHECK(c1.refused_at_limit - c0.refused_at_limit == 2, "limit: 2 gets refused (%llu)",
+		      (unsigned long long)(c1.refused_at_limit - c0.refused_at_limit));
+		free_ok(ea, "the copy at the limit");
+		eb = b ? expect(ch, RDMA_CM_EVENT_ADDR_RESOLVED, b, "limit") : NULL;
+		CHECK(eb != NULL, "limit: the refused event stayed in the kernel and comes after a free");
+		free_ok(eb, "the second copy");
+		rdmasafe_cm_set_limit(0);
+		if (a)
+			rdma_destroy_id(a);
+		if (b)
+			rdma_destroy_id(b);
+	}
+out:
+	rdmasafe_cm_set_ack_deadline(prev);
+	rdma_destroy_event_channel(ch);
+	rdma_destroy_event_channel(bch);
+}
+
 /*
  * nids ids resolve their address on ch; once a marker id, resolved after
  * them on another channel, has its event, theirs are queued too (address
@@ -919,6 +1108,7 @@ static void test_device(const char *addr)
 	rdma_destroy_event_channel(cch);
 
 	test_hold_copies();
+	test_barrier();
 	test_batch(1, BATCH_IDS, BATCH_MAX);
 	test_batch(0, BLOCKING_BATCH_IDS, 64);
 }

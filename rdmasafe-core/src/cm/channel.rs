@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use super::event::{copy_raw, CmEvent, EventType};
 use super::id::{CmId, ConnectRequest, IdToken};
+use super::pool;
 use crate::sys::{self, rdma_event_channel, Wait};
 use crate::{Error, Result};
 
@@ -42,7 +43,13 @@ impl Drop for ChannelInner {
         // No id of ours is left (each holds an Arc of this). Events still
         // queued in the kernel can only be connect requests that raced with
         // the listener's destruction: ack them, reject and destroy their ids.
-        let r = ChannelRef { raw: self.raw, nonblocking: true, retry_eintr: true, _owner: PhantomData };
+        let r = ChannelRef {
+            raw: self.raw,
+            nonblocking: true,
+            retry_eintr: true,
+            ack_deadline: Some(Duration::ZERO),
+            _owner: PhantomData,
+        };
         while let Ok(ev) = r.fetch(None) {
             if ev.event_type() == EventType::CONNECT_REQUEST && !ev.raw_id().is_null() {
                 // SAFETY: the new id belongs to nobody but this channel now.
@@ -87,7 +94,13 @@ impl EventChannel {
     }
 
     fn getter(&self) -> ChannelRef<'_> {
-        ChannelRef { raw: self.inner.raw, nonblocking: true, retry_eintr: true, _owner: PhantomData }
+        ChannelRef {
+            raw: self.inner.raw,
+            nonblocking: true,
+            retry_eintr: true,
+            ack_deadline: Some(Duration::ZERO),
+            _owner: PhantomData,
+        }
     }
 
     /// The raw librdmacm channel (still owned by this value).
@@ -162,8 +175,13 @@ impl AsFd for EventChannel {
 /// A channel the application owns, borrowed for the lifetime `'a`.
 ///
 /// rdmasafe never changes the fd's blocking mode: waits with a timeout use
-/// poll() on the fd. Events are copied and acked like on [`EventChannel`],
-/// but ids are the app's: a CONNECT_REQUEST's new id is reported by pointer
+/// poll() on the fd. Events are copied like on [`EventChannel`], but
+/// librdmacm's original is acked when the copy is dropped or when the ack
+/// deadline passes ([`pool::ack_deadline`], 1 s by default;
+/// [`ChannelRef::with_ack_deadline`]), whichever comes first: as with plain
+/// librdmacm, `rdma_destroy_id` / `rdma_migrate_id` of the id wait while a
+/// copy is held (a thread handling an event finishes before the id goes),
+/// but never longer than the deadline. Ids are the app's: a CONNECT_REQUEST's new id is reported by pointer
 /// only ([`CmEvent::raw_id`]), and the app accepts or rejects and destroys
 /// it as with plain librdmacm. With several threads getting from one
 /// blocking-mode channel, a thread whose poll() saw an event that another
@@ -178,6 +196,10 @@ pub struct ChannelRef<'a> {
     /// Restart waits and gets interrupted by a signal (rdmasafe's own
     /// channels) or report EINTR like librdmacm (app channels).
     retry_eintr: bool,
+    /// How long librdmacm's original stays un-acked after a get (until the
+    /// copy is freed, at most this); `None`: the process-wide
+    /// [`pool::ack_deadline`].
+    ack_deadline: Option<Duration>,
     _owner: PhantomData<&'a rdma_event_channel>,
 }
 
@@ -193,7 +215,7 @@ impl<'a> ChannelRef<'a> {
     /// `raw` must be a channel from `rdma_create_event_channel` that stays
     /// alive (not destroyed) for `'a`.
     pub unsafe fn from_raw(raw: NonNull<rdma_event_channel>) -> ChannelRef<'a> {
-        ChannelRef { raw, nonblocking: false, retry_eintr: false, _owner: PhantomData }
+        ChannelRef { raw, nonblocking: false, retry_eintr: false, ack_deadline: None, _owner: PhantomData }
     }
 
     /// Like [`ChannelRef::from_raw`], and reads the fd's blocking mode once
@@ -205,7 +227,14 @@ impl<'a> ChannelRef<'a> {
         // SAFETY: raw is live (caller's contract).
         let fd = unsafe { (*raw.as_ptr()).fd };
         let nonblocking = sys::is_nonblocking(fd).unwrap_or(false);
-        ChannelRef { raw, nonblocking, retry_eintr: false, _owner: PhantomData }
+        ChannelRef { raw, nonblocking, retry_eintr: false, ack_deadline: None, _owner: PhantomData }
+    }
+
+    /// Overrides the process-wide [`pool::ack_deadline`] for gets through
+    /// this value (zero: ack librdmacm's original at once).
+    pub fn with_ack_deadline(mut self, deadline: Duration) -> ChannelRef<'a> {
+        self.ack_deadline = Some(deadline);
+        self
     }
 
     /// The channel's fd.
@@ -232,10 +261,16 @@ impl<'a> ChannelRef<'a> {
         self.batch_with(out, max, wait, None)
     }
 
-    /// One `rdma_get_cm_event` (may block per the fd's mode), copy, ack.
+    /// One `rdma_get_cm_event` (may block per the fd's mode), then the copy,
+    /// then the ack of librdmacm's original: at once, or (with an ack
+    /// deadline) when the copy is freed or the deadline passes.
     /// With an owner, a CONNECT_REQUEST's new id gets a token as context and
     /// is owned by the returned event.
     fn fetch(&self, owner: Option<&Arc<ChannelInner>>) -> Result<CmEvent> {
+        // Storage and the limit first: a failure here leaves the event in
+        // the kernel.
+        pool::check_limit()?;
+        let mut slot = pool::take()?;
         let mut ev = null_mut();
         loop {
             // SAFETY: raw is a live channel; ev receives an event pointer.
@@ -248,26 +283,34 @@ impl<'a> ChannelRef<'a> {
             }
         }
         // SAFETY: ev is a fresh, unacked librdmacm event: ids live, private
-        // data readable, as copy_raw requires.
-        let mut slot = unsafe { copy_raw(ev) };
+        // data readable in its own buffer, as copy_raw requires.
+        unsafe { copy_raw(ev, &mut slot) };
         let request = match owner {
-            Some(owner) if EventType(slot.raw.event) == EventType::CONNECT_REQUEST && !slot.raw.id.is_null() => {
+            Some(owner) if EventType(slot.raw().event) == EventType::CONNECT_REQUEST && !slot.raw().id.is_null() => {
                 let token = IdToken::next();
+                let new_id = slot.raw().id;
                 // SAFETY: the new id is live (event unacked) and ours to
                 // label: librdmacm made it on our channel for this request.
-                unsafe { (*slot.raw.id).context = token.as_context() as *mut _ };
-                slot.context = token.as_context();
+                unsafe { (*new_id).context = token.as_context() as *mut _ };
+                let listen_context = slot.listen_context();
+                slot.set_contexts(token.as_context(), listen_context);
                 // SAFETY: the new id is owned by nobody else; it becomes the
                 // request's, on the channel it was created on.
-                let id = unsafe { CmId::from_new_request(slot.raw.id, token, owner.clone()) };
+                let id = unsafe { CmId::from_new_request(new_id, token, owner.clone()) };
                 Some(ConnectRequest::new(id))
             }
             _ => None,
         };
-        // SAFETY: ev came from rdma_get_cm_event and is acked exactly once;
-        // nothing reads it afterwards (the copy is complete).
-        unsafe { sys::rdma_ack_cm_event(ev) };
-        crate::log::trace_cm_event(EventType(slot.raw.event), slot.raw.status);
+        log::trace!(target: "rdmasafe", "copied CM event {} status {}", EventType(slot.raw().event), slot.raw().status);
+        let deadline = self.ack_deadline.unwrap_or_else(pool::ack_deadline);
+        if deadline.is_zero() {
+            // SAFETY: ev came from rdma_get_cm_event and is acked exactly
+            // once; nothing reads it afterwards (the copy is complete).
+            unsafe { sys::rdma_ack_cm_event(ev) };
+        } else {
+            // SAFETY: as above; from now on the slot acks it, once.
+            unsafe { slot.hold_original(ev, deadline) };
+        }
         Ok(CmEvent::new(slot, request))
     }
 

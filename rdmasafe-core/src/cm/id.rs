@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use super::channel::{ChannelInner, EventChannel};
 use crate::sys::{self, ibv_qp_type, rdma_cm_id, rdma_conn_param, rdma_port_space};
-use crate::verbs::{Cq, DeviceContext, Mr, Pd};
+use crate::verbs::{Cq, DeviceContext, Mr, MrInner, Pd};
 use crate::{Error, Result};
 
 /// A number naming one [`CmId`] for its whole life, never reused in the
@@ -139,7 +139,7 @@ struct QpParts {
     _pd: Pd,
     _send_cq: Cq,
     _recv_cq: Cq,
-    mrs: Mutex<Vec<Mr>>,
+    mrs: Mutex<Vec<Arc<MrInner>>>,
 }
 
 /// An owned `rdma_cm_id`. Dropping it destroys its QP (if any) and the id.
@@ -154,12 +154,10 @@ pub struct CmId {
     _channel: Arc<ChannelInner>,
 }
 
-// SAFETY: librdmacm id calls are thread-safe for distinct operations; the
-// handle is only a pointer plus owned keep-alives.
+// SAFETY: the id is used by one thread at a time (the type is not Sync:
+// librdmacm does not make concurrent calls on one id safe), and moving it to
+// another thread is fine; the rest is owned keep-alives.
 unsafe impl Send for CmId {}
-// SAFETY: all &self methods are librdmacm/verbs calls that may run
-// concurrently from several threads.
-unsafe impl Sync for CmId {}
 
 fn cvt(op: &'static str, r: i32) -> Result<()> {
     if r == 0 {
@@ -237,10 +235,16 @@ impl CmId {
     }
 
     /// The device context the id is bound to, once an address is bound or
-    /// resolved (librdmacm keeps it open for the life of the process).
-    pub fn device_context(&self) -> Option<DeviceContext> {
+    /// resolved. The context stays open while the returned value or
+    /// anything built on it lives, even past this id and a removal of the
+    /// device (see [`DeviceContext`]). Errors: EINVAL before the id is bound
+    /// to a device, ENODEV if the device was removed already.
+    pub fn device_context(&self) -> Result<DeviceContext> {
         // SAFETY: raw is live; reading the verbs field.
-        DeviceContext::from_raw(unsafe { (*self.raw.as_ptr()).verbs })
+        let verbs = NonNull::new(unsafe { (*self.raw.as_ptr()).verbs })
+            .ok_or(Error::new("CmId::device_context: not bound to a device yet", libc::EINVAL))?;
+        // SAFETY: the verbs of a live id.
+        unsafe { DeviceContext::for_cm_id(verbs) }
     }
 
     /// The id's port number on its device.
@@ -360,8 +364,9 @@ impl CmId {
     fn keep_mr(&self, mr: &Mr) -> Result<*mut sys::ibv_qp> {
         let parts = self.qp.as_ref().ok_or(Error::new("ibv_post", libc::EINVAL))?;
         let mut mrs = parts.mrs.lock().unwrap_or_else(|e| e.into_inner());
-        if !mrs.iter().any(|m| m.same(mr)) {
-            mrs.push(mr.clone());
+        let keep = mr.keep();
+        if !mrs.iter().any(|m| Arc::ptr_eq(m, &keep)) {
+            mrs.push(keep);
         }
         // SAFETY: the QP exists while self.qp is Some.
         Ok(unsafe { (*self.raw.as_ptr()).qp })
@@ -427,15 +432,19 @@ impl CmId {
 
 impl Drop for CmId {
     fn drop(&mut self) {
-        // SAFETY: the id is live and ours; the QP (if any) was created on it.
-        // Events were acked when copied, so neither call waits on rdmasafe.
-        unsafe {
-            if self.qp.is_some() {
-                sys::rdma_destroy_qp(self.raw());
-            }
-            sys::rdma_destroy_id(self.raw());
+        // The QP first, then what it used (PD, CQs, MRs: their context is
+        // kept open by their own references, and they go before the id, as
+        // a removed device's context may close with the last id), then the
+        // id. Events of rdmasafe channels were acked when copied, so
+        // rdma_destroy_id waits on nothing of rdmasafe's.
+        if self.qp.is_some() {
+            // SAFETY: the QP was created on this live id.
+            unsafe { sys::rdma_destroy_qp(self.raw()) };
         }
-        // QP keep-alives (PD, CQs, MRs) and the channel drop after this.
+        drop(self.qp.take());
+        // SAFETY: the id is live and ours.
+        unsafe { sys::rdma_destroy_id(self.raw()) };
+        // The channel keep-alive drops after this.
     }
 }
 

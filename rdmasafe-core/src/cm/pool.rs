@@ -1,113 +1,661 @@
-//! Recycled storage for event copies.
+//! Storage for event copies, and the acks of librdmacm's originals.
 //!
-//! Every copy lives in a [`Slot`]: the C view of the event
-//! (`struct rdma_cm_event`) followed by up to 256 bytes of private data,
-//! inline. Slots are boxed once and then cycle between live events and a
-//! lock-free free list of fixed capacity, so in steady state getting and
-//! freeing an event allocates nothing. Only when more copies are alive at
-//! once than ever before does a new slot get allocated (counted in
-//! [`Counters::slots_allocated`]); a slot freed while the free list is full
-//! is released to the allocator.
+//! Every copy lives in a [`Slot`] of one arena: address space reserved once
+//! (see [`sys::reserve_address_space`]), committed a chunk at a time as more
+//! copies are alive at once than ever before, never unmapped. So:
+//!
+//! * getting and freeing a copy allocates nothing in steady state;
+//! * a pointer the C app hands back is checked by arithmetic alone (inside
+//!   the arena, on a slot boundary) and then by the slot's state, before
+//!   anything is read through it: no registry, no lock;
+//! * a freed slot goes to the back of a FIFO free list and is handed out
+//!   again only when at least [`QUARANTINE`] other free slots are ahead of
+//!   it, so a stale pointer freed a second time soon after finds its slot
+//!   still free (EINVAL) instead of freeing somebody else's copy.
+//!
+//! A slot can also hold librdmacm's *original* event un-acked, for at most
+//! a deadline (see [`ack_deadline`]): the original is acked when the copy is
+//! freed or when the deadline passes, whichever comes first, by a
+//! background thread if need be. While it is un-acked, `rdma_destroy_id` and
+//! `rdma_migrate_id` of its id wait, exactly as they do with librdmacm,
+//! which is what a program that relies on that barrier needs.
 
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::OnceLock;
+use std::cell::UnsafeCell;
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
+use std::sync::{Condvar, Mutex, OnceLock};
+use std::time::Duration;
 
 use crossbeam_queue::ArrayQueue;
 
-use crate::sys::{rdma_cm_event, RDMA_MAX_PRIVATE_DATA};
+use crate::sys::{self, rdma_cm_event, RDMA_MAX_PRIVATE_DATA};
 
-/// Most free slots kept for reuse (each is about 370 bytes).
+/// Most free slots [`reserve`] allocates ahead of time.
 pub const FREE_LIST_CAPACITY: usize = 4096;
+/// A freed slot is handed out again only after this many other free slots.
+pub const QUARANTINE: usize = 64;
+/// Most copies alive at once (the arena's size; about 500 bytes each).
+pub const MAX_SLOTS: usize = 1 << 21;
+/// Slots committed at a time.
+const CHUNK_SLOTS: usize = 128;
+/// Entries of the lock-free part of the free list (the rest: `overflow`).
+const RING: usize = 16384;
+/// The default ack deadline of app channels ([`ack_deadline`]).
+pub const DEFAULT_ACK_DEADLINE: Duration = Duration::from_millis(1000);
+/// The first "many copies outstanding" warning; each later one at twice the last.
+const FIRST_WARNING: u64 = 4096;
 
-/// Storage of one event copy. `#[repr(C)]` with the C event first, so a
-/// pointer to the slot is a valid `struct rdma_cm_event *` for C callers.
-#[repr(C)]
+const FREE: u32 = 0;
+const OWNED: u32 = 1;
+const WITH_C: u32 = 2;
+
+/// One copy's storage. `#[repr(C)]` with the C event first: a pointer to
+/// the slot is the `struct rdma_cm_event *` the C app gets.
+#[repr(C, align(64))]
 pub(crate) struct Slot {
-    /// The C view; `param.*.private_data` points into `data` (or is the
-    /// multicast context pointer, or NULL).
-    pub(crate) raw: rdma_cm_event,
-    /// Private data bytes, inline.
-    pub(crate) data: [u8; RDMA_MAX_PRIVATE_DATA],
-    /// `id->context` read while the event was still unacked.
-    pub(crate) context: usize,
-    /// `listen_id->context`, likewise (0 without a listen id).
-    pub(crate) listen_context: usize,
-    /// The id's QP type at copy time says which `param` arm librdmacm filled.
-    pub(crate) qp_type: u32,
+    /// The C view; `param.*.private_data` points into `data` when the
+    /// original pointed into librdmacm's own buffer, else is passed through.
+    raw: UnsafeCell<rdma_cm_event>,
+    data: UnsafeCell<[u8; RDMA_MAX_PRIVATE_DATA]>,
+    /// Bytes of `data` that may be non-zero (zeroed before reuse).
+    dirty: UnsafeCell<usize>,
+    /// The id's QP type at copy time (which `param` arm was filled).
+    qp_type: UnsafeCell<u32>,
+    /// Counted as a copy (taken slots are counted once filled).
+    counted: UnsafeCell<bool>,
+    /// `id->context` / `listen_id->context` at copy time. Atomics: the C
+    /// app may read them through `rdmasafe_event_get_contexts` on one
+    /// thread while (wrongly) freeing the copy on another.
+    context: AtomicUsize,
+    listen_context: AtomicUsize,
+    state: AtomicU32,
+    /// `generation << 1 | original pending`; the generation counts takes.
+    ack: AtomicU64,
+    original: AtomicPtr<rdma_cm_event>,
+    copied_at_ms: AtomicU64,
+    deadline_ms: AtomicU64,
 }
 
-// SAFETY: a slot owns plain data; its pointers are values that rdmasafe
-// never follows after the copy (private_data points into the slot itself).
-unsafe impl Send for Slot {}
+// SAFETY: the fields other threads touch (the reaper, counters, a C
+// pointer's lookup) are atomics; the UnsafeCell fields are only touched by
+// the slot's one owner, a SlotBox (see there).
+unsafe impl Sync for Slot {}
 
-impl Slot {
-    fn new() -> Box<Slot> {
-        Box::new(Slot {
-            // SAFETY: rdma_cm_event is plain C data (pointers, integers and a
-            // union of such); all-zero is a valid value of it.
-            raw: unsafe { std::mem::zeroed() },
-            data: [0; RDMA_MAX_PRIVATE_DATA],
-            context: 0,
-            listen_context: 0,
-            qp_type: 0,
-        })
+const STRIDE: usize = std::mem::size_of::<Slot>();
+
+struct Arena {
+    base: NonNull<u8>,
+    /// Slots ever handed out; `0..allocated` are committed and initialised.
+    allocated: AtomicUsize,
+    committed: AtomicUsize,
+    grow: Mutex<()>,
+    free: ArrayQueue<u32>,
+    overflow: Mutex<Vec<u32>>,
+    overflow_len: AtomicUsize,
+}
+
+// SAFETY: `base` is an address, never unmapped; everything else is Sync.
+unsafe impl Send for Arena {}
+// SAFETY: as above.
+unsafe impl Sync for Arena {}
+
+fn arena() -> &'static Arena {
+    static A: OnceLock<Arena> = OnceLock::new();
+    A.get_or_init(|| Arena {
+        base: sys::reserve_address_space(MAX_SLOTS * STRIDE)
+            .unwrap_or_else(|e| panic!("rdmasafe: cannot reserve address space for CM event copies: {e}")),
+        allocated: AtomicUsize::new(0),
+        committed: AtomicUsize::new(0),
+        grow: Mutex::new(()),
+        free: ArrayQueue::new(RING),
+        overflow: Mutex::new(Vec::new()),
+        overflow_len: AtomicUsize::new(0),
+    })
+}
+
+impl Arena {
+    fn slot(&self, i: usize) -> &'static Slot {
+        debug_assert!(i < self.allocated.load(Relaxed));
+        // SAFETY: slot i lies in the committed part of the arena (i <
+        // allocated <= committed), which is never unmapped; all-zero bytes
+        // (fresh pages) are a valid Slot, and slots are only ever accessed
+        // through shared references (owner-only fields are UnsafeCells).
+        unsafe { &*self.base.as_ptr().add(i * STRIDE).cast::<Slot>() }
     }
-}
 
-fn free_list() -> &'static ArrayQueue<Box<Slot>> {
-    static FREE: OnceLock<ArrayQueue<Box<Slot>>> = OnceLock::new();
-    FREE.get_or_init(|| ArrayQueue::new(FREE_LIST_CAPACITY))
+    /// The slot a pointer the app gave us points to, if any: arithmetic only.
+    fn slot_of(&self, p: *const u8) -> Option<&'static Slot> {
+        let off = (p as usize).checked_sub(self.base.as_ptr() as usize)?;
+        (off % STRIDE == 0 && off / STRIDE < self.allocated.load(Acquire)).then(|| self.slot(off / STRIDE))
+    }
+
+    fn index_of(&self, s: &Slot) -> u32 {
+        ((s as *const Slot as usize - self.base.as_ptr() as usize) / STRIDE) as u32
+    }
+
+    /// A never-used slot, committing memory if needed; `None` when full.
+    fn new_slot(&self) -> Option<u32> {
+        let _g = self.grow.lock().unwrap_or_else(|e| e.into_inner());
+        let i = self.allocated.load(Relaxed);
+        if i >= MAX_SLOTS {
+            return None;
+        }
+        let committed = self.committed.load(Relaxed);
+        if i >= committed {
+            let n = CHUNK_SLOTS.min(MAX_SLOTS - committed);
+            // SAFETY: the next chunk of our own reservation, unused so far
+            // (STRIDE * CHUNK_SLOTS is a multiple of the page size).
+            let at = unsafe { NonNull::new_unchecked(self.base.as_ptr().add(committed * STRIDE)) };
+            // SAFETY: as above.
+            if unsafe { sys::commit(at, n * STRIDE) }.is_err() {
+                return None;
+            }
+            self.committed.store(committed + n, Relaxed);
+        }
+        self.allocated.store(i + 1, Release);
+        ALLOCATED.fetch_add(1, Relaxed);
+        Some(i as u32)
+    }
+
+    fn pop_free(&self) -> Option<u32> {
+        if self.free.len() > QUARANTINE {
+            if let Some(i) = self.free.pop() {
+                return Some(i);
+            }
+        }
+        // Overflow entries were freed while the ring was full: at least
+        // RING - QUARANTINE slots have been handed out since.
+        if self.overflow_len.load(Relaxed) > 0 {
+            let mut o = self.overflow.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(i) = o.pop() {
+                self.overflow_len.store(o.len(), Relaxed);
+                return Some(i);
+            }
+        }
+        None
+    }
+
+    fn push_free(&self, i: u32) {
+        if let Err(i) = self.free.push(i) {
+            let mut o = self.overflow.lock().unwrap_or_else(|e| e.into_inner());
+            o.push(i);
+            self.overflow_len.store(o.len(), Relaxed);
+        }
+    }
 }
 
 static COPIED: AtomicU64 = AtomicU64::new(0);
 static FREED: AtomicU64 = AtomicU64::new(0);
 static ALLOCATED: AtomicU64 = AtomicU64::new(0);
+static HIGH_WATER: AtomicU64 = AtomicU64::new(0);
+static DEFERRED: AtomicU64 = AtomicU64::new(0);
+static ACKED_AT_FREE: AtomicU64 = AtomicU64::new(0);
+static ACKED_AT_DEADLINE: AtomicU64 = AtomicU64::new(0);
+static REFUSED: AtomicU64 = AtomicU64::new(0);
+static NEXT_WARNING: AtomicU64 = AtomicU64::new(FIRST_WARNING);
+static LIMIT: AtomicU64 = AtomicU64::new(0);
 
-/// Takes a slot for a new copy (counts it as copied).
-pub(crate) fn take() -> Box<Slot> {
-    COPIED.fetch_add(1, Relaxed);
-    free_list().pop().unwrap_or_else(|| {
-        ALLOCATED.fetch_add(1, Relaxed);
-        Slot::new()
-    })
+fn outstanding() -> u64 {
+    // FREED first: a concurrent free between the loads can only make the
+    // result too high, never wrap below zero.
+    let freed = FREED.load(Relaxed);
+    COPIED.load(Relaxed).saturating_sub(freed)
 }
 
-/// Returns a slot whose copy was freed.
-pub(crate) fn give(slot: Box<Slot>) {
-    FREED.fetch_add(1, Relaxed);
-    // A full free list drops the slot: memory goes back to the allocator.
-    let _ = free_list().push(slot);
-}
+/// The owner of one slot: the only code that touches its event, private
+/// data and QP type while it lives (the invariant that makes the
+/// `UnsafeCell` accesses below sound).
+pub(crate) struct SlotBox(&'static Slot);
 
-/// Allocates slots up front so that the first `n` live copies allocate
-/// nothing. Returns how many slots the free list holds afterwards.
-pub fn reserve(n: usize) -> usize {
-    let list = free_list();
-    while list.len() < n.min(FREE_LIST_CAPACITY) {
-        ALLOCATED.fetch_add(1, Relaxed);
-        if list.push(Slot::new()).is_err() {
-            break;
+// SAFETY: owning a slot is owning plain data (its pointers are values,
+// never followed by rdmasafe after the copy); moving the owner to another
+// thread moves the exclusive access with it.
+unsafe impl Send for SlotBox {}
+
+impl SlotBox {
+    pub(crate) fn raw(&self) -> &rdma_cm_event {
+        // SAFETY: the owner has exclusive access (type invariant).
+        unsafe { &*self.0.raw.get() }
+    }
+
+    pub(crate) fn raw_mut(&mut self) -> &mut rdma_cm_event {
+        // SAFETY: as above, and &mut self is unique.
+        unsafe { &mut *self.0.raw.get() }
+    }
+
+    pub(crate) fn data(&self) -> &[u8; RDMA_MAX_PRIVATE_DATA] {
+        // SAFETY: as for `raw`.
+        unsafe { &*self.0.data.get() }
+    }
+
+    /// Fills the private data with `src` and zeroes whatever an earlier
+    /// copy left past it (librdmacm's events read 0 there too). Returns the
+    /// address of the bytes, for the C view's pointer.
+    pub(crate) fn set_data(&mut self, src: &[u8]) -> *const u8 {
+        // SAFETY: as for `raw_mut`.
+        let (data, dirty) = unsafe { (&mut *self.0.data.get(), &mut *self.0.dirty.get()) };
+        data[..src.len()].copy_from_slice(src);
+        if *dirty > src.len() {
+            data[src.len()..*dirty].fill(0);
+        }
+        *dirty = src.len();
+        data.as_ptr()
+    }
+
+    /// Clears leftover private data of an earlier copy (no data this time).
+    pub(crate) fn clear_data(&mut self) {
+        self.set_data(&[]);
+    }
+
+    pub(crate) fn qp_type(&self) -> u32 {
+        // SAFETY: as for `raw`.
+        unsafe { *self.0.qp_type.get() }
+    }
+
+    pub(crate) fn set_qp_type(&mut self, t: u32) {
+        // SAFETY: as for `raw_mut`.
+        unsafe { *self.0.qp_type.get() = t };
+    }
+
+    pub(crate) fn context(&self) -> usize {
+        self.0.context.load(Relaxed)
+    }
+
+    pub(crate) fn listen_context(&self) -> usize {
+        self.0.listen_context.load(Relaxed)
+    }
+
+    fn clear_contexts(&mut self) {
+        self.set_contexts(0, 0);
+    }
+
+    /// Counts the slot as a live copy (copied, high-water mark, the
+    /// "many copies held" warning) and stamps its age.
+    pub(crate) fn mark_copied(&mut self) {
+        // SAFETY: the owner's exclusive field.
+        unsafe { *self.0.counted.get() = true };
+        self.0.copied_at_ms.store(sys::coarse_now_ms(), Relaxed);
+        let n = (COPIED.fetch_add(1, Relaxed) + 1).saturating_sub(FREED.load(Relaxed));
+        HIGH_WATER.fetch_max(n, Relaxed);
+        let next = NEXT_WARNING.load(Relaxed);
+        if n >= next && NEXT_WARNING.compare_exchange(next, next.saturating_mul(2), Relaxed, Relaxed).is_ok() {
+            log::warn!(
+                target: "rdmasafe",
+                "{n} CM event copies are held and not freed (oldest {} ms): free copies when done with them \
+                 (rdmasafe_event_free / drop), or bound them with rdmasafe_cm_set_limit",
+                counters().oldest_age_ms
+            );
         }
     }
-    list.len()
+
+    pub(crate) fn set_contexts(&mut self, context: usize, listen_context: usize) {
+        self.0.context.store(context, Relaxed);
+        self.0.listen_context.store(listen_context, Relaxed);
+    }
+
+    /// Keeps librdmacm's `original` event un-acked until this copy is freed
+    /// or `deadline` passes, whichever comes first.
+    ///
+    /// # Safety
+    /// `original` must be an un-acked event from `rdma_get_cm_event`, not
+    /// acked by anyone else afterwards.
+    pub(crate) unsafe fn hold_original(&mut self, original: *mut rdma_cm_event, deadline: Duration) {
+        let s = self.0;
+        let gen = s.ack.load(Relaxed) >> 1;
+        let dl = sys::coarse_now_ms().saturating_add(deadline.as_millis().min(u64::MAX as u128) as u64);
+        s.original.store(original, Relaxed);
+        s.deadline_ms.store(dl, Relaxed);
+        s.ack.store(gen << 1 | 1, Release);
+        DEFERRED.fetch_add(1, Relaxed);
+        reaper().defer(arena().index_of(s), gen, dl);
+    }
+
+    /// Hands the copy to C: its address is the `struct rdma_cm_event *`.
+    pub(crate) fn into_c(self) -> *mut rdma_cm_event {
+        let s = self.0;
+        std::mem::forget(self);
+        s.state.store(WITH_C, Release);
+        s.raw.get()
+    }
+
+    /// Takes a copy back from C. `None` (nothing read or written) unless
+    /// `p` is a copy handed to C and not taken back yet; of two threads
+    /// taking back the same pointer at once, one gets it.
+    pub(crate) fn from_c(p: *const rdma_cm_event) -> Option<SlotBox> {
+        let s = arena().slot_of(p.cast())?;
+        s.state.compare_exchange(WITH_C, OWNED, Acquire, Relaxed).ok()?;
+        Some(SlotBox(s))
+    }
+
+    /// For a pointer that is a live copy held by C: a look at it without
+    /// taking it back (`None` for anything else).
+    pub(crate) fn peek_c(p: *const rdma_cm_event) -> Option<&'static Slot> {
+        let s = arena().slot_of(p.cast())?;
+        (s.state.load(Acquire) == WITH_C).then_some(s)
+    }
+}
+
+impl Slot {
+    pub(crate) fn context(&self) -> usize {
+        self.context.load(Relaxed)
+    }
+
+    pub(crate) fn listen_context(&self) -> usize {
+        self.listen_context.load(Relaxed)
+    }
+
+    /// If the original of generation `gen` is still pending, claims it
+    /// (exactly one caller wins) and returns it, to be acked.
+    fn claim_original(&self, gen: u64) -> Option<*mut rdma_cm_event> {
+        let pending = gen << 1 | 1;
+        if self.ack.load(Acquire) != pending {
+            return None;
+        }
+        // Read before the claim: once the claim succeeds nobody rewrites it
+        // (a rewrite needs the slot freed and taken again, which changes `ack`).
+        let o = self.original.load(Acquire);
+        self.ack.compare_exchange(pending, gen << 1, AcqRel, Relaxed).ok().map(|_| o)
+    }
+}
+
+impl Drop for SlotBox {
+    fn drop(&mut self) {
+        let s = self.0;
+        let held = s.claim_original(s.ack.load(Relaxed) >> 1);
+        // SAFETY: the owner's exclusive field.
+        if unsafe { *s.counted.get() } {
+            FREED.fetch_add(1, Relaxed);
+        }
+        s.state.store(FREE, Release);
+        arena().push_free(arena().index_of(s));
+        // The ack comes last, as with librdmacm's own free: a thread waiting
+        // in rdma_destroy_id wakes only after this copy is completely gone.
+        if let Some(o) = held {
+            ACKED_AT_FREE.fetch_add(1, Relaxed);
+            // SAFETY: claimed exactly once; an un-acked original (hold_original).
+            unsafe { sys::rdma_ack_cm_event(o) };
+        }
+    }
+}
+
+/// Takes a slot for a new copy; it counts as a copy once
+/// [`SlotBox::mark_copied`]. ENOMEM when the arena is full or memory cannot
+/// be committed. Taken *before* librdmacm is asked for an event, so a
+/// failure here loses nothing.
+pub(crate) fn take() -> crate::Result<SlotBox> {
+    let a = arena();
+    let i = a.pop_free().or_else(|| a.new_slot()).ok_or(crate::Error::new("rdmasafe: CM event copy", libc::ENOMEM))?;
+    let s = a.slot(i as usize);
+    let gen = (s.ack.load(Relaxed) >> 1) + 1;
+    s.ack.store(gen << 1, Relaxed);
+    s.copied_at_ms.store(0, Relaxed);
+    s.state.store(OWNED, Relaxed);
+    let mut b = SlotBox(s);
+    // SAFETY: the new owner's exclusive field.
+    unsafe { *b.0.counted.get() = false };
+    b.clear_contexts();
+    Ok(b)
+}
+
+/// Refuses a new copy while [`set_limit`]'s bound is reached (ENOBUFS),
+/// before anything is taken from librdmacm.
+pub(crate) fn check_limit() -> crate::Result<()> {
+    let limit = LIMIT.load(Relaxed);
+    if limit != 0 && outstanding() >= limit {
+        REFUSED.fetch_add(1, Relaxed);
+        return Err(crate::Error::new("rdmasafe: held CM event copies at the limit", libc::ENOBUFS));
+    }
+    Ok(())
+}
+
+/// Bounds the copies alive at once (0: unlimited, the default). A get that
+/// would pass the bound fails with ENOBUFS before `rdma_get_cm_event`, so
+/// the event stays in the kernel until copies are freed.
+pub fn set_limit(max_outstanding: u64) {
+    LIMIT.store(max_outstanding, Relaxed);
+}
+
+/// The bound set by [`set_limit`] (0: unlimited).
+pub fn limit() -> u64 {
+    LIMIT.load(Relaxed)
+}
+
+static ACK_DEADLINE_MS: AtomicU64 = AtomicU64::new(u64::MAX);
+
+/// How long a copy got through a [`super::ChannelRef`] (an app channel, as
+/// in the C API) keeps librdmacm's original un-acked: until the copy is
+/// freed or this long after the get, whichever comes first. Default
+/// [`DEFAULT_ACK_DEADLINE`], or `RDMASAFE_ACK_DEADLINE_MS` from the
+/// environment; zero acks at once. Copies from an [`super::EventChannel`]
+/// are always acked at once.
+pub fn ack_deadline() -> Duration {
+    let v = ACK_DEADLINE_MS.load(Relaxed);
+    if v != u64::MAX {
+        return Duration::from_millis(v);
+    }
+    let d = std::env::var("RDMASAFE_ACK_DEADLINE_MS")
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .map_or(DEFAULT_ACK_DEADLINE, Duration::from_millis);
+    let _ =
+        ACK_DEADLINE_MS.compare_exchange(u64::MAX, d.as_millis().min(u64::MAX as u128 - 1) as u64, Relaxed, Relaxed);
+    Duration::from_millis(ACK_DEADLINE_MS.load(Relaxed))
+}
+
+/// Sets [`ack_deadline`] for gets from now on; returns the previous value.
+pub fn set_ack_deadline(d: Duration) -> Duration {
+    let old = ack_deadline();
+    ACK_DEADLINE_MS.store(d.as_millis().min(u64::MAX as u128 - 1) as u64, Relaxed);
+    old
+}
+
+/// Acks originals whose deadline passed: one lazily started thread, over a
+/// heap of (deadline, slot, generation), earliest first. Entries of copies
+/// freed in time stay until their deadline and are dropped then.
+struct Reaper {
+    q: Mutex<BinaryHeap<Reverse<(u64, u32, u64)>>>,
+    cv: Condvar,
+    started: AtomicBool,
+}
+
+fn reaper() -> &'static Reaper {
+    static R: OnceLock<Reaper> = OnceLock::new();
+    R.get_or_init(|| Reaper { q: Mutex::new(BinaryHeap::new()), cv: Condvar::new(), started: AtomicBool::new(false) })
+}
+
+impl Reaper {
+    fn defer(&'static self, idx: u32, gen: u64, deadline_ms: u64) {
+        let mut q = self.q.lock().unwrap_or_else(|e| e.into_inner());
+        // The thread sleeps until the earliest deadline: wake it only when
+        // this one comes first (a shorter deadline set meanwhile).
+        let earlier = q.peek().map_or(true, |Reverse((d, _, _))| deadline_ms < *d);
+        q.push(Reverse((deadline_ms, idx, gen)));
+        drop(q);
+        if earlier {
+            self.cv.notify_one();
+        }
+        if !self.started.load(Relaxed) && !self.started.swap(true, AcqRel) {
+            let spawned = std::thread::Builder::new().name("rdmasafe-ack".into()).spawn(move || self.run());
+            if let Err(e) = spawned {
+                // Without the thread, originals are still acked when their
+                // copies are freed; only the deadline is lost.
+                log::error!(target: "rdmasafe", "cannot start the CM ack deadline thread: {e}");
+                self.started.store(false, Relaxed);
+            }
+        }
+    }
+
+    fn run(&self) {
+        let a = arena();
+        let mut q = self.q.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            let Some(&Reverse((dl, i, gen))) = q.peek() else {
+                q = self.cv.wait(q).unwrap_or_else(|e| e.into_inner());
+                continue;
+            };
+            let now = sys::coarse_now_ms();
+            if now < dl {
+                let wait = Duration::from_millis(dl - now);
+                q = self.cv.wait_timeout(q, wait).unwrap_or_else(|e| e.into_inner()).0;
+                continue;
+            }
+            q.pop();
+            let s = a.slot(i as usize);
+            if s.ack.load(Acquire) != (gen << 1 | 1) {
+                continue; // acked at free already
+            }
+            drop(q);
+            if let Some(o) = s.claim_original(gen) {
+                let n = ACKED_AT_DEADLINE.fetch_add(1, Relaxed);
+                // SAFETY: the original is un-acked (claimed just now), so
+                // librdmacm still owns it and its id is live.
+                let (t, id) = unsafe { ((*o).event, (*o).id) };
+                let msg = format!(
+                    "a copy of CM event {} (id {id:p}) was held past its ack deadline: acked librdmacm's \
+                     original, so rdma_destroy_id / rdma_migrate_id of the id no longer wait for it (the copy \
+                     stays valid; its ev->id may be destroyed from now on)",
+                    super::EventType(t)
+                );
+                if n == 0 {
+                    log::warn!(target: "rdmasafe", "{msg}");
+                } else {
+                    log::debug!(target: "rdmasafe", "{msg}");
+                }
+                // SAFETY: claimed exactly once.
+                unsafe { sys::rdma_ack_cm_event(o) };
+            }
+            q = self.q.lock().unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+/// Allocates slots up front so that the next `n` copies (at most
+/// [`FREE_LIST_CAPACITY`]) allocate nothing, the quarantine included.
+/// Returns how many copies can be taken now without allocating.
+pub fn reserve(n: usize) -> usize {
+    let a = arena();
+    let free = || a.free.len() + a.overflow_len.load(Relaxed);
+    let want = n.min(FREE_LIST_CAPACITY) + QUARANTINE;
+    while free() < want {
+        match a.new_slot() {
+            Some(i) => a.push_free(i),
+            None => break,
+        }
+    }
+    free().saturating_sub(QUARANTINE)
 }
 
 /// Process-wide figures about event copies.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Counters {
-    /// Events copied (and acked) since the process started.
+    /// Events copied since the process started.
     pub copied: u64,
     /// Copies freed.
     pub freed: u64,
     /// Copies alive now (`copied - freed`).
     pub outstanding: u64,
+    /// Most copies alive at once so far.
+    pub high_water: u64,
+    /// Age in milliseconds of the oldest copy alive now (0 without any).
+    pub oldest_age_ms: u64,
     /// Slots ever allocated; flat in steady state.
     pub slots_allocated: u64,
+    /// Copies whose librdmacm original was kept un-acked (the barrier of
+    /// app channels, see [`ack_deadline`]).
+    pub acks_deferred: u64,
+    /// Of those, originals acked when their copy was freed.
+    pub acked_at_free: u64,
+    /// Of those, originals acked because the deadline passed first.
+    pub acked_at_deadline: u64,
+    /// Gets refused with ENOBUFS by [`set_limit`].
+    pub refused_at_limit: u64,
 }
 
-/// Reads the process-wide counters (never blocks).
+/// Reads the process-wide counters (never blocks; the oldest copy's age is
+/// found by a scan of the slots, proportional to [`Counters::high_water`]).
 pub fn counters() -> Counters {
+    let a = arena();
+    let now = sys::coarse_now_ms();
+    let oldest = (0..a.allocated.load(Acquire))
+        .map(|i| a.slot(i))
+        .filter(|s| s.state.load(Relaxed) != FREE)
+        .map(|s| s.copied_at_ms.load(Relaxed))
+        .filter(|t| *t != 0)
+        .min();
     let freed = FREED.load(Relaxed);
     let copied = COPIED.load(Relaxed);
-    Counters { copied, freed, outstanding: copied.saturating_sub(freed), slots_allocated: ALLOCATED.load(Relaxed) }
+    Counters {
+        copied,
+        freed,
+        outstanding: copied.saturating_sub(freed),
+        high_water: HIGH_WATER.load(Relaxed),
+        oldest_age_ms: oldest.map_or(0, |t| now.saturating_sub(t)),
+        slots_allocated: ALLOCATED.load(Relaxed),
+        acks_deferred: DEFERRED.load(Relaxed),
+        acked_at_free: ACKED_AT_FREE.load(Relaxed),
+        acked_at_deadline: ACKED_AT_DEADLINE.load(Relaxed),
+        refused_at_limit: REFUSED.load(Relaxed),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_are_page_friendly() {
+        assert_eq!(STRIDE % 64, 0);
+        assert_eq!((STRIDE * CHUNK_SLOTS) % 4096, 0, "chunks commit whole pages");
+    }
+
+    /// A freed slot stays out of circulation for QUARANTINE other takes,
+    /// and a pointer to a free slot is never taken back from C.
+    #[test]
+    fn quarantine_and_stale_pointers() {
+        let _g = crate::cm::tests_lock();
+        let first = take().unwrap();
+        let p = first.into_c();
+        let back = SlotBox::from_c(p).expect("a live C copy is taken back");
+        assert!(SlotBox::from_c(p).is_none(), "the same pointer twice: refused");
+        drop(back);
+        assert!(SlotBox::from_c(p).is_none(), "a freed copy: refused");
+        let mut held = Vec::new();
+        for _ in 0..QUARANTINE {
+            let s = take().unwrap();
+            assert_ne!(s.0 as *const Slot as *const rdma_cm_event, p as *const _, "reused inside the quarantine");
+            held.push(s.into_c());
+        }
+        assert!(SlotBox::from_c(p).is_none(), "still free after {QUARANTINE} other takes");
+        for h in held {
+            drop(SlotBox::from_c(h).unwrap());
+        }
+    }
+
+    #[test]
+    fn foreign_pointers_are_refused_by_arithmetic() {
+        let _g = crate::cm::tests_lock();
+        let x = [0u64; 64];
+        assert!(SlotBox::from_c(x.as_ptr().cast()).is_none());
+        let s = take().unwrap();
+        let p = s.into_c();
+        // Inside the arena, not on a slot boundary.
+        assert!(SlotBox::from_c((p as *const u8).wrapping_add(8).cast()).is_none());
+        assert!(SlotBox::peek_c(p).is_some());
+        drop(SlotBox::from_c(p).unwrap());
+        assert!(SlotBox::peek_c(p).is_none());
+    }
+
+    #[test]
+    fn private_data_tail_is_zeroed_on_reuse() {
+        let _g = crate::cm::tests_lock();
+        let mut s = take().unwrap();
+        s.set_data(&[0xee; 196]);
+        s.set_data(&[0x11; 56]);
+        assert!(s.data()[..56].iter().all(|b| *b == 0x11));
+        assert!(s.data()[56..].iter().all(|b| *b == 0), "bytes past the data read 0");
+        s.clear_data();
+        assert!(s.data().iter().all(|b| *b == 0));
+    }
 }

@@ -142,9 +142,9 @@ pub struct AsyncEvents {
 }
 
 impl AsyncEvents {
-    /// For `ctx` (one reader per context).
-    pub fn new(ctx: DeviceContext) -> AsyncEvents {
-        AsyncEvents { ctx }
+    /// For `ctx` (one reader per context); keeps the context open.
+    pub fn new(ctx: &DeviceContext) -> AsyncEvents {
+        AsyncEvents { ctx: ctx.clone() }
     }
 
     /// Waits per `wait` for one event; copies and acks it. ETIMEDOUT /
@@ -178,6 +178,10 @@ impl AsyncEvents {
     }
 
     /// Starts a thread that hands every async event (copied, acked) to `f`.
+    /// The thread ends by itself, with `Ok`, after the device is gone: after
+    /// it delivered IBV_EVENT_DEVICE_FATAL (what a removed device reports),
+    /// or when reading fails with EIO / ENODEV; it keeps the context open
+    /// until then (see [`DeviceContext`]).
     pub fn spawn<F>(self, mut f: F) -> Result<AsyncThread>
     where
         F: FnMut(AsyncEvent) + Send + 'static,
@@ -190,8 +194,15 @@ impl AsyncEvents {
             .spawn(move || {
                 while !s.load(SeqCst) {
                     match self.get_or_woken(Wait::Forever, Some(&w)) {
-                        Ok(Some(ev)) => f(ev),
+                        Ok(Some(ev)) => {
+                            let fatal = ev.event_type == AsyncEventType::DEVICE_FATAL;
+                            f(ev);
+                            if fatal {
+                                return Ok(());
+                            }
+                        }
                         Ok(None) => {}
+                        Err(e) if matches!(e.errno(), libc::EIO | libc::ENODEV) => return Ok(()),
                         Err(e) => return Err(e),
                     }
                 }
@@ -212,7 +223,7 @@ impl AsRawFd for AsyncEvents {
 
 impl AsFd for AsyncEvents {
     fn as_fd(&self) -> BorrowedFd<'_> {
-        // SAFETY: the context (and its async fd) stays open for the process.
+        // SAFETY: the context (and its async fd) stays open while self holds it.
         unsafe { BorrowedFd::borrow_raw(self.as_raw_fd()) }
     }
 }

@@ -575,7 +575,7 @@ impl CqLoop {
         } else {
             c.cycle_us.record(0);
         }
-        crate::log::trace_cq_wakeup(n);
+        log::trace!(target: "rdmasafe", "CQ loop wakeup: {n} completions");
     }
 
     /// One cycle: wait per `wait`, then handle what arrived. Returns the
@@ -859,10 +859,7 @@ impl CqLoop {
                 // SAFETY: live QP; the error state flushes outstanding work.
                 let _ = unsafe { sys::qp_to_error(k.qp.as_ptr()) };
                 self.ctl.0.counters.keepalive_dead.fetch_add(1, Relaxed);
-                crate::log::log(
-                    crate::log::Level::Warn,
-                    format_args!("keepalive: peer of QP {} declared dead", k.qp_num),
-                );
+                log::warn!(target: "rdmasafe", "keepalive: peer of QP {} declared dead", k.qp_num);
                 let qpn = k.qp_num;
                 let ctl = self.ctl.clone();
                 (self.keepalives[i].on_dead)(qpn, &ctl);
@@ -919,7 +916,7 @@ impl CqLoop {
     /// device `ctx` sits on; unpinned when the device reports no node
     /// (Soft-RoCE, single-node machines). Returns the thread and the CPU
     /// chosen.
-    pub fn spawn_near(self, ctx: crate::verbs::DeviceContext) -> Result<(LoopThread, Option<usize>)> {
+    pub fn spawn_near(self, ctx: &crate::verbs::DeviceContext) -> Result<(LoopThread, Option<usize>)> {
         let cpu = sys::device_numa_cpus(&ctx.name()).and_then(|c| c.first().copied());
         Ok((self.spawn(cpu)?, cpu))
     }

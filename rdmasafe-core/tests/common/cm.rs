@@ -62,8 +62,8 @@ pub fn resolved(ch: &EventChannel, ps: PortSpace, addr: IpAddr, port: u16) -> Cm
 /// them alive.
 pub fn add_qp(id: &mut CmId, ud: bool) {
     let ctx = id.device_context().expect("id bound to a device");
-    let pd = Pd::new(ctx).expect("pd");
-    let cq = Cq::new(ctx, 8, None).expect("cq");
+    let pd = Pd::new(&ctx).expect("pd");
+    let cq = Cq::new(&ctx, 8, None).expect("cq");
     add_qp_on(id, &pd, &cq, ud);
 }
 

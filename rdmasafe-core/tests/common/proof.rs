@@ -78,9 +78,9 @@ pub fn run(addr: IpAddr, verbose: bool) -> Result<Transcript> {
     next(&client_ch, &mut t.client_events, "client", verbose)?;
 
     let cctx = client.device_context().expect("resolved id has a device");
-    let cpd = Pd::new(cctx)?;
-    let ccq = Cq::new(cctx, 16, None)?;
-    let cmr = Mr::new(&cpd, 4096)?;
+    let cpd = Pd::new(&cctx)?;
+    let ccq = Cq::new(&cctx, 16, None)?;
+    let mut cmr = Mr::new(&cpd, 4096)?;
     client.create_qp(&cpd, &ccq, &ccq, QpCaps::default(), false)?;
     client.connect(&ConnectParams { private_data: HELLO, ..Default::default() })?;
 
@@ -90,9 +90,9 @@ pub fn run(addr: IpAddr, verbose: bool) -> Result<Transcript> {
     let mut req = req_ev.take_request().expect("CONNECT_REQUEST on an rdmasafe channel owns its new id");
     drop(req_ev); // the copy is independent of the request from here on
     let sctx = req.id_mut().device_context().expect("request id has a device");
-    let spd = Pd::new(sctx)?;
-    let comp = CompChannel::new(sctx)?;
-    let scq = Cq::new(sctx, 16, Some(&comp))?;
+    let spd = Pd::new(&sctx)?;
+    let comp = CompChannel::new(&sctx)?;
+    let scq = Cq::new(&sctx, 16, Some(&comp))?;
     let smr = Mr::new(&spd, 4096)?;
     req.id_mut().create_qp(&spd, &scq, &scq, QpCaps::default(), false)?;
     req.id_mut().post_recv(&smr, 0, 4096, 0x5e)?;
