@@ -186,15 +186,34 @@ pub fn is_thread(s: &str) -> bool {
     l.contains("thread-safe") || l.contains("thread safe") || l.starts_with("mt-safe")
 }
 
-/// Splits "X; returns Y." into "X." and "Returns Y.".
-fn split_returns_clause(s: &str) -> Vec<String> {
+fn capitalised(s: &str) -> String {
+    let mut c = s.chars();
+    match c.next() {
+        Some(f) => format!("{}{}", f.to_uppercase(), c.as_str()),
+        None => String::new(),
+    }
+}
+
+fn full_stop(s: &str) -> String {
+    format!("{}.", s.trim_end_matches('.'))
+}
+
+/// Splits "X; returns Y." into "X." and "Returns Y.", and "X; thread-safe."
+/// into "X." and "Thread-safe.".
+fn split_clauses(s: &str) -> Vec<String> {
     let parts = split_top(s, "; ");
     for (k, part) in parts.iter().enumerate().skip(1) {
         if part.starts_with("returns ") {
             let head = parts[..k].join("; ");
             let tail = parts[k..].join("; ");
-            return vec![format!("{}.", head.trim_end_matches('.')), format!("R{}", &tail[1..])];
+            let mut out = split_clauses(&full_stop(&head));
+            out.push(capitalised(&tail));
+            return out;
         }
+    }
+    if parts.len() > 1 && parts.iter().any(|p| is_thread(p)) && !parts.iter().all(|p| is_thread(p)) {
+        let (thread, other): (Vec<&str>, Vec<&str>) = parts.iter().partition(|p| is_thread(p));
+        return vec![full_stop(&other.join("; ")), capitalised(&full_stop(&thread.join("; ")))];
     }
     vec![s.to_string()]
 }
@@ -249,7 +268,7 @@ pub fn split_fn_doc(doc: &str) -> FnDoc {
         match section {
             Section::Description => match &b {
                 Block::Para(p) => {
-                    let ss: Vec<String> = sentences(p).iter().flat_map(|s| split_returns_clause(s)).collect();
+                    let ss: Vec<String> = sentences(p).iter().flat_map(|s| split_clauses(s)).collect();
                     let whole = ss.first().is_some_and(|s| is_returns(s));
                     let (mut keep, mut ret) = (Vec::new(), Vec::new());
                     for s in ss {
@@ -661,6 +680,9 @@ mod tests {
         );
         assert_eq!(d.description, [Block::Para("Does x.".into()), Block::Para("More text. Still text.".into())]);
         assert_eq!(d.thread, ["Thread-safe."]);
+        let b = split_fn_doc("Reads it. Never blocks; thread-safe.");
+        assert_eq!(b.description, [Block::Para("Reads it. Never blocks.".into())]);
+        assert_eq!(b.thread, ["Thread-safe."]);
         assert_eq!(
             d.returns,
             [

@@ -112,9 +112,20 @@ pub fn inline(s: &str, ctx: &Ctx) -> String {
                 continue;
             }
         }
-        // [text](target)
+        // [text](target), or a rustdoc link [`item`] (kept as its text)
         if c == '[' {
             let rest: String = chars[i..].iter().collect();
+            if let Some(close) = rest.find(']') {
+                let after = rest[close + 1..].chars().next();
+                let inner = &rest[1..close];
+                let code = inner.len() > 2 && inner.starts_with('`') && inner.ends_with('`');
+                if code && !matches!(after, Some('(') | Some(':') | Some('[')) {
+                    out.push_str(&inline(inner, ctx));
+                    i += rest[..close + 1].chars().count();
+                    prev = Some(']');
+                    continue;
+                }
+            }
             if let Some(mid) = rest.find("](") {
                 if let Some(end) = rest[mid..].find(')') {
                     let text = &rest[1..mid];
@@ -303,5 +314,10 @@ mod tests {
         assert_eq!(inline("a **b** *c* x * y", &ctx), "a \\fBb\\fR \\fIc\\fR x * y");
         assert_eq!(inline("2^(i-1) \u{2014}", &ctx), "2\\(ha(i-1) \\[u2014]");
         assert_eq!(guard(".x".into()), "\\&.x");
+        assert_eq!(
+            inline("see [`CqLoop`] and [the guide](docs/x.md)", &ctx),
+            "see \\fBCqLoop\\fR and the guide <docs/x.md>"
+        );
+        assert_eq!(inline("`wc[0..n]` [0..n] wc[1]", &ctx), "\\fBwc[0..n]\\fR [0..n] wc[1]");
     }
 }
