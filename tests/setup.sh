@@ -23,6 +23,8 @@ pkgs=(
   valgrind
   # benchmarks (tests/bench/): callgrind (valgrind, above), syscall counts, the plot
   strace gnuplot-nox
+  # man pages: groff lints them (tests/manpages), man reads the installed ones
+  groff-base man-db
 )
 missing=()
 for p in "${pkgs[@]}"; do

@@ -9,6 +9,7 @@
 //!    under the RDMASAFE_0.2 node, and the same set of functions
 //!    `include/rdmasafe.h` declares; SONAME `librdmasafe.so.X`; the two
 //!    links; the static library, header, pkg-config and CMake package files;
+//!    the man pages under share/man (`man -M` reads them, `.so` links too);
 //!    what pkg-config answers for the prefix (relocatable paths, version,
 //!    Libs.private); the in-tree C programs CMake built into `bin/`;
 //! 3. the consumers: `tests/consumer/cmake` (find_package,
@@ -510,6 +511,32 @@ fn check_installed_files(c: &mut Checks, l: &Layout) {
     let installed_header = fs::read(l.prefix.join("include/rdmasafe.h")).unwrap_or_default();
     let header = fs::read(root.join("include/rdmasafe.h")).expect("read include/rdmasafe.h");
     c.that(installed_header == header, "include/rdmasafe.h installed byte for byte");
+
+    // the man pages of the tree (man/man3, man/man7) under share/man, and
+    // man(1) reads them there, through a .so link page too
+    let mandir = l.prefix.join("share/man");
+    let mut pages = 0;
+    for sec in ["man3", "man7"] {
+        for e in fs::read_dir(root.join("man").join(sec)).expect("man/ of the tree").flatten() {
+            let rel = format!("{sec}/{}", e.file_name().to_string_lossy());
+            let installed = fs::read(mandir.join(&rel)).ok();
+            c.that(installed == fs::read(e.path()).ok(), format!("share/man/{rel} installed byte for byte"));
+            pages += 1;
+        }
+    }
+    let exports = fs::read_to_string(root.join("rdmasafe-capi/abi/exports.txt")).unwrap_or_default();
+    c.that(pages > exports.lines().count(), format!("{pages} man pages in the tree (one per export and rdmasafe(7))"));
+    for (section, page, want) in [
+        ("3", "rdmasafe_get_event_timeout", "int rdmasafe_get_event_timeout(struct rdma_event_channel *channel,"),
+        ("7", "rdmasafe", "ERROR CONVENTIONS"),
+    ] {
+        let out = Command::new("man").env("MANWIDTH", "100").arg("-M").arg(&mandir).args([section, page]).output();
+        let text = out.as_ref().map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
+        c.that(
+            out.as_ref().is_ok_and(|o| o.status.success()) && text.contains("SYNOPSIS") && text.contains(want),
+            format!("man -M {} {section} {page} shows the page ({want:?}): {out:?}", mandir.display()),
+        );
+    }
 
     // pkg-config on the prefix: relocatable paths, version, Libs.private
     let pc = |args: &[&str]| -> String {
