@@ -14,6 +14,8 @@
 #   6. cq_loop_test (CQ loop C API: handles, 3 modes, stop/run, drain)
 #   7. examples-c mpi_ring: 4 MPI ranks (Open MPI's mpirun), token ring
 #      over RDMA in event and adaptive mode
+#   8. cm_ud_test (udaddy-style UD) and its raw librdmacm build
+#   9. cm_mcast_test (mckey-style multicast) and its raw librdmacm build
 #
 # Each program's output is printed as one block:
 #   ==== BEGIN <label>
@@ -184,6 +186,18 @@ else
 	echo "# node name '$(hostname)' is not one Open MPI accepts: mpirun in its own UTS namespace"
 	run mpi_ring unshare --uts sh -c 'hostname rdmasafe-guest && exec "$@"' sh timeout -k 5 60 "${mpi[@]}"
 fi
+
+# 8. -----------------------------------------------------------------------
+# The UD and multicast programs use only the two renamed calls;
+# each *_raw twin is the same source on librdmacm alone, the control.
+scenario "cm_ud_test: UD with param.ud, AH from the event, both ways"
+run cm_ud_test "$bin/cm_ud_test"
+run cm_ud_test_raw "$bin/cm_ud_test_raw"
+
+# 9. -----------------------------------------------------------------------
+scenario "cm_mcast_test: multicast join with context pointers, send to the group"
+run cm_mcast_test "$bin/cm_mcast_test"
+run cm_mcast_test_raw "$bin/cm_mcast_test_raw"
 
 scenario "end"
 echo "==== SUMMARY $failed failed ($(($(now_ms) - t_start)) ms)"
