@@ -25,10 +25,19 @@
 //! 9. `cm_mcast_test`: mckey-style multicast, only the two renamed calls:
 //!    MULTICAST_JOIN keeps each join's context pointer as is (one of them
 //!    points before a guard page), ah_attr, qp_num 0xFFFFFF, qkey; messages
-//!    sent to the group from one QP arrive on another; leave.
+//!    sent to the group from one QP arrive on another; leave;
+//! 10. `cm_barrier_test` (ASan), 30 runs: an rping-shaped program whose
+//!     DISCONNECTED handler still uses the connection struct after waking
+//!     main, which destroys the id and channel and frees the struct: correct
+//!     only with librdmacm's barrier (rdma_destroy_id waits for the ack).
+//!     All 30 runs must be clean (exit 0, no ASan report). The raw librdmacm
+//!     build of the same source runs 10 times as the control;
+//! 11. `cm_barrier_test -H`: the client keeps its DISCONNECTED copy for 5 s;
+//!     rdma_destroy_id must return (watchdog) and its time is printed
+//!     (`measure destroy_ms=`, no timed assertion), next to the raw build's.
 //!
-//! 8 and 9 also run as *_raw builds (the same sources on librdmacm alone):
-//! the controls that tell a wrong test from a wrong library.
+//! 8-11 also run as *_raw builds (the same sources on librdmacm alone): the
+//! controls that tell a wrong test from a wrong library.
 //!
 //! Asserts on every exit status and on the output (what each side saw).
 //! This binary runs on the host (its name does not start with `rxe_`); it
@@ -45,7 +54,12 @@ use std::process::Command;
 use std::time::Instant;
 
 /// Seconds the guest may run before vm-run kills it.
-const GUEST_TIMEOUT: u32 = 300;
+const GUEST_TIMEOUT: u32 = 600;
+
+/// Runs of cm_barrier_test (rdmasafe build) and of its raw control that
+/// run-in-guest.sh makes (its defaults).
+const BARRIER_RUNS: usize = 30;
+const BARRIER_RAW_RUNS: usize = 10;
 
 fn run_logged(what: &str, cmd: &mut Command) -> std::process::Output {
     let out = cmd.output().unwrap_or_else(|e| panic!("{what}: cannot run {cmd:?}: {e}"));
@@ -105,6 +119,8 @@ fn build_c_programs(profile: &Path, bin: &Path) {
         "cm_ud_test_raw",
         "cm_mcast_test",
         "cm_mcast_test_raw",
+        "cm_barrier_test",
+        "cm_barrier_test_raw",
     ] {
         assert!(
             bin.join(p).exists(),
@@ -641,6 +657,76 @@ fn check_ud_mcast(c: &mut Checks, runs: &BTreeMap<String, Block>) {
     );
 }
 
+/// One cm_barrier_test run is clean: exit 0, no sanitizer report, no FAIL,
+/// both sides saw the barrier hold. Otherwise: why not, in one line.
+fn barrier_run(b: Option<&Block>) -> Result<(), String> {
+    let Some(b) = b else { return Err("did not run".into()) };
+    let asan: Vec<&str> = b.lines_with("ERROR: AddressSanitizer");
+    if let Some(first) = asan.first() {
+        let frame = b.lines().find(|l| l.trim_start().starts_with("#0 ")).unwrap_or("").trim();
+        return Err(format!("exit {:?}: {} ({frame})", b.exit, first.trim()));
+    }
+    if b.exit != Some(0) || !b.fails().is_empty() {
+        return Err(format!("exit {:?}: {:?}", b.exit, b.fails()));
+    }
+    for side in ["server", "client"] {
+        let needle = format!(
+            "ok   {side}: the DISCONNECTED handler was done with the connection before rdma_destroy_id returned"
+        );
+        if !b.has(&needle) {
+            return Err(format!("no barrier check passed on the {side} side"));
+        }
+    }
+    if !b.last_line().starts_with("cm_barrier_test: ") || !b.last_line().ends_with(" passed, 0 failed") {
+        return Err(format!("final line {:?}", b.last_line()));
+    }
+    Ok(())
+}
+
+fn check_barrier(c: &mut Checks, runs: &BTreeMap<String, Block>) {
+    for (name, n) in [("cm_barrier_test", BARRIER_RUNS), ("cm_barrier_test_raw", BARRIER_RAW_RUNS)] {
+        let results: Vec<Result<(), String>> = (1..=n).map(|i| barrier_run(runs.get(&format!("{name}.{i}")))).collect();
+        let clean = results.iter().filter(|r| r.is_ok()).count();
+        let bad: Vec<String> = results
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| r.as_ref().err().map(|e| format!("run {}: {e}", i + 1)))
+            .collect();
+        println!("[c_programs] {name} (ASan): {clean} of {n} runs clean");
+        c.that(
+            clean == n,
+            format!("{name} (ASan): {clean} of {n} runs clean; the others:\n    {}", bad.join("\n    ")),
+        );
+    }
+    let empty = Block::default();
+    let mut destroy_ms = Vec::new();
+    for label in ["cm_barrier_test_hold", "cm_barrier_test_raw_hold"] {
+        let b = runs.get(label).unwrap_or(&empty);
+        c.that(!b.has("AddressSanitizer"), format!("{label}: sanitizer report"));
+        check_ok_program(
+            c,
+            label,
+            "cm_barrier_test",
+            b,
+            30,
+            &["client: rdma_destroy_id of the connection returned 0", "server: client process exited 0"],
+        );
+        let ms = b.num("destroy_ms");
+        c.that(ms.is_some(), format!("{label}: no `measure destroy_ms=` line"));
+        c.that(
+            b.has("info client: CM thread freed the kept DISCONNECTED event "),
+            format!("{label}: the kept DISCONNECTED was not freed"),
+        );
+        destroy_ms.push(ms);
+    }
+    let show = |ms: Option<f64>| ms.map_or("?".to_string(), |v| format!("{v:.1}"));
+    println!(
+        "[c_programs] cm_barrier_test -H: rdma_destroy_id with the DISCONNECTED copy held took {} ms (raw librdmacm: {} ms)",
+        show(destroy_ms[0]),
+        show(destroy_ms[1])
+    );
+}
+
 #[test]
 fn c_programs_on_rdma() {
     let t0 = Instant::now();
@@ -698,6 +784,8 @@ fn c_programs_on_rdma() {
         "cm_ud_test_raw",
         "cm_mcast_test",
         "cm_mcast_test_raw",
+        "cm_barrier_test_hold",
+        "cm_barrier_test_raw_hold",
     ]
     .into_iter()
     .map(String::from)
@@ -714,6 +802,7 @@ fn c_programs_on_rdma() {
     check_cq_loop_test(&mut c, runs.get("cq_loop_test").unwrap_or(&empty));
     check_mpi_ring(&mut c, runs.get("mpi_ring").unwrap_or(&empty));
     check_ud_mcast(&mut c, &runs);
+    check_barrier(&mut c, &runs);
 
     println!("[c_programs] {} expectations met, {} failed", c.passed, c.failures.len());
     assert!(

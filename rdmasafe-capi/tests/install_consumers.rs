@@ -580,6 +580,7 @@ fn check_installed_files(c: &mut Checks, l: &Layout) {
         "cm_capi_test",
         "cm_ud_test",
         "cm_mcast_test",
+        "cm_barrier_test",
     ];
     if root.join("tests/c/cq_loop_test.c").exists() {
         progs.push("cq_loop_test");
