@@ -17,7 +17,27 @@
 //!    again, acks at stop, drain, ibv_destroy_cq after the loop's destroy;
 //! 7. `mpi_ring` under Open MPI's mpirun: 4 ranks connected in a ring with
 //!    rdmasafe_get_event, a token 100 times around in event and in adaptive
-//!    mode, clean teardown (needs mpicc/mpirun: openmpi-bin, libopenmpi-dev).
+//!    mode, clean teardown (needs mpicc/mpirun: openmpi-bin, libopenmpi-dev);
+//! 8. `cm_ud_test`: a udaddy-style UD exchange that uses only the two
+//!    renamed calls: CONNECT_REQUEST and ESTABLISHED param.ud field by field
+//!    (private data, qp_num, qkey 0x01234567, ah_attr), an AH from the
+//!    event's ah_attr, one UD message each way;
+//! 9. `cm_mcast_test`: mckey-style multicast, only the two renamed calls:
+//!    MULTICAST_JOIN keeps each join's context pointer as is (one of them
+//!    points before a guard page), ah_attr, qp_num 0xFFFFFF, qkey; messages
+//!    sent to the group from one QP arrive on another; leave;
+//! 10. `cm_barrier_test` (ASan), 30 runs: an rping-shaped program whose
+//!     DISCONNECTED handler still uses the connection struct after waking
+//!     main, which destroys the id and channel and frees the struct: correct
+//!     only with librdmacm's barrier (rdma_destroy_id waits for the ack).
+//!     All 30 runs must be clean (exit 0, no ASan report). The raw librdmacm
+//!     build of the same source runs 10 times as the control;
+//! 11. `cm_barrier_test -H`: the client keeps its DISCONNECTED copy for 5 s;
+//!     rdma_destroy_id must return (watchdog) and its time is printed
+//!     (`measure destroy_ms=`, no timed assertion), next to the raw build's.
+//!
+//! 8-11 also run as *_raw builds (the same sources on librdmacm alone): the
+//! controls that tell a wrong test from a wrong library.
 //!
 //! Asserts on every exit status and on the output (what each side saw).
 //! This binary runs on the host (its name does not start with `rxe_`); it
@@ -34,7 +54,12 @@ use std::process::Command;
 use std::time::Instant;
 
 /// Seconds the guest may run before vm-run kills it.
-const GUEST_TIMEOUT: u32 = 300;
+const GUEST_TIMEOUT: u32 = 600;
+
+/// Runs of cm_barrier_test (rdmasafe build) and of its raw control that
+/// run-in-guest.sh makes (its defaults).
+const BARRIER_RUNS: usize = 30;
+const BARRIER_RAW_RUNS: usize = 10;
 
 fn build_c_programs(profile: &Path, bin: &Path) {
     for dir in ["tests/c", "examples-c"] {
@@ -56,6 +81,12 @@ fn build_c_programs(profile: &Path, bin: &Path) {
         "rdmasafe_rdma_server",
         "rdmasafe_rdma_client",
         "mpi_ring",
+        "cm_ud_test",
+        "cm_ud_test_raw",
+        "cm_mcast_test",
+        "cm_mcast_test_raw",
+        "cm_barrier_test",
+        "cm_barrier_test_raw",
     ] {
         assert!(
             bin.join(p).exists(),
@@ -483,6 +514,199 @@ fn check_mpi_ring(c: &mut Checks, b: &Block) {
     }
 }
 
+/// The common shape of the ok/FAIL programs: no FAIL line, the summary
+/// line ("`name`: N passed, 0 failed") counts every ok line, at least `min`
+/// checks ran, and each needle (the start of an ok line's text) is there.
+fn check_ok_program(c: &mut Checks, label: &str, name: &str, b: &Block, min: usize, needles: &[&str]) {
+    let ok_lines = b.lines().filter(|l| l.starts_with("ok   ")).count();
+    let fails = b.fails();
+    c.that(fails.is_empty(), format!("{label} failures: {fails:#?}"));
+    let last = b.last_line();
+    c.that(
+        last == format!("{name}: {ok_lines} passed, 0 failed"),
+        format!("{label} final line {last:?} (counted {ok_lines} ok lines)"),
+    );
+    c.that(ok_lines >= min, format!("{label} ran only {ok_lines} checks (want >= {min})"));
+    for needle in needles {
+        c.that(b.has(&format!("ok   {needle}")), format!("{label} output lacks \"ok   {needle}\""));
+    }
+}
+
+/// The info lines that must read the same in the rdmasafe and raw builds.
+fn same_info(c: &mut Checks, label: &str, ours: &Block, raw: &Block, prefixes: &[&str]) {
+    for prefix in prefixes {
+        let (a, b) = (ours.line(prefix), raw.line(prefix));
+        c.that(
+            a.is_some() && a == b,
+            format!("{label}: \"{prefix}\" differs from librdmacm's:\n    rdmasafe: {a:?}\n    raw:      {b:?}"),
+        );
+    }
+}
+
+fn check_ud_mcast(c: &mut Checks, runs: &BTreeMap<String, Block>) {
+    let empty = Block::default();
+    let ud = [
+        "server: CONNECT_REQUEST status 0",
+        "server: CONNECT_REQUEST listen_id is the listener",
+        "server: CONNECT_REQUEST id is a new id",
+        "server: the new id is RDMA_PS_UDP / IBV_QPT_UD",
+        "server: the new id carries the listener's context",
+        "server: CONNECT_REQUEST param.ud.private_data_len is 180",
+        "server: CONNECT_REQUEST private data: all 180 bytes match",
+        "server: CONNECT_REQUEST param.ud qp_num 0, qkey 0x0",
+        "client: ESTABLISHED status 0",
+        "client: ESTABLISHED listen_id is NULL",
+        "client: ESTABLISHED id carries the client's context",
+        "client: ESTABLISHED param.ud.qp_num",
+        "client: ESTABLISHED param.ud.qkey 0x01234567 (want 0x01234567)",
+        "client: ESTABLISHED param.ud.private_data_len is 136",
+        "client: ESTABLISHED private data: all 136 bytes match",
+        "client: ah_attr.is_global is 1",
+        "client: ah_attr.grh.dgid ",
+        "client: ah_attr.grh.sgid_index",
+        "client: ah_attr.port_num",
+        "client: ibv_create_ah from the ESTABLISHED event's ah_attr",
+        "client: UD SEND through the AH to qp_num",
+        "server: the message came from QP",
+        "server: all 64 payload bytes match",
+        "client: the message came from QP",
+        "client: all 64 payload bytes match",
+        "client: the answer's address (GID, GID index, port, dlid) is the ESTABLISHED ah_attr's",
+        "client: rdma_destroy_id",
+        "server: rdma_destroy_id of the accepted id",
+    ];
+    let mc = [
+        "sender: MULTICAST_JOIN status 0",
+        "sender: MULTICAST_JOIN id carries the id's context",
+        "sender: MULTICAST_JOIN param.ud.private_data 0x",
+        "receiver: MULTICAST_JOIN param.ud.private_data 0x",
+        "receiver: the byte its context points at is untouched",
+        "sender: MULTICAST_JOIN param.ud.private_data_len 0",
+        "sender: MULTICAST_JOIN param.ud.qp_num 0xffffff (want 0xffffff)",
+        "receiver: MULTICAST_JOIN param.ud.qp_num 0xffffff (want 0xffffff)",
+        "sender: MULTICAST_JOIN param.ud.qkey 0x01234567 (want 0x01234567)",
+        "receiver: MULTICAST_JOIN param.ud.qkey 0x01234567 (want 0x01234567)",
+        "sender: ah_attr is global with grh.dgid ::ffff:239.77.0.9, the group's GID",
+        "receiver: ah_attr is global with grh.dgid ::ffff:239.77.0.9, the group's GID",
+        "sender: ah_attr.grh.sgid_index",
+        "sender: ibv_create_ah from the MULTICAST_JOIN ah_attr",
+        "receiver: its UD QP's qkey 0x01234567 is the join's qkey",
+        "sender: 4 UD SENDs posted",
+        "sender: 4 of 4 send completions, all successful",
+        "receiver: the group's messages arrived on the other QP",
+        "receiver: every message intact, from the sender's QP",
+        "sender: rdma_leave_multicast",
+        "receiver: rdma_leave_multicast",
+        "sender: rdma_destroy_id",
+        "receiver: rdma_destroy_id",
+    ];
+    for build in ["", "_raw"] {
+        let label = format!("cm_ud_test{build}");
+        check_ok_program(c, &label, "cm_ud_test", runs.get(&label).unwrap_or(&empty), 70, &ud);
+        let label = format!("cm_mcast_test{build}");
+        let b = runs.get(&label).unwrap_or(&empty);
+        check_ok_program(c, &label, "cm_mcast_test", b, 50, &mc);
+        // the context pointers came back as they were given, as pointers
+        for who in ["sender", "receiver"] {
+            let l = b.lines().find(|l| l.starts_with(&format!("ok   {who}: MULTICAST_JOIN param.ud.private_data 0x")));
+            c.that(
+                l.is_some_and(|l| l.contains(" is the join's context pointer 0x")),
+                format!("{label} {who}: context pointer line {l:?}"),
+            );
+        }
+        if let Some(l) = b.lines().find(|l| l.contains(" multicast messages received")) {
+            println!("[c_programs] {label}: {l}");
+        }
+    }
+    // the same values as librdmacm's own events
+    let (ours, raw) = (runs.get("cm_ud_test").unwrap_or(&empty), runs.get("cm_ud_test_raw").unwrap_or(&empty));
+    same_info(
+        c,
+        "cm_ud_test",
+        ours,
+        raw,
+        &["info server: CONNECT_REQUEST param.ud ", "info server: CONNECT_REQUEST: ah_attr "],
+    );
+    let (ours, raw) = (runs.get("cm_mcast_test").unwrap_or(&empty), runs.get("cm_mcast_test_raw").unwrap_or(&empty));
+    same_info(
+        c,
+        "cm_mcast_test",
+        ours,
+        raw,
+        &["info sender: MULTICAST_JOIN ah_attr ", "info receiver: MULTICAST_JOIN ah_attr "],
+    );
+}
+
+/// One cm_barrier_test run is clean: exit 0, no sanitizer report, no FAIL,
+/// both sides saw the barrier hold. Otherwise: why not, in one line.
+fn barrier_run(b: Option<&Block>) -> Result<(), String> {
+    let Some(b) = b else { return Err("did not run".into()) };
+    let asan: Vec<&str> = b.lines_with("ERROR: AddressSanitizer");
+    if let Some(first) = asan.first() {
+        let frame = b.lines().find(|l| l.trim_start().starts_with("#0 ")).unwrap_or("").trim();
+        return Err(format!("exit {:?}: {} ({frame})", b.exit, first.trim()));
+    }
+    if b.exit != Some(0) || !b.fails().is_empty() {
+        return Err(format!("exit {:?}: {:?}", b.exit, b.fails()));
+    }
+    for side in ["server", "client"] {
+        let needle = format!(
+            "ok   {side}: the DISCONNECTED handler was done with the connection before rdma_destroy_id returned"
+        );
+        if !b.has(&needle) {
+            return Err(format!("no barrier check passed on the {side} side"));
+        }
+    }
+    if !b.last_line().starts_with("cm_barrier_test: ") || !b.last_line().ends_with(" passed, 0 failed") {
+        return Err(format!("final line {:?}", b.last_line()));
+    }
+    Ok(())
+}
+
+fn check_barrier(c: &mut Checks, runs: &BTreeMap<String, Block>) {
+    for (name, n) in [("cm_barrier_test", BARRIER_RUNS), ("cm_barrier_test_raw", BARRIER_RAW_RUNS)] {
+        let results: Vec<Result<(), String>> = (1..=n).map(|i| barrier_run(runs.get(&format!("{name}.{i}")))).collect();
+        let clean = results.iter().filter(|r| r.is_ok()).count();
+        let bad: Vec<String> = results
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| r.as_ref().err().map(|e| format!("run {}: {e}", i + 1)))
+            .collect();
+        println!("[c_programs] {name} (ASan): {clean} of {n} runs clean");
+        c.that(
+            clean == n,
+            format!("{name} (ASan): {clean} of {n} runs clean; the others:\n    {}", bad.join("\n    ")),
+        );
+    }
+    let empty = Block::default();
+    let mut destroy_ms = Vec::new();
+    for label in ["cm_barrier_test_hold", "cm_barrier_test_raw_hold"] {
+        let b = runs.get(label).unwrap_or(&empty);
+        c.that(!b.has("AddressSanitizer"), format!("{label}: sanitizer report"));
+        check_ok_program(
+            c,
+            label,
+            "cm_barrier_test",
+            b,
+            30,
+            &["client: rdma_destroy_id of the connection returned 0", "server: client process exited 0"],
+        );
+        let ms = b.num("destroy_ms");
+        c.that(ms.is_some(), format!("{label}: no `measure destroy_ms=` line"));
+        c.that(
+            b.has("info client: CM thread freed the kept DISCONNECTED event "),
+            format!("{label}: the kept DISCONNECTED was not freed"),
+        );
+        destroy_ms.push(ms);
+    }
+    let show = |ms: Option<f64>| ms.map_or("?".to_string(), |v| format!("{v:.1}"));
+    println!(
+        "[c_programs] cm_barrier_test -H: rdma_destroy_id with the DISCONNECTED copy held took {} ms (raw librdmacm: {} ms)",
+        show(destroy_ms[0]),
+        show(destroy_ms[1])
+    );
+}
+
 #[test]
 fn c_programs_on_rdma() {
     let t0 = Instant::now();
@@ -536,6 +760,12 @@ fn c_programs_on_rdma() {
         "rdmasafe_rdma_client",
         "cq_loop_test",
         "mpi_ring",
+        "cm_ud_test",
+        "cm_ud_test_raw",
+        "cm_mcast_test",
+        "cm_mcast_test_raw",
+        "cm_barrier_test_hold",
+        "cm_barrier_test_raw_hold",
     ]
     .into_iter()
     .map(String::from)
@@ -551,6 +781,8 @@ fn c_programs_on_rdma() {
     check_interop(&mut c, &runs);
     check_cq_loop_test(&mut c, runs.get("cq_loop_test").unwrap_or(&empty));
     check_mpi_ring(&mut c, runs.get("mpi_ring").unwrap_or(&empty));
+    check_ud_mcast(&mut c, &runs);
+    check_barrier(&mut c, &runs);
 
     println!("[c_programs] {} expectations met, {} failed", c.passed, c.failures.len());
     assert!(

@@ -601,8 +601,16 @@ fn check_installed_files(c: &mut Checks, l: &Layout) {
     );
 
     // the in-tree C programs CMake builds
-    let mut progs =
-        vec!["messenger_server", "messenger_client", "rdmasafe_rdma_server", "rdmasafe_rdma_client", "cm_capi_test"];
+    let mut progs = vec![
+        "messenger_server",
+        "messenger_client",
+        "rdmasafe_rdma_server",
+        "rdmasafe_rdma_client",
+        "cm_capi_test",
+        "cm_ud_test",
+        "cm_mcast_test",
+        "cm_barrier_test",
+    ];
     if root.join("tests/c/cq_loop_test.c").exists() {
         progs.push("cq_loop_test");
     }

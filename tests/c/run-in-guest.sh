@@ -14,6 +14,13 @@
 #   6. cq_loop_test (CQ loop C API: handles, 3 modes, stop/run, drain)
 #   7. examples-c mpi_ring: 4 MPI ranks (Open MPI's mpirun), token ring
 #      over RDMA in event and adaptive mode
+#   8. cm_ud_test (udaddy-style UD) and its raw librdmacm build
+#   9. cm_mcast_test (mckey-style multicast) and its raw librdmacm build
+#  10. cm_barrier_test (rping-shaped, ASan): RDMASAFE_C_BARRIER_RUNS runs
+#      (default 30) of the rdmasafe build, RDMASAFE_C_BARRIER_RAW_RUNS
+#      (default 10) of the raw librdmacm control, labels NAME.1 .. NAME.N
+#  11. cm_barrier_test -H (a held DISCONNECTED copy, destroy time measured),
+#      rdmasafe and raw
 #
 # Each program's output is printed as one block:
 #   ==== BEGIN <label>
@@ -24,13 +31,16 @@
 # cm_id` for their LISTEN id, never by a fixed sleep.
 #
 # Env: RDMASAFE_TEST_ADDR (required), RDMASAFE_C_BIN (default
-# <repo>/target/c), RDMASAFE_C_PORT_BASE (default 7471).
+# <repo>/target/c), RDMASAFE_C_PORT_BASE (default 7471),
+# RDMASAFE_C_BARRIER_RUNS, RDMASAFE_C_BARRIER_RAW_RUNS (see 10).
 set -u
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 bin=${RDMASAFE_C_BIN:-$root/target/c}
 addr=${RDMASAFE_TEST_ADDR:?RDMASAFE_TEST_ADDR must name the RDMA device address}
 base=${RDMASAFE_C_PORT_BASE:-7471}
+barrier_runs=${RDMASAFE_C_BARRIER_RUNS:-30}
+barrier_raw_runs=${RDMASAFE_C_BARRIER_RAW_RUNS:-10}
 logs=$(mktemp -d "${TMPDIR:-/tmp}/rdmasafe-c.XXXXXX") || exit 1
 trap 'rm -rf "$logs"' EXIT
 failed=0
@@ -184,6 +194,34 @@ else
 	echo "# node name '$(hostname)' is not one Open MPI accepts: mpirun in its own UTS namespace"
 	run mpi_ring unshare --uts sh -c 'hostname rdmasafe-guest && exec "$@"' sh timeout -k 5 60 "${mpi[@]}"
 fi
+
+# 8. -----------------------------------------------------------------------
+# The UD, multicast and barrier programs use only the two renamed calls;
+# each *_raw twin is the same source on librdmacm alone, the control.
+scenario "cm_ud_test: UD with param.ud, AH from the event, both ways"
+run cm_ud_test "$bin/cm_ud_test"
+run cm_ud_test_raw "$bin/cm_ud_test_raw"
+
+# 9. -----------------------------------------------------------------------
+scenario "cm_mcast_test: multicast join with context pointers, send to the group"
+run cm_mcast_test "$bin/cm_mcast_test"
+run cm_mcast_test_raw "$bin/cm_mcast_test_raw"
+
+# 10. ----------------------------------------------------------------------
+# Each run forks its own server and client (port passed through a pipe).
+scenario "cm_barrier_test (ASan): $barrier_runs runs"
+for ((i = 1; i <= barrier_runs; i++)); do
+	run "cm_barrier_test.$i" "$bin/cm_barrier_test"
+done
+scenario "cm_barrier_test_raw (ASan, librdmacm only): $barrier_raw_runs runs"
+for ((i = 1; i <= barrier_raw_runs; i++)); do
+	run "cm_barrier_test_raw.$i" "$bin/cm_barrier_test_raw"
+done
+
+# 11. ----------------------------------------------------------------------
+scenario "cm_barrier_test -H: the client holds its DISCONNECTED for 5 s"
+run cm_barrier_test_hold "$bin/cm_barrier_test" -H
+run cm_barrier_test_raw_hold "$bin/cm_barrier_test_raw" -H
 
 scenario "end"
 echo "==== SUMMARY $failed failed ($(($(now_ms) - t_start)) ms)"
