@@ -33,8 +33,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
-/// Seconds the guest may run before vm-run kills it.
-const GUEST_TIMEOUT: u32 = 300;
+/// Seconds the guest may run before vm-run kills it (a watchdog: a
+/// normal run takes a minute or two; a busy machine stretches that).
+const GUEST_TIMEOUT: u32 = 900;
 
 fn run_logged(what: &str, cmd: &mut Command) -> std::process::Output {
     let out = cmd.output().unwrap_or_else(|e| panic!("{what}: cannot run {cmd:?}: {e}"));
@@ -383,7 +384,7 @@ fn check_cq_loop_test(c: &mut Checks, b: &Block) {
     let want = 4 * CQ_LOOP_MESSAGES;
     for mode in ["event", "busy_poll", "adaptive"] {
         let m = format!("{mode}/w32");
-        needles.push(format!("ok   {m}: stopped while traffic flowed"));
+        needles.push(format!("ok   {m}: stopped mid-stream"));
         needles.push(format!("ok   {m}: after the stop unacked_now 0 "));
         needles.push(format!("ok   {m}: rdmasafe_cq_loop_run again on the main thread -> 0"));
         needles.push(format!(
