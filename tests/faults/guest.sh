@@ -106,7 +106,7 @@ wait_file() {   # wait_file FILE SECS
 
 wait_listen() {   # wait_listen PORT LABEL: a LISTEN cm_id on PORT (one guest)
 	local port=$1 label=$2 i
-	for ((i = 0; i < 400; i++)); do
+	for ((i = 0; i < 1200; i++)); do
 		if rdma res show cm_id 2>/dev/null | grep -Eq "state LISTEN .*src-addr [^ ]*:$port( |$)"; then
 			return 0
 		fi
