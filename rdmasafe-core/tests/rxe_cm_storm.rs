@@ -55,6 +55,9 @@ fn summary(sizes: &[usize]) -> String {
     format!("{} batches, max {}", sizes.len(), sizes.iter().max().unwrap_or(&0))
 }
 
+/// An event a worker took: its type, the worker, that worker's pop number.
+type Popped = (E, usize, u64);
+
 #[test]
 fn storm_of_500_connections_batch_and_four_workers() {
     let bed = common::bed();
@@ -108,11 +111,14 @@ fn storm_of_500_connections_batch_and_four_workers() {
     // Phase 2: dispatcher + 4 workers for the rest of the server's events.
     let queue = WorkQueue::new(32);
     let servers: Arc<Mutex<HashMap<IdToken, CmId>>> = Arc::default();
-    let log: Arc<Mutex<HashMap<IdToken, Vec<E>>>> = Arc::default();
+    // Per id: (event, worker, that worker's pop number). Two workers may
+    // record their events in either order (one can be descheduled between
+    // its pop and its record), but one worker pops in queue order.
+    let log: Arc<Mutex<HashMap<IdToken, Vec<Popped>>>> = Arc::default();
     let done = Arc::new(AtomicBool::new(false));
     let dispatcher = Dispatcher::with_queue(&sch, queue.clone()).unwrap();
     let workers: Vec<_> = (0..4)
-        .map(|_| {
+        .map(|w| {
             let (queue, servers, log, done) = (queue.clone(), servers.clone(), log.clone(), done.clone());
             std::thread::spawn(move || {
                 let mut handled = 0u64;
@@ -121,10 +127,8 @@ fn storm_of_500_connections_batch_and_four_workers() {
                     handled += 1;
                     let token = ev.token().expect("every id on our channel has a token");
                     let t = ev.event_type();
-                    // Record under the lock that also orders the server's
-                    // disconnect, so per-id order is what the kernel gave.
                     let mut l = log.lock().unwrap();
-                    l.entry(token).or_default().push(t);
+                    l.entry(token).or_default().push((t, w, handled));
                     if t == E::DISCONNECTED {
                         if let Some(id) = servers.lock().unwrap().get(&token) {
                             id.disconnect().expect("server-side disconnect");
@@ -152,7 +156,7 @@ fn storm_of_500_connections_batch_and_four_workers() {
     let disc_batches = drain(&cch, N, E::DISCONNECTED);
     // Wait (bounded by the watchdog) until the workers saw every DISCONNECTED.
     loop {
-        let n = log.lock().unwrap().values().filter(|v| v.contains(&E::DISCONNECTED)).count();
+        let n = log.lock().unwrap().values().filter(|v| v.iter().any(|e| e.0 == E::DISCONNECTED)).count();
         if n == N {
             break;
         }
@@ -171,9 +175,15 @@ fn storm_of_500_connections_batch_and_four_workers() {
 
     let log = log.lock().unwrap();
     assert_eq!(log.len(), N, "every server connection had events");
-    for (token, types) in log.iter() {
-        let core: Vec<E> = types.iter().copied().filter(|t| *t != E::TIMEWAIT_EXIT).collect();
-        assert_eq!(core, [E::ESTABLISHED, E::DISCONNECTED], "token {token:?}: {types:?}");
+    for (token, recs) in log.iter() {
+        let core: Vec<&Popped> = recs.iter().filter(|r| r.0 != E::TIMEWAIT_EXIT).collect();
+        let est: Vec<_> = core.iter().filter(|r| r.0 == E::ESTABLISHED).collect();
+        let disc: Vec<_> = core.iter().filter(|r| r.0 == E::DISCONNECTED).collect();
+        assert!(core.len() == 2 && est.len() == 1 && disc.len() == 1, "token {token:?}: each once: {recs:?}");
+        // in kernel order where one worker took both
+        if est[0].1 == disc[0].1 {
+            assert!(est[0].2 < disc[0].2, "token {token:?}: one worker popped {recs:?} out of queue order");
+        }
     }
     assert!(handled.iter().sum::<u64>() >= 2 * N as u64);
     assert!(stats.events >= 2 * N as u64);

@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
@@ -41,13 +41,49 @@ fn post_send_seq(p: &RcPair, seq: u64) {
 /// content, keep the receive queue full and the send window open, and stop
 /// the loop when every flow has sent and received `n` messages.
 fn add_stream(lp: &mut CqLoop, p: &Arc<RcPair>, n: u64, done: &Arc<AtomicUsize>, flows_total: usize) {
+    add_stream_held(lp, p, n, done, flows_total, u64::MAX);
+}
+
+/// The sends of a stream stop at a sequence number until `release`: so
+/// the stream cannot end before the test says, however fast or slow the
+/// threads run.
+struct Hold {
+    limit: AtomicU64,
+    flow: Arc<Mutex<Flow>>,
+    pair: Arc<RcPair>,
+    n: u64,
+}
+
+impl Hold {
+    /// Lifts the limit and posts what it held back (call with the loop
+    /// stopped: no handler runs to do it).
+    fn release(&self) {
+        self.limit.store(u64::MAX, SeqCst);
+        let mut f = self.flow.lock().unwrap();
+        while f.posted < self.n && f.posted - f.next_send_done < WINDOW {
+            post_send_seq(&self.pair, f.posted);
+            f.posted += 1;
+        }
+    }
+}
+
+/// [`add_stream`] whose sends stop before sequence number `hold_at`.
+fn add_stream_held(
+    lp: &mut CqLoop,
+    p: &Arc<RcPair>,
+    n: u64,
+    done: &Arc<AtomicUsize>,
+    flows_total: usize,
+    hold_at: u64,
+) -> Arc<Hold> {
     let flow = Arc::new(Mutex::new(Flow::default()));
+    let hold = Arc::new(Hold { limit: AtomicU64::new(hold_at), flow: flow.clone(), pair: p.clone(), n });
     for i in 0..DEPTH as u64 {
         p.recv((i % DEPTH as u64) as usize * SLOT, SLOT as u32, i);
     }
     {
         let mut f = flow.lock().unwrap();
-        while f.posted < WINDOW.min(n) {
+        while f.posted < WINDOW.min(n).min(hold_at) {
             post_send_seq(p, f.posted);
             f.posted += 1;
         }
@@ -73,7 +109,7 @@ fn add_stream(lp: &mut CqLoop, p: &Arc<RcPair>, n: u64, done: &Arc<AtomicUsize>,
         }
     })
     .unwrap();
-    let (pp, ff, dd) = (p.clone(), flow, done.clone());
+    let (pp, ff, dd, hh) = (p.clone(), flow, done.clone(), hold.clone());
     lp.add_cq(&p.client_cq, move |wcs, ctl| {
         let mut f = ff.lock().unwrap();
         for wc in wcs {
@@ -81,7 +117,7 @@ fn add_stream(lp: &mut CqLoop, p: &Arc<RcPair>, n: u64, done: &Arc<AtomicUsize>,
             assert_eq!(wc.opcode, ibv_wc_opcode::IBV_WC_SEND);
             assert_eq!(wc.wr_id, f.next_send_done, "send completions exactly once, in order");
             f.next_send_done += 1;
-            if f.posted < n {
+            if f.posted < n && f.posted < hh.limit.load(SeqCst) {
                 post_send_seq(&pp, f.posted);
                 f.posted += 1;
             }
@@ -91,6 +127,7 @@ fn add_stream(lp: &mut CqLoop, p: &Arc<RcPair>, n: u64, done: &Arc<AtomicUsize>,
         }
     })
     .unwrap();
+    hold
 }
 
 fn stream(mode: Mode, pairs: usize, n: u64) -> LoopStats {
@@ -208,6 +245,8 @@ fn completion_in_the_window_before_sleep_is_delivered() {
 
 /// Stop from another thread while traffic flows, run again, then stop from
 /// a handler: no ack is left behind, and nothing is lost across the stops.
+/// (The sends stop at half the stream until the thread's stop is done, so
+/// a slow test thread cannot find the stream already over.)
 #[test]
 fn stop_under_load_from_a_thread_and_from_a_handler() {
     let bed = common::bed();
@@ -218,7 +257,7 @@ fn stop_under_load_from_a_thread_and_from_a_handler() {
     let n = 6_000;
     let mut lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
     let done = Arc::new(AtomicUsize::new(0));
-    add_stream(&mut lp, &p, n, &done, 2);
+    let hold = add_stream_held(&mut lp, &p, n, &done, 2, n / 2);
     let ctl = lp.control();
     let t = lp.spawn(None).unwrap();
     while ctl.stats().completions < 2_000 {
@@ -227,8 +266,10 @@ fn stop_under_load_from_a_thread_and_from_a_handler() {
     let mut lp = t.stop().expect("stopped from another thread");
     let s = lp.stats();
     assert_eq!(s.unacked_now, 0, "stop flushed the acks");
+    assert!(s.completions < 2 * n && done.load(SeqCst) == 0, "stopped before the stream's end");
     println!("stopped from a thread after {} completions", s.completions);
     // Run again to the end; the handlers stop it when all flows are done.
+    hold.release();
     lp.run().unwrap();
     let s = lp.stats();
     assert_eq!(s.completions, 2 * n, "nothing lost across the stop");

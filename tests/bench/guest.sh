@@ -31,7 +31,13 @@ GID=${RDMASAFE_TEST_GID_INDEX:-1}
 QUICK=${RDMASAFE_BENCH_QUICK:-0}
 REPEATS=${RDMASAFE_BENCH_REPEATS:-5}
 W=$(mktemp -d "${TMPDIR:-/tmp}/bench.XXXXXX") || exit 1
-trap 'rm -rf "$W"' EXIT
+# LD_PRELOAD splits its list at spaces and colons, with no way to quote:
+# the preload libraries are named through links in a folder of /tmp (the
+# checkout's path, and so $BIN, may contain spaces)
+P=$(mktemp -d /tmp/rdmasafe-preload.XXXXXX) || exit 1
+trap 'rm -rf "$W" "$P"' EXIT
+ln -s "$BIN/allocount.so" "$P/allocount.so"
+ln -s "$BIN/fastclock.so" "$P/fastclock.so"
 failures=0
 port=7700
 
@@ -173,8 +179,8 @@ run_pair() {
 	local case=$1 rep=$2 kind=${3:-} sp crc src pre=() t0
 	t0=$(now_ms)
 	rm -f "$W"/*.out "$W"/*.err "$W"/st.log "$W"/cg.log
-	[[ $kind == allocs ]] && pre=(env "LD_PRELOAD=$BIN/allocount.so")
-	[[ $kind == fastclock ]] && pre=(env "LD_PRELOAD=$BIN/fastclock.so")
+	[[ $kind == allocs ]] && pre=(env "LD_PRELOAD=$P/allocount.so")
+	[[ $kind == fastclock ]] && pre=(env "LD_PRELOAD=$P/fastclock.so")
 	"${pre[@]}" "${S[@]}" >"$W/s.out" 2>"$W/s.err" &
 	sp=$!
 	if ! wait_ready "$W/s.out" "$sp"; then
@@ -226,7 +232,7 @@ run_single() {
 		timeout -k 5 600 valgrind --tool=callgrind --collect-atstart=no --callgrind-out-file="$W/cg.log" \
 			"${C[@]}" >"$W/c.out" 2>"$W/c.err"
 		;;
-	allocs) timeout -k 5 600 env "LD_PRELOAD=$BIN/allocount.so" "${C[@]}" >"$W/c.out" 2>"$W/c.err" ;;
+	allocs) timeout -k 5 600 env "LD_PRELOAD=$P/allocount.so" "${C[@]}" >"$W/c.out" 2>"$W/c.err" ;;
 	*) timeout -k 5 600 "${C[@]}" >"$W/c.out" 2>"$W/c.err" ;;
 	esac
 	rc=$?

@@ -49,7 +49,7 @@
 #define BATCH_IDS 50
 #define BATCH_MAX 16
 #define BLOCKING_BATCH_IDS 30
-#define STEP_MS 5000 /* how long any one expected CM event may take */
+#define STEP_MS 30000 /* how long any one expected CM event may take (a hang, not a timing check) */
 
 static int passed, failed;
 static const char *volatile phase = "start";
@@ -365,15 +365,20 @@ static void test_eintr(struct rdma_event_channel *blocking)
 		int r, e;
 
 		if (child == 0) {
-			usleep(200 * 1000);
-			kill(getppid(), SIGUSR1);
-			_exit(0);
+			/* again and again until killed: a signal that lands before
+			 * the parent is in the call (a slow machine) only runs the
+			 * handler; a later one interrupts the call */
+			for (;;) {
+				usleep(200 * 1000);
+				kill(getppid(), SIGUSR1);
+			}
 		}
 		if (i == 0)
 			r = rdmasafe_get_event(blocking, &ev);
 		else
 			r = rdmasafe_get_event_timeout(blocking, &ev, -1);
 		e = errno;
+		kill(child, SIGKILL);
 		waitpid(child, NULL, 0);
 		CHECK(r == -1 && e == EINTR, "%s on an empty blocking channel + signal -> %d/%s (want -1/EINTR)",
 		      i == 0 ? "rdmasafe_get_event" : "rdmasafe_get_event_timeout(-1)", r, ename(e));
@@ -439,7 +444,8 @@ static void test_empty_channel(struct rdma_event_channel *ch, const char *mode)
 	CHECK(r == -1 && e == ETIMEDOUT,
 	      "%s channel: rdmasafe_get_event_timeout(50) -> %d/%s (want -1/ETIMEDOUT)",
 	      mode, r, ename(e));
-	CHECK(dt >= 49.0 && dt < 2000.0,
+	/* at least its timeout; at most: it returned (a busy machine stretches it) */
+	CHECK(dt >= 49.0 && dt < 20000.0,
 	      "%s channel: the 50 ms timeout took %.1f ms", mode, dt);
 
 	snprintf(what, sizeof what, "%s channel: rdmasafe_get_events(max 8, 0)", mode);
@@ -620,7 +626,7 @@ static void test_connect(struct rdma_event_channel *sch,
 
 out:
 	phase = "connect teardown";
-	alarm(20);
+	alarm(60);
 	free_side(cid, &cs);
 	if (cid)
 		CHECK(rdma_destroy_id(cid) == 0, "client: rdma_destroy_id");
@@ -771,7 +777,7 @@ static void test_hold_copies(void)
 	      (unsigned long long)c0.slots_allocated, (unsigned long long)c1.slots_allocated);
 
 	phase = "rdma_destroy_id of 100 ids whose event copies are held";
-	alarm(20);
+	alarm(60);
 	t0 = now_ms();
 	for (i = 0; i < HOLD_IDS; i++)
 		if (rdma_destroy_id(ids[i]) == 0)
@@ -1061,7 +1067,7 @@ static void test_batch(int nonblocking, int nids, int max)
 			rdmasafe_event_free(evs[i]);
 out:
 	phase = "batch teardown";
-	alarm(20);
+	alarm(60);
 	for (i = 0; i < nids; i++)
 		if (ids[i])
 			rdma_destroy_id(ids[i]);
@@ -1099,7 +1105,7 @@ static void test_device(const char *addr)
 	test_no_listener(cch);
 
 	phase = "listener teardown";
-	alarm(20);
+	alarm(60);
 	CHECK(rdma_destroy_id(listener) == 0, "listener: rdma_destroy_id");
 	alarm(120);
 	test_empty_channel(sch, "used blocking");

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every C program of the rdmasafe C API tests against one RDMA device,
 # in one go (one guest boot): normally inside the Soft-RoCE guest
-#   tests/bed/vm-run --timeout 300 -- bash tests/c/run-in-guest.sh
+#   tests/bed/vm-run --timeout 900 -- bash tests/c/run-in-guest.sh
 # or on the host with real hardware (RDMASAFE_TEST_ADDR set by the caller).
 #
 # Scenarios:
@@ -28,7 +28,9 @@
 #   ==== END <label> exit <status>
 # then "==== SUMMARY <n> failed"; the exit status is 0 only if every
 # program exited 0. Listeners are waited for by polling `rdma res show
-# cm_id` for their LISTEN id, never by a fixed sleep.
+# cm_id` for their LISTEN id, never by a fixed sleep. Every -t / timeout
+# below is a watchdog that turns a hang into a failure, sized for a busy
+# machine (a normal run needs a fraction of it).
 #
 # Env: RDMASAFE_TEST_ADDR (required), RDMASAFE_C_BIN (default
 # <repo>/target/c), RDMASAFE_C_PORT_BASE (default 7471),
@@ -78,7 +80,7 @@ run() {
 # wait_listen PORT LABEL: until a LISTEN cm_id on PORT exists (or LABEL died)
 wait_listen() {
 	local port=$1 label=$2 i
-	for ((i = 0; i < 400; i++)); do
+	for ((i = 0; i < 1200; i++)); do
 		if rdma res show cm_id 2>/dev/null | grep -Eq "state LISTEN .*src-addr [^ ]*:$port( |$)"; then
 			echo "# $label listening on port $port (after $i polls)"
 			return 0
@@ -93,7 +95,7 @@ wait_listen() {
 # wait_lines FILE PATTERN COUNT LABEL: until FILE has COUNT lines matching
 wait_lines() {
 	local file=$1 pattern=$2 count=$3 label=$4 i
-	for ((i = 0; i < 400; i++)); do
+	for ((i = 0; i < 1200; i++)); do
 		if [[ $(grep -c -- "$pattern" "$file" 2>/dev/null) -ge $count ]]; then
 			return 0
 		fi
@@ -117,11 +119,11 @@ run cm_capi_test "$bin/cm_capi_test"
 # 2. -----------------------------------------------------------------------
 scenario "messenger: 8 connections from 5 client processes"
 port=$((base + 10))
-start messenger_server "$bin/messenger_server" -a "$addr" -p "$port" -n 8 -t 90
+start messenger_server "$bin/messenger_server" -a "$addr" -p "$port" -n 8 -t 300
 if wait_listen "$port" messenger_server; then
-	start messenger_client_100 "$bin/messenger_client" -a "$addr" -p "$port" -i 100 -n 4 -t 60
+	start messenger_client_100 "$bin/messenger_client" -a "$addr" -p "$port" -i 100 -n 4 -t 240
 	for id in 201 202 203 204; do
-		start "messenger_client_$id" "$bin/messenger_client" -a "$addr" -p "$port" -i "$id" -t 60
+		start "messenger_client_$id" "$bin/messenger_client" -a "$addr" -p "$port" -i "$id" -t 240
 	done
 	for id in 100 201 202 203 204; do
 		finish "messenger_client_$id"
@@ -134,9 +136,9 @@ finish messenger_server
 # 3. -----------------------------------------------------------------------
 scenario "messenger: SIGTERM with 2 held connections"
 port=$((base + 11))
-start messenger_sigterm_server "$bin/messenger_server" -a "$addr" -p "$port" -n 1000 -t 60
+start messenger_sigterm_server "$bin/messenger_server" -a "$addr" -p "$port" -n 1000 -t 300
 if wait_listen "$port" messenger_sigterm_server; then
-	start messenger_sigterm_client "$bin/messenger_client" -a "$addr" -p "$port" -i 300 -n 2 -H -t 60
+	start messenger_sigterm_client "$bin/messenger_client" -a "$addr" -p "$port" -i 300 -n 2 -H -t 240
 	wait_lines "$logs/messenger_sigterm_client.out" "holding the connection" 2 messenger_sigterm_client
 	echo "# sending SIGTERM to messenger_server"
 	kill -TERM "${pid_of[messenger_sigterm_server]}"
@@ -149,9 +151,9 @@ finish messenger_sigterm_server
 # 4. -----------------------------------------------------------------------
 scenario "rdmasafe_rdma_server with the stock rdma_client"
 port=$base
-start rdmasafe_rdma_server "$bin/rdmasafe_rdma_server" -s "$addr" -p "$port" -t 60
+start rdmasafe_rdma_server "$bin/rdmasafe_rdma_server" -s "$addr" -p "$port" -t 240
 if wait_listen "$port" rdmasafe_rdma_server; then
-	run rdma_client timeout -k 5 60 rdma_client -s "$addr" -p "$port"
+	run rdma_client timeout -k 5 240 rdma_client -s "$addr" -p "$port"
 else
 	kill -TERM "${pid_of[rdmasafe_rdma_server]}" 2>/dev/null
 fi
@@ -160,9 +162,9 @@ finish rdmasafe_rdma_server
 # 5. -----------------------------------------------------------------------
 scenario "the stock rdma_server with rdmasafe_rdma_client"
 port=$((base + 1))
-start rdma_server timeout -k 5 60 rdma_server -s "$addr" -p "$port"
+start rdma_server timeout -k 5 240 rdma_server -s "$addr" -p "$port"
 if wait_listen "$port" rdma_server; then
-	run rdmasafe_rdma_client "$bin/rdmasafe_rdma_client" -s "$addr" -p "$port" -t 60
+	run rdmasafe_rdma_client "$bin/rdmasafe_rdma_client" -s "$addr" -p "$port" -t 240
 else
 	kill -TERM "${pid_of[rdma_server]}" 2>/dev/null
 fi
@@ -182,17 +184,17 @@ run cq_loop_test "$bin/cq_loop_test" -n 2000
 scenario "mpi_ring: 4 ranks, event and adaptive mode"
 mpi=(mpirun --allow-run-as-root --oversubscribe -np 4
 	--mca pml ob1 --mca btl self,vader --mca oob_tcp_if_include lo
-	"$bin/mpi_ring" -a "$addr" -n 100 -m both -t 50)
+	"$bin/mpi_ring" -a "$addr" -n 100 -m both -t 240)
 if ! command -v mpirun >/dev/null || [[ ! -x $bin/mpi_ring ]]; then
 	echo "==== BEGIN mpi_ring"
 	echo "mpirun or $bin/mpi_ring missing (apt-get install openmpi-bin libopenmpi-dev)"
 	echo "==== END mpi_ring exit 127"
 	failed=$((failed + 1))
 elif [[ $(hostname) =~ ^[A-Za-z0-9.-]+$ ]]; then
-	run mpi_ring timeout -k 5 60 "${mpi[@]}"
+	run mpi_ring timeout -k 5 300 "${mpi[@]}"
 else
 	echo "# node name '$(hostname)' is not one Open MPI accepts: mpirun in its own UTS namespace"
-	run mpi_ring unshare --uts sh -c 'hostname rdmasafe-guest && exec "$@"' sh timeout -k 5 60 "${mpi[@]}"
+	run mpi_ring unshare --uts sh -c 'hostname rdmasafe-guest && exec "$@"' sh timeout -k 5 300 "${mpi[@]}"
 fi
 
 # 8. -----------------------------------------------------------------------

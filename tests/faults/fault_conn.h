@@ -13,18 +13,13 @@
 #define PEER_RECVS 16	    /* receives posted per peer connection */
 #define PACE_MS 5	    /* one send every PACE_MS */
 #define FLOWING_AFTER 50    /* successful sends before "traffic flowing" */
-#define LOGMAX 256
 #define MAX_CONNS 8
+#define SEND_IDS 65536	    /* send wr_ids 1..SEND_IDS-1 are tracked one by one */
+#define RECV_SLOTS 64	    /* receive slots (wr_id RECV_FLAG | slot) tracked */
 #define RECV_FLAG (1ULL << 40)
 #define PROBE_WR_ID 0x4b41000000000000ULL /* "KA": the keepalive's probes */
 #define DRAIN_SEND UINT64_MAX
 #define DRAIN_RECV (UINT64_MAX - 1)
-
-struct wcrec {
-	uint64_t wr_id;
-	int status;
-	double t;
-};
 
 struct conn {
 	const char *name;
@@ -42,8 +37,17 @@ struct conn {
 	atomic_int dead;
 	struct ibv_qp *dead_qp;
 	uint32_t dead_qpn;
-	int nlog;
-	struct wcrec log[LOGMAX];
+	/*
+	 * What the loop delivered, counted as it arrives (nothing depends on
+	 * how much traffic came before a fault): after the first error
+	 * completion, how many were flushes, other errors, successes; and per
+	 * work request, whether it completed exactly once (send wr_ids are
+	 * 1, 2, ...; a receive slot is posted again only after it completed).
+	 */
+	atomic_int flush_after_first, other_err_after_first, ok_after_first;
+	atomic_int dup_completions, unknown_completions;
+	uint8_t *send_seen;			/* [SEND_IDS], loop thread */
+	atomic_int recv_outstanding[RECV_SLOTS];	/* per slot: posted - completed */
 };
 
 static struct ibv_pd *pd;
@@ -63,8 +67,6 @@ HELPER void on_wc(void *ctx, const struct ibv_wc *wc, int n)
 
 	for (int i = 0; i < n; i++) {
 		const struct ibv_wc *w = &wc[i];
-		if (c->nlog < LOGMAX)
-			c->log[c->nlog++] = (struct wcrec){ w->wr_id, w->status, t };
 		if (w->wr_id == DRAIN_SEND || w->wr_id == DRAIN_RECV) {
 			atomic_fetch_add(&c->markers, 1);
 			continue;
@@ -74,9 +76,27 @@ HELPER void on_wc(void *ctx, const struct ibv_wc *wc, int n)
 		if (w->status == IBV_WC_SUCCESS) {
 			atomic_fetch_add(&c->oks, 1);
 			atomic_store(&c->t_last_ok_us, ms_to_us(t));
+			if (atomic_load(&c->errors))
+				atomic_fetch_add(&c->ok_after_first, 1);
 		} else if (atomic_fetch_add(&c->errors, 1) == 0) {
 			atomic_store(&c->first_err_status, w->status);
 			atomic_store(&c->t_first_err_us, ms_to_us(t));
+		} else if (w->status == IBV_WC_WR_FLUSH_ERR) {
+			atomic_fetch_add(&c->flush_after_first, 1);
+		} else {
+			atomic_fetch_add(&c->other_err_after_first, 1);
+		}
+		/* exactly once per work request */
+		if (w->wr_id & RECV_FLAG) {
+			uint64_t slot = w->wr_id & ~RECV_FLAG;
+			if (slot >= RECV_SLOTS)
+				atomic_fetch_add(&c->unknown_completions, 1);
+			else if (atomic_fetch_sub(&c->recv_outstanding[slot], 1) <= 0)
+				atomic_fetch_add(&c->dup_completions, 1);
+		} else if (!c->send_seen || w->wr_id == 0 || w->wr_id >= SEND_IDS) {
+			atomic_fetch_add(&c->unknown_completions, 1);
+		} else if (c->send_seen[w->wr_id]++) {
+			atomic_fetch_add(&c->dup_completions, 1);
 		}
 		if (w->wr_id & RECV_FLAG) {
 			atomic_fetch_add(&c->recvs_done, 1);
@@ -86,8 +106,11 @@ HELPER void on_wc(void *ctx, const struct ibv_wc *wc, int n)
 						       MSG, c->mr->lkey };
 				struct ibv_recv_wr wr = { .wr_id = w->wr_id, .sg_list = &sge, .num_sge = 1 }, *bad;
 				atomic_fetch_add(&c->msgs, 1);
-				if (ibv_post_recv(c->id->qp, &wr, &bad) == 0)
+				if (ibv_post_recv(c->id->qp, &wr, &bad) == 0) {
 					atomic_fetch_add(&c->recvs_posted, 1);
+					if ((w->wr_id & ~RECV_FLAG) < RECV_SLOTS)
+						atomic_fetch_add(&c->recv_outstanding[w->wr_id & ~RECV_FLAG], 1);
+				}
 			}
 		} else {
 			atomic_fetch_add(&c->sends_done, 1);
@@ -101,10 +124,17 @@ HELPER int post_recv(struct conn *c, int slot)
 {
 	struct ibv_sge sge = { (uintptr_t)c->buf + slot * MSG, MSG, c->mr->lkey };
 	struct ibv_recv_wr wr = { .wr_id = RECV_FLAG | slot, .sg_list = &sge, .num_sge = 1 }, *bad;
-	int r = ibv_post_recv(c->id->qp, &wr, &bad);
+	int r;
 
+	if (slot >= RECV_SLOTS)
+		return CHECK(0, "%s: receive slot %d beyond the %d tracked", c->name, slot, RECV_SLOTS), -1;
+	/* counted before the post: the completion may come at once */
+	atomic_fetch_add(&c->recv_outstanding[slot], 1);
+	r = ibv_post_recv(c->id->qp, &wr, &bad);
 	if (!r)
 		atomic_fetch_add(&c->recvs_posted, 1);
+	else
+		atomic_fetch_sub(&c->recv_outstanding[slot], 1);
 	return r;
 }
 
@@ -130,6 +160,9 @@ HELPER int setup_qp(struct conn *c, int nrecv)
 	int r;
 
 	c->nrecv_bufs = nrecv;
+	c->send_seen = calloc(SEND_IDS, 1);
+	if (!CHECK(c->send_seen, "%s: completion accounting", c->name))
+		return -1;
 	c->cq = ibv_create_cq(c->id->verbs, 64, c, comp, 0);
 	if (!CHECK(c->cq, "%s: ibv_create_cq on the loop's channel", c->name))
 		return -1;
@@ -153,6 +186,30 @@ HELPER int setup_qp(struct conn *c, int nrecv)
 	return CHECK(r == 0, "%s: rdmasafe_cq_loop_add_cq -> %s", c->name, rname(r)) ? 0 : -1;
 }
 
+/*
+ * Every work request posted on the connection completed exactly once: each
+ * send wr_id 1..sends_posted was delivered once, every receive slot's
+ * completions match its posts, nothing unknown or twice.
+ */
+HELPER void check_exactly_once(struct conn *c)
+{
+	int sends = atomic_load(&c->sends_posted), never = 0, twice = 0, slots = 0;
+
+	if (!c->send_seen)
+		return;
+	for (int k = 1; k <= sends && k < SEND_IDS; k++) {
+		never += c->send_seen[k] == 0;
+		twice += c->send_seen[k] > 1;
+	}
+	for (int i = 0; i < RECV_SLOTS; i++)
+		slots += atomic_load(&c->recv_outstanding[i]) != 0;
+	CHECK(sends < SEND_IDS && never == 0 && twice == 0 && slots == 0 &&
+	      atomic_load(&c->dup_completions) == 0 && atomic_load(&c->unknown_completions) == 0,
+	      "%s: every work request completed exactly once (%d sends: %d never, %d twice; %d receive slots "
+	      "unsettled; %d duplicate, %d unknown completions)", c->name, sends, never, twice, slots,
+	      atomic_load(&c->dup_completions), atomic_load(&c->unknown_completions));
+}
+
 /* Moves the QP to error and waits for both markers (every WR completed). */
 HELPER void drain(struct conn *c)
 {
@@ -169,6 +226,7 @@ HELPER void drain(struct conn *c)
 	      "%s: every posted WR completed (sends %d/%d, receives %d/%d)", c->name,
 	      atomic_load(&c->sends_done), atomic_load(&c->sends_posted),
 	      atomic_load(&c->recvs_done), atomic_load(&c->recvs_posted));
+	check_exactly_once(c);
 }
 
 /* Destroys QP, MR, CQ, id; each must return (the watchdog is armed). */
@@ -187,6 +245,8 @@ HELPER void destroy_conn(struct conn *c)
 	if (c->id)
 		CHECK(rdma_destroy_id(c->id) == 0, "%s: rdma_destroy_id", c->name);
 	free(c->buf);
+	free(c->send_seen);
+	c->send_seen = NULL;
 	c->id = NULL;
 	c->mr = NULL;
 	c->cq = NULL;

@@ -5,7 +5,7 @@
  *   fault_node peer -p PORT [-a ADDR] [-n CONNS] [-L FILE] [-t SECS]
  *   fault_node survivor -x hostkill|prockill|linkflap -p PORT [-a PEER]
  *              [-r RETRY] [-k] [-K] [-P PERIOD_MS] [-B BOUND_MS] [-F STAMP]
- *              [-W FILE] [-t SECS]
+ *              [-U STAMP] [-W FILE] [-t SECS]
  *
  * peer: listens on ADDR:PORT ($RDMASAFE_TEST_ADDR), accepts CONNS
  * connections, keeps receives posted on each (reposted from the loop
@@ -25,7 +25,10 @@
  * run on a pthread; async events are read with rdmasafe_async_get on
  * another; CM events on the main thread. After "fault_node: traffic
  * flowing" the guest script injects the fault (writing the moment, a
- * /proc/uptime copy, to STAMP first). What must reach the app:
+ * /proc/uptime copy, to STAMP first); "fault_node: traffic error" says
+ * the first error completion arrived (the link flap keeps the link down
+ * until then, and stamps the moment it sets it up again in -U STAMP).
+ * What must reach the app, whatever the timing:
  *
  *   hostkill  the peer's host dies: on the traffic connection
  *             IBV_WC_RETRY_EXC_ERR, then only IBV_WC_WR_FLUSH_ERR, until
@@ -41,6 +44,13 @@
  *             only if a send is posted (or retransmitted) while the port is
  *             down and sometimes never (see docs/RELIABILITY.md): with -K the
  *             keepalive turns that silence into flushes within its bound.
+ *             The first error is rxe's status, or a flush when the
+ *             keepalive moved the QP to error (which of the two comes
+ *             first is timing: both are accepted, the keepalive at most
+ *             once).
+ *
+ *   In every mode: after the first error completion only flushes, never
+ *   a success, and every work request completed exactly once.
  *
  * Then teardown: rdmasafe_cq_loop_drain_qp on every QP (both markers),
  * loop stats (unacked_now 0), destroy everything (watchdog), cm counters
@@ -211,7 +221,7 @@ struct cm_rec {
 
 static int run_survivor(enum mode mode, const char *addr, uint16_t port, int retry,
 			int idle_ka, int traffic_ka, int period, int bound, const char *stamp,
-			const char *killed, int secs)
+			const char *upstamp, const char *killed, int secs)
 {
 	static const char *mode_name[] = { "hostkill", "prockill", "linkflap" };
 	struct rdma_event_channel *ch = new_channel(1);
@@ -220,7 +230,7 @@ static int run_survivor(enum mode mode, const char *addr, uint16_t port, int ret
 	struct async_reader ar;
 	struct loop_thread lt;
 	struct cm_rec cm[64];
-	int ncm = 0, nconns = idle_ka ? 2 : 1, flowing = 0, done = 0, r;
+	int ncm = 0, nconns = idle_ka ? 2 : 1, flowing = 0, error_seen = 0, done = 0, r;
 	double t_flowing = 0, t_killed_seen = -1, next_send, deadline, t_poll_marker = 0;
 
 	memset(conns, 0, sizeof conns);
@@ -293,6 +303,11 @@ static int run_survivor(enum mode mode, const char *addr, uint16_t port, int ret
 				milestone("traffic flowing");
 			}
 		}
+		if (flowing && !error_seen && atomic_load(&T->errors)) {
+			/* (the link flap keeps the link down until this line) */
+			error_seen = 1;
+			milestone("traffic error");
+		}
 		if (killed && t_killed_seen < 0 && t - t_poll_marker >= 50) {
 			t_poll_marker = t;
 			if (file_exists(killed))
@@ -340,28 +355,24 @@ static int run_survivor(enum mode mode, const char *addr, uint16_t port, int ret
 	if (t_fault > 0 && t_killed_seen > 0)
 		measure("killed_seen_after_fault_ms", "%.0f", t_killed_seen - t_fault);
 	{
-		/* error sequence on the traffic connection */
-		int n_err = 0, n_flush = 0, order_ok = 1, seen_first = 0;
-		for (int i = 0; i < T->nlog; i++) {
-			struct wcrec *w = &T->log[i];
-			if (w->wr_id == DRAIN_SEND || w->wr_id == DRAIN_RECV || w->status == IBV_WC_SUCCESS)
-				continue;
-			n_err++;
-			if (!seen_first) {
-				seen_first = 1;
-			} else if (w->status == IBV_WC_WR_FLUSH_ERR) {
-				n_flush++;
-			} else {
-				order_ok = 0;
-				info("traffic: error #%d is %s", n_err, wc_str(w->status));
-			}
-			if (w->t < t_err)
-				order_ok = 0;
-		}
+		/*
+		 * The error sequence on the traffic connection, as the loop
+		 * delivered it (counted on arrival, so it does not matter how
+		 * much traffic came before the fault): at least one error, and
+		 * after the first only flushes, never a success (an RC QP in
+		 * error stays there; every later request is flushed).
+		 */
+		int n_err = atomic_load(&T->errors), n_flush = atomic_load(&T->flush_after_first);
+		int n_other = atomic_load(&T->other_err_after_first), n_ok = atomic_load(&T->ok_after_first);
 		measure("error_completions", "%d", n_err);
 		measure("flush_after_first", "%d", n_flush);
-		CHECK(order_ok && n_err >= 1, "traffic: %d error completions: first %s, then only "
-		      "IBV_WC_WR_FLUSH_ERR (%d)", n_err, first >= 0 ? wc_str(first) : "none", n_flush);
+		measure("other_after_first", "%d", n_other);
+		measure("ok_after_first", "%d", n_ok);
+		CHECK(n_err >= 1 && first >= 0 && first != IBV_WC_SUCCESS && n_flush == n_err - 1 && n_other == 0 &&
+		      n_ok == 0,
+		      "traffic: %d error completions: first %s, then only IBV_WC_WR_FLUSH_ERR (%d; %d other errors, "
+		      "%d successes after the first error)",
+		      n_err, first >= 0 ? wc_str(first) : "none", n_flush, n_other, n_ok);
 	}
 	if (mode == HOSTKILL)
 		CHECK(first == IBV_WC_RETRY_EXC_ERR, "hostkill: the first error is IBV_WC_RETRY_EXC_ERR (%s)",
@@ -372,6 +383,14 @@ static int run_survivor(enum mode mode, const char *addr, uint16_t port, int ret
 		if (fired)
 			CHECK(T->dead_qp == T->id->qp && fired == 1,
 			      "traffic: keepalive callback called once with the traffic QP");
+		/*
+		 * rxe reports a dead link through the QP (an error status), or
+		 * stays silent and the keepalive moves the QP to error: then the
+		 * first error is a flush. Nothing else moves it to error here.
+		 */
+		if (first == IBV_WC_WR_FLUSH_ERR)
+			CHECK(fired == 1, "traffic: the first error is a flush, so the keepalive moved the QP to error "
+			      "(fired %d)", fired);
 		if (fired && t_fault > 0)
 			measure("traffic_dead_after_fault_ms", "%.0f", us_to_ms(atomic_load(&T->t_dead_us)) - t_fault);
 	}
@@ -436,17 +455,32 @@ static int run_survivor(enum mode mode, const char *addr, uint16_t port, int ret
 			if (e >= 0 && first >= 0) {
 				double d = t_err - ar.rec[e].t;
 				measure("first_error_after_port_err_ms", "%.0f", d);
-				/* how the app learnt it: its next send failed, the first
-				 * retransmission failed, or rxe stayed silent and the
-				 * keepalive moved the QP to error */
-				int by_keepalive = atomic_load(&T->dead) &&
-						   us_to_ms(atomic_load(&T->t_dead_us)) <= t_err + 1;
-				measure("error_path", "%s", by_keepalive ? "keepalive"
-							   : d < 1000   ? "next_send"
-									: "retransmission");
+				/* how the app learnt it (reported; which comes first,
+				 * rxe's retransmission timer or the keepalive's bound, is
+				 * timing): rxe failed a send (status of its own), or rxe
+				 * stayed silent and the keepalive moved the QP to error
+				 * (the first error is a flush) */
+				measure("error_path", "%s", first == IBV_WC_WR_FLUSH_ERR ? "keepalive"
+							    : d < 1000			 ? "next_send"
+											 : "retransmission");
 			}
 			if (e >= 0 && a >= 0)
 				measure("port_active_after_port_err_ms", "%.0f", ar.rec[a].t - ar.rec[e].t);
+			/* causality, whatever the timing: the port went down after the
+			 * link did and came back after it was set up again (the
+			 * stamps are taken before the ip commands) */
+			if (e >= 0 && t_fault > 0)
+				CHECK(ar.rec[e].t >= t_fault, "linkflap: PORT_ERR after the link went down (%+.0f ms)",
+				      ar.rec[e].t - t_fault);
+			double t_up = read_stamp_ms(upstamp);
+			if (a >= 0 && t_up > 0) {
+				measure("port_active_after_link_up_ms", "%.0f", ar.rec[a].t - t_up);
+				CHECK(ar.rec[a].t >= t_up, "linkflap: PORT_ACTIVE after the link was set up (%+.0f ms)",
+				      ar.rec[a].t - t_up);
+			}
+			if (a >= 0 && first >= 0)
+				CHECK(t_err < ar.rec[a].t, "linkflap: the error completion (%+.0f ms) before PORT_ACTIVE",
+				      t_err - ar.rec[a].t);
 		}
 	}
 
@@ -480,7 +514,7 @@ static int run_survivor(enum mode mode, const char *addr, uint16_t port, int ret
 			rdma_disconnect(conns[i].id);
 	if (mode == LINKFLAP) {
 		/* the peer is reachable again: it answers our disconnect */
-		struct rdma_cm_event *ev = expect(ch, RDMA_CM_EVENT_DISCONNECTED, T->id, 10000,
+		struct rdma_cm_event *ev = expect(ch, RDMA_CM_EVENT_DISCONNECTED, T->id, 30000,
 						  "linkflap: DISCONNECTED after our rdma_disconnect");
 		if (ev)
 			free_event(ev);
@@ -501,20 +535,21 @@ static void usage(void)
 {
 	fprintf(stderr, "usage: fault_node peer -p PORT [-a ADDR] [-n CONNS] [-L FILE] [-t SECS]\n"
 			"       fault_node survivor -x hostkill|prockill|linkflap -p PORT [-a PEER]\n"
-			"                  [-r RETRY] [-k] [-K] [-P PERIOD_MS] [-B BOUND_MS] [-F STAMP] [-W FILE] [-t SECS]\n");
+			"                  [-r RETRY] [-k] [-K] [-P PERIOD_MS] [-B BOUND_MS] [-F STAMP] [-U STAMP] [-W FILE]\n"
+			"                  [-t SECS]\n");
 	exit(2);
 }
 
 int main(int argc, char **argv)
 {
-	const char *addr = NULL, *marker = NULL, *stamp = NULL, *killed = NULL, *x = NULL;
+	const char *addr = NULL, *marker = NULL, *stamp = NULL, *upstamp = NULL, *killed = NULL, *x = NULL;
 	int port = 0, nconns = 1, secs = 60, retry = 6, idle_ka = 0, traffic_ka = 0, period = 200, bound = 2000, opt;
 	enum mode mode = HOSTKILL;
 
 	if (argc < 2)
 		usage();
 	optind = 2;
-	while ((opt = getopt(argc, argv, "a:p:n:L:t:x:r:kKP:B:F:W:")) != -1) {
+	while ((opt = getopt(argc, argv, "a:p:n:L:t:x:r:kKP:B:F:U:W:")) != -1) {
 		switch (opt) {
 		case 'a': addr = optarg; break;
 		case 'p': port = atoi(optarg); break;
@@ -528,6 +563,7 @@ int main(int argc, char **argv)
 		case 'P': period = atoi(optarg); break;
 		case 'B': bound = atoi(optarg); break;
 		case 'F': stamp = optarg; break;
+		case 'U': upstamp = optarg; break;
 		case 'W': killed = optarg; break;
 		default: usage();
 		}
@@ -554,6 +590,6 @@ int main(int argc, char **argv)
 		addr = getenv("RDMASAFE_PEER_ADDR");
 	if (!addr)
 		addr = getenv("RDMASAFE_TEST_ADDR");
-	return run_survivor(mode, addr, (uint16_t)port, retry, idle_ka, traffic_ka, period, bound, stamp, killed,
-			    secs);
+	return run_survivor(mode, addr, (uint16_t)port, retry, idle_ka, traffic_ka, period, bound, stamp, upstamp,
+			    killed, secs);
 }

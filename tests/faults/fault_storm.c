@@ -13,7 +13,8 @@
  * the release it takes every queued event: exactly BACKLOG
  * CONNECT_REQUESTs, each rejected (private data "storm: full") and its id
  * destroyed; no further request may come (the dropped clients have given
- * up by then). Then it destroys the listener.
+ * up by then: one would make the count BACKLOG + 1). Then it destroys the
+ * listener.
  *
  * client: CLIENTS (default 16) ids on one non-blocking channel resolve and
  * connect at once (each with a QP of its own). It waits for each id's
@@ -77,10 +78,12 @@ static int run_server(const char *addr, uint16_t port, int backlog, const char *
 		}
 	}
 	measure("server_requests", "%d", requests);
+	/* (reported: taken more than 1 s after the release, which load alone
+	 * can make happen; a request beyond the backlog shows in the count) */
 	measure("server_late_requests", "%d", late);
-	CHECK(requests == backlog && others == 0 && late == 0,
-	      "server: exactly the %d queued CONNECT_REQUESTs (backlog), no other or late event (got %d, %d other, %d late)",
-	      backlog, requests, others, late);
+	CHECK(requests == backlog && others == 0,
+	      "server: exactly the %d queued CONNECT_REQUESTs (backlog), no other event (got %d, %d other)",
+	      backlog, requests, others);
 
 	phase = "server: teardown";
 	alarm(30);

@@ -18,14 +18,21 @@
 # <repo>/target/faults), RDMASAFE_FAULTS_LEAK_CYCLES (default 100),
 # RDMASAFE_FAULTS_LEAK_MESSAGES (round trips per cycle, default 25),
 # RDMASAFE_FAULTS_VALGRIND_OPTS (extra valgrind options),
-# RDMASAFE_FAULTS_LINK_DOWN_S (link flap: seconds down, default 5),
-# RDMASAFE_FAULTS_LINKFLAP_SECS (link flap survivor's limit, default 60).
+# RDMASAFE_FAULTS_TRAFFIC_S (hostkill, prockill, linkflap: seconds of
+# traffic between "traffic flowing" and the fault, default 0; more makes
+# the programs account for hundreds of completions before the first
+# error, as a slow, loaded machine does),
+# RDMASAFE_FAULTS_LINK_DOWN_S (link flap: seconds down at least, default
+# 5; the link stays down until the survivor has seen the error, at most
+# RDMASAFE_FAULTS_LINK_DOWN_MAX_S, default 60),
+# RDMASAFE_FAULTS_LINKFLAP_SECS (link flap survivor's limit, default 150).
 set -u
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 bin=${RDMASAFE_FAULTS_BIN:-$root/target/faults}
 addr=${RDMASAFE_TEST_ADDR:?RDMASAFE_TEST_ADDR must name the RDMA device address}
 netdev=${RDMASAFE_TEST_NETDEV:-dummy0}
+traffic_s=${RDMASAFE_FAULTS_TRAFFIC_S:-0}
 logs=$(mktemp -d "${TMPDIR:-/tmp}/rdmasafe-faults.XXXXXX") || exit 1
 trap 'rm -rf "$logs"' EXIT
 declare -A pid_of
@@ -99,7 +106,7 @@ wait_file() {   # wait_file FILE SECS
 
 wait_listen() {   # wait_listen PORT LABEL: a LISTEN cm_id on PORT (one guest)
 	local port=$1 label=$2 i
-	for ((i = 0; i < 400; i++)); do
+	for ((i = 0; i < 1200; i++)); do
 		if rdma res show cm_id 2>/dev/null | grep -Eq "state LISTEN .*src-addr [^ ]*:$port( |$)"; then
 			return 0
 		fi
@@ -131,6 +138,7 @@ case_prockill() {
 		start prockill_survivor "$bin/fault_node" survivor -x prockill -a "$addr" -p "$port" \
 			-F "$logs/prockill.stamp" -t 90
 		if wait_line prockill_survivor "fault_node: traffic flowing" 60; then
+			sleep "$traffic_s"
 			stamp "$logs/prockill.stamp"
 			kill_program prockill_peer
 			say "peer process SIGKILLed"
@@ -243,6 +251,7 @@ case_hostkill() {
 			start hostkill_survivor "$bin/fault_node" survivor -x hostkill -p "$port" -k -r 6 \
 				-P 200 -B 2000 -F "$logs/hostkill.stamp" -W "$shared/killed-b" -t 90
 			if wait_line hostkill_survivor "fault_node: traffic flowing" 60; then
+				sleep "$traffic_s"
 				stamp "$logs/hostkill.stamp"
 				touch "$shared/kill-b"
 				say "asked the host to kill guest b"
@@ -259,17 +268,25 @@ case_hostkill() {
 case_linkflap() {
 	case_begin "linkflap-$1"
 	local port=7640 link_down_s=${RDMASAFE_FAULTS_LINK_DOWN_S:-5}
+	local link_down_max_s=${RDMASAFE_FAULTS_LINK_DOWN_MAX_S:-60}
 	if [[ $1 == b ]]; then
-		run linkflap_peer "$bin/fault_node" peer -p "$port" -L "$shared/listening" -t 120
+		run linkflap_peer "$bin/fault_node" peer -p "$port" -L "$shared/listening" -t 300
 	else
 		if wait_file "$shared/listening" 120; then
 			start linkflap_survivor "$bin/fault_node" survivor -x linkflap -p "$port" -r 6 -K \
-				-F "$logs/linkflap.stamp" -t "${RDMASAFE_FAULTS_LINKFLAP_SECS:-60}"
+				-F "$logs/linkflap.stamp" -U "$logs/linkflap.upstamp" \
+				-t "${RDMASAFE_FAULTS_LINKFLAP_SECS:-150}"
 			if wait_line linkflap_survivor "fault_node: traffic flowing" 60; then
+				sleep "$traffic_s"
 				stamp "$logs/linkflap.stamp"
 				ip link set dev "$netdev" down
 				say "link $netdev down"
 				sleep "$link_down_s"
+				# down until the error reached the app (how long that takes
+				# is rxe's and the keepalive's timing, stretched by load)
+				wait_line linkflap_survivor "fault_node: traffic error" "$link_down_max_s" ||
+					say "no error completion within $link_down_max_s s of link down"
+				stamp "$logs/linkflap.upstamp"
 				ip link set dev "$netdev" up
 				say "link $netdev up"
 			fi
