@@ -57,23 +57,8 @@
 #define RDMASAFE_VERSION_PATCH 0
 
 /**
- * Event mode: arm, sleep until notified, re-arm, drain.
- */
-#define RDMASAFE_MODE_EVENT 0
-
-/**
- * Busy-poll mode: poll continuously, never arm or sleep.
- */
-#define RDMASAFE_MODE_BUSY_POLL 1
-
-/**
- * Adaptive mode: poll while busy and for `adaptive_spin_us` after the
- * last completion, then arm and sleep.
- */
-#define RDMASAFE_MODE_ADAPTIVE 2
-
-/**
- * What an async event concerns (`rdmasafe_async_event.element_kind`).
+ * The element of an async event is a CQ (`element` = struct ibv_cq *);
+ * see `rdmasafe_async_event.element_kind`.
  */
 #define RDMASAFE_ASYNC_CQ 1
 
@@ -108,9 +93,82 @@
 #define RDMASAFE_ASYNC_UNKNOWN 0
 
 /**
- * A CQ loop (opaque).
+ * Event mode: arm, sleep until notified, re-arm, drain.
+ */
+#define RDMASAFE_MODE_EVENT 0
+
+/**
+ * Busy-poll mode: poll continuously, never arm or sleep.
+ */
+#define RDMASAFE_MODE_BUSY_POLL 1
+
+/**
+ * Adaptive mode: poll while busy and for `adaptive_spin_us` after the
+ * last completion, then arm and sleep.
+ */
+#define RDMASAFE_MODE_ADAPTIVE 2
+
+/**
+ * Returned (positive) by a change requested from inside one of the loop's
+ * callbacks: it takes effect as soon as that callback returns, before the
+ * loop calls any other callback (the `_async` variants call back when it
+ * is done).
+ */
+#define RDMASAFE_PENDING 1
+
+/**
+ * `rdmasafe_cq_options.notify`: the loop's default (`solicited_only` of
+ * its options).
+ */
+#define RDMASAFE_NOTIFY_DEFAULT 0
+
+/**
+ * `rdmasafe_cq_options.notify`: arm for every completion.
+ */
+#define RDMASAFE_NOTIFY_ALL 1
+
+/**
+ * `rdmasafe_cq_options.notify`: arm for solicited completions only (and
+ * errors): a send CQ armed so never wakes the loop.
+ */
+#define RDMASAFE_NOTIFY_SOLICITED 2
+
+/**
+ * A CQ loop (opaque; the handle is looked up on every call).
  */
 struct rdmasafe_cq_loop;
+
+/**
+ * A copy of one async event; the original is already acked. Set `size`
+ * to `sizeof` the struct before the call.
+ */
+struct rdmasafe_async_event {
+  /**
+   * In: `sizeof(struct rdmasafe_async_event)` as the caller's header
+   * declares it. Out: the number of bytes the library filled.
+   */
+  uint32_t size;
+  /**
+   * `enum ibv_event_type` value (unknown values pass through).
+   */
+  uint32_t event_type;
+  /**
+   * One of RDMASAFE_ASYNC_*.
+   */
+  int element_kind;
+  /**
+   * The CQ / QP / SRQ / WQ pointer (a value: compare, do not free).
+   */
+  void *element;
+  /**
+   * For QP events: the QP number.
+   */
+  uint32_t qp_num;
+  /**
+   * For port events: the port number.
+   */
+  uint8_t port_num;
+};
 
 /**
  * Process-wide CM copy figures. Set `size` to `sizeof` the struct before
@@ -184,7 +242,8 @@ struct rdmasafe_cq_loop_options {
    */
   int mode;
   /**
-   * Non-zero: arm for solicited completions only.
+   * Non-zero: arm CQs for solicited completions only (the default of
+   * `rdmasafe_cq_options.notify`).
    */
   int solicited_only;
   /**
@@ -209,12 +268,47 @@ struct rdmasafe_cq_loop_options {
 
 /**
  * Called with each batch of work completions of one CQ (error completions
- * included): `wc[0..n]` is valid only during the call. Runs on the thread
- * that runs the loop. It may call `rdmasafe_cq_loop_stop` (the loop stops
- * after this batch) and post work requests; it must not add or remove CQs,
- * run or destroy the loop.
+ * included; never the loop's own keepalive probes and drain markers):
+ * `wc[0..n]` is valid only during the call. Runs on the thread that runs
+ * the loop. It may call any rdmasafe function on this loop except
+ * `rdmasafe_cq_loop_run`, `_run_once` and `_destroy` (-EDEADLK): changes
+ * take effect when it returns. It must not block on a thread that waits
+ * for this loop (one removing a CQ from it, say), and must not throw a
+ * C++ exception or longjmp out (the loop would be left half-way).
  */
 typedef void (*rdmasafe_wc_cb)(void *ctx, const struct ibv_wc *wc, int n);
+
+/**
+ * Options of one CQ (`rdmasafe_cq_loop_add_cq_ex`). Zero-initialise, set
+ * `size`; 0 in a field means its default.
+ */
+struct rdmasafe_cq_options {
+  /**
+   * `sizeof(struct rdmasafe_cq_options)` as the caller's header declares it.
+   */
+  uint32_t size;
+  /**
+   * RDMASAFE_NOTIFY_DEFAULT, RDMASAFE_NOTIFY_ALL or RDMASAFE_NOTIFY_SOLICITED.
+   */
+  int notify;
+  /**
+   * Completions handled per loop cycle at most (0: no limit). A CQ that
+   * still has completions after its budget is polled again in the next
+   * cycle, without waiting for an event, after the other ready CQs: one
+   * flooding CQ cannot starve the others.
+   */
+  int budget;
+};
+
+/**
+ * Called once when an asynchronous change is done: `object` is the CQ of
+ * `rdmasafe_cq_loop_remove_cq_async` or the QP of
+ * `rdmasafe_cq_loop_drain_qp_async`, `result` 0 or a negative errno. Runs
+ * on the thread that runs the loop (or on the caller's, when the loop is
+ * idle and the change completes within the call). `ibv_destroy_cq` of a
+ * removed CQ may be called from it.
+ */
+typedef void (*rdmasafe_done_cb)(void *ctx, void *object, int result);
 
 /**
  * Figures of a loop (see `rdmasafe_cq_loop_get_stats`). Set `size` to
@@ -295,46 +389,35 @@ struct rdmasafe_cq_loop_stats {
    * Cycle time in microseconds, same buckets.
    */
   uint64_t cycle_time_us[16];
+  /**
+   * CQ events for CQs on the channel that are not in the loop (acked at
+   * once, logged once per CQ at warn level).
+   */
+  uint64_t foreign_cq_events;
+  /**
+   * CQs in the loop now.
+   */
+  uint64_t cqs;
+  /**
+   * CQs added since the loop was created.
+   */
+  uint64_t cqs_added;
+  /**
+   * CQs removed since the loop was created.
+   */
+  uint64_t cqs_removed;
+  /**
+   * Times a CQ used up its budget with completions left.
+   */
+  uint64_t budget_yields;
 };
 
 /**
  * Called once when a keepalive declares the peer of `qp` dead (after the
- * QP was moved to the error state). Runs on the loop's thread; it may call
- * `rdmasafe_cq_loop_stop`, not add/remove/run/destroy.
+ * QP was moved to the error state). Runs on the loop's thread; like a
+ * completion callback, it may change the loop (not run or destroy it).
  */
 typedef void (*rdmasafe_dead_peer_cb)(void *ctx, struct ibv_qp *qp, uint32_t qp_num);
-
-/**
- * A copy of one async event; the original is already acked. Set `size`
- * to `sizeof` the struct before the call.
- */
-struct rdmasafe_async_event {
-  /**
-   * In: `sizeof(struct rdmasafe_async_event)` as the caller's header
-   * declares it. Out: the number of bytes the library filled.
-   */
-  uint32_t size;
-  /**
-   * `enum ibv_event_type` value (unknown values pass through).
-   */
-  uint32_t event_type;
-  /**
-   * One of RDMASAFE_ASYNC_*.
-   */
-  int element_kind;
-  /**
-   * The CQ / QP / SRQ / WQ pointer (a value: compare, do not free).
-   */
-  void *element;
-  /**
-   * For QP events: the QP number.
-   */
-  uint32_t qp_num;
-  /**
-   * For port events: the port number.
-   */
-  uint8_t port_num;
-};
 
 /**
  * Receives each log message: `level` 1 (error) ... 5 (trace), `msg` a
@@ -360,6 +443,30 @@ extern "C" {
  * Each pointer NULL or writable.
  */
 const char *rdmasafe_version(int *major, int *minor, int *patch);
+
+/**
+ * Gets one async event of `context`, copies it into `*out` and acks it at
+ * once, so no held copy can block a destroy. Waits at most `timeout_ms`
+ * (-1 forever, 0 not at all) with poll() on `context->async_fd`, whose
+ * mode is not changed. One reader per context.
+ *
+ * Returns 0, -EINVAL (NULL argument, `timeout_ms < -1`), -EAGAIN
+ * (`timeout_ms == 0`, none), -ETIMEDOUT, or a negative errno.
+ *
+ * # Safety
+ * `context` NULL or a live device context; `out` NULL or writable.
+ */
+int rdmasafe_async_get(struct ibv_context *context,
+                       struct rdmasafe_async_event *out,
+                       int timeout_ms);
+
+/**
+ * The name of an async event type, e.g. "IBV_EVENT_CQ_ERR";
+ * "IBV_EVENT_UNKNOWN" for values rdmasafe does not know. Thread-safe.
+ *
+ * Returns a static NUL-terminated string, never NULL.
+ */
+const char *rdmasafe_async_event_str(uint32_t event_type);
 
 /**
  * Gets the next CM event of `channel`, like `rdma_get_cm_event`, but
@@ -557,29 +664,38 @@ int rdmasafe_cm_reserve(int n);
 /**
  * Creates a loop on `channel` (a completion channel the app created with
  * `ibv_create_comp_channel`, which must outlive the loop). The loop puts
- * the channel's fd in non-blocking mode and is from now on its only
- * reader. `opts` may be NULL for the defaults (event mode).
+ * the channel's fd in non-blocking mode (its flags are restored by
+ * `rdmasafe_cq_loop_destroy`) and is from now on its only reader. `opts`
+ * may be NULL for the defaults (event mode).
  *
  * Returns 0 and stores the loop in `*out`, or -EINVAL (NULL `channel` or
- * `out`, an option out of range), -ENOMEM, or another negative errno.
+ * `out`, an option out of range, `opts->size` not set), -E2BIG (`opts` has
+ * fields this library does not know set), -EBUSY (the channel has a loop
+ * already), -EMFILE (4096 loops exist), -ENOMEM, or another negative
+ * errno. `*out` is untouched on failure.
  *
  * # Safety
- * `channel` NULL or live; `opts` NULL or readable; `out` NULL or writable.
+ * `channel` NULL or live; `opts` NULL or readable for its `size`; `out`
+ * NULL or writable.
  */
 int rdmasafe_cq_loop_create(struct ibv_comp_channel *channel,
                             const struct rdmasafe_cq_loop_options *opts,
                             struct rdmasafe_cq_loop **out);
 
 /**
- * Adds `cq` with its callback. The CQ must have been created on this
- * loop's channel and must not be destroyed before it is removed
- * (`rdmasafe_cq_loop_remove_cq`) or the loop destroyed: `ibv_destroy_cq`
- * waits for acks only the loop can give, and libibverbs cannot be
- * intercepted. Not while the loop runs.
+ * Adds `cq` with its callback and the loop's default options, while the
+ * loop runs or not, from any thread or from inside a callback. The loop
+ * arms the CQ and delivers what it already holds at its next cycle (a
+ * loop embedded in the app's epoll has its fd readable for that). The CQ
+ * must have been created on this loop's channel and must not be
+ * destroyed before it has left the loop (`rdmasafe_cq_loop_remove_cq`,
+ * `rdmasafe_cq_loop_destroy_cq`, or the loop destroyed):
+ * `ibv_destroy_cq` waits for acks only the loop can give, and the loop
+ * would poll freed memory.
  *
- * Returns 0, -EINVAL (NULL argument, unknown loop, CQ not bound to this
- * loop's channel or of another device context), -EBUSY (the CQ is in a
- * loop already, or the loop is running), -EDEADLK (from a callback).
+ * Returns 0 (or RDMASAFE_PENDING from inside a callback), -EINVAL (NULL
+ * argument, unknown loop, CQ not bound to this loop's channel or of
+ * another device context), -EBUSY (the CQ is in a loop already).
  *
  * # Safety
  * `cq` NULL or a live CQ.
@@ -590,46 +706,129 @@ int rdmasafe_cq_loop_add_cq(struct rdmasafe_cq_loop *cq_loop,
                             void *ctx);
 
 /**
- * Removes `cq`: acks its pending events and forgets it; events for it read
- * later are acked at once. Afterwards the app may destroy the CQ. Not
- * while the loop runs.
+ * Like `rdmasafe_cq_loop_add_cq`, with options for this CQ (`opts` may be
+ * NULL): which completions arm it (`notify`) and a per-cycle budget.
  *
- * Returns 0, -EINVAL (NULL, unknown loop), -ENOENT (CQ not in this loop),
- * -EBUSY (running, or a keepalive probes through this CQ: remove the
- * keepalive first), -EDEADLK (from a callback).
+ * Returns as `rdmasafe_cq_loop_add_cq`, and -EINVAL for an option out of
+ * range or `opts->size` not set, -E2BIG for fields this library does not
+ * know set.
+ *
+ * # Safety
+ * `cq` NULL or a live CQ; `opts` NULL or readable for its `size`.
+ */
+int rdmasafe_cq_loop_add_cq_ex(struct rdmasafe_cq_loop *cq_loop,
+                               struct ibv_cq *cq,
+                               const struct rdmasafe_cq_options *opts,
+                               rdmasafe_wc_cb cb,
+                               void *ctx);
+
+/**
+ * Removes `cq`, while the loop runs or not: its pending acks are flushed,
+ * events already queued for it are read and acked, and its callback will
+ * never be called again. From another thread this waits for the loop's
+ * current cycle (it never returns while the CQ's callback runs) and
+ * returns 0: `ibv_destroy_cq` may follow at once, provided no QP can still
+ * raise an event on the CQ (destroy or drain its QPs first). From inside a
+ * callback of this loop it returns RDMASAFE_PENDING: the removal is done
+ * when that callback returns (use `rdmasafe_cq_loop_remove_cq_async` or
+ * `rdmasafe_cq_loop_destroy_cq` to destroy the CQ then). Keepalives that
+ * probe through the CQ stop; drains that need it end with -ECANCELED.
+ *
+ * Returns 0, RDMASAFE_PENDING, -EINVAL (NULL, unknown loop), -ENOENT (CQ
+ * not in this loop).
  */
 int rdmasafe_cq_loop_remove_cq(struct rdmasafe_cq_loop *cq_loop, struct ibv_cq *cq);
 
 /**
+ * Removes `cq` without ever blocking: `done(done_ctx, cq, result)` is
+ * called once the removal is complete (acks flushed, callback never called
+ * again), on the thread that runs the loop, or on the caller's when the
+ * loop is idle. `done` may call `ibv_destroy_cq(cq)`.
+ *
+ * Returns 0 (`done` will be called), -EINVAL (NULL `cq` or `done`, unknown
+ * loop), -ENOENT (CQ not in this loop; `done` is not called).
+ */
+int rdmasafe_cq_loop_remove_cq_async(struct rdmasafe_cq_loop *cq_loop,
+                                     struct ibv_cq *cq,
+                                     rdmasafe_done_cb done,
+                                     void *done_ctx);
+
+/**
+ * Removes `cq` from the loop and destroys it, in the only safe order: the
+ * removal completes (acks flushed, callback never called again), then
+ * `ibv_destroy_cq`. Destroy or drain the QPs that use the CQ first. From
+ * inside a callback of this loop the CQ is removed and destroyed when that
+ * callback returns (RDMASAFE_PENDING; a failed destroy is logged).
+ *
+ * Returns 0, RDMASAFE_PENDING, -EINVAL (NULL, unknown loop), -ENOENT (CQ
+ * not in this loop: nothing destroyed), or the negative errno of
+ * `ibv_destroy_cq`.
+ *
+ * # Safety
+ * `cq` NULL or a live CQ that nothing but the loop uses any more.
+ */
+int rdmasafe_cq_loop_destroy_cq(struct rdmasafe_cq_loop *cq_loop, struct ibv_cq *cq);
+
+/**
  * Runs the loop on the calling thread until `rdmasafe_cq_loop_stop`, then
  * acks everything outstanding and returns 0. A stopped loop can be run
- * again. Blocks.
+ * again. Blocks. Signals do not end it (a profiler's SIGPROF is harmless);
+ * a signal handler may call `rdmasafe_cq_loop_stop`.
  *
- * Returns 0, -EINVAL (unknown loop), -EBUSY (another thread runs it),
- * -EDEADLK (from a callback), or the negative errno of a failed verbs call.
+ * Returns 0, -EINVAL (unknown or destroyed loop), -EBUSY (another thread
+ * runs it), -EDEADLK (from a callback), or the negative errno of a failed
+ * verbs call.
  */
 int rdmasafe_cq_loop_run(struct rdmasafe_cq_loop *cq_loop);
 
 /**
- * One cycle: waits at most `timeout_ms` (-1 forever, 0 not at all), then
- * delivers what arrived. For driving the loop from the app's own epoll:
- * watch `rdmasafe_cq_loop_fd` and call this with 0 when it is readable.
+ * One cycle: waits at most `timeout_ms` (-1 forever, 0 not at all; also
+ * bounded by the loop's next deadline), then delivers what arrived. For
+ * driving the loop from the app's own epoll: watch `rdmasafe_cq_loop_fd`
+ * and call this with 0 whenever it is readable, no priming call needed
+ * (see there). A stop requested meanwhile ends the call at once with
+ * every ack flushed (returns 0).
  *
- * Returns the number of completions delivered (>= 0), -EINVAL (unknown
- * loop, `timeout_ms < -1`), -EBUSY, -EDEADLK, or a negative errno.
+ * Returns the number of completions delivered (>= 0), -EINTR (a signal
+ * interrupted the wait), -EINVAL (unknown loop, `timeout_ms < -1`),
+ * -EBUSY (another thread runs it), -EDEADLK (from a callback), or a
+ * negative errno.
  */
 int rdmasafe_cq_loop_run_once(struct rdmasafe_cq_loop *cq_loop, int timeout_ms);
 
 /**
- * The completion channel's fd (readable when a CQ event is ready), for the
- * app's own poll/epoll. Returns the fd (>= 0) or -EINVAL. Thread-safe.
+ * The loop's own epoll fd, for the app's poll/epoll: readable whenever
+ * the loop has work (a CQ event; a CQ just added; a stop; a due
+ * keepalive, watchdog or drain deadline; an adaptive loop still polling;
+ * a CQ left over its budget). Call `rdmasafe_cq_loop_run_once(l, 0)`
+ * when it is. Not the completion channel's fd. Thread-safe.
+ *
+ * Returns the fd (>= 0) or -EINVAL.
  */
 int rdmasafe_cq_loop_fd(struct rdmasafe_cq_loop *cq_loop);
 
 /**
- * Asks the loop to stop; `rdmasafe_cq_loop_run` returns after the current
- * batch with every ack flushed. Thread-safe, callable from a callback,
- * never blocks. Returns 0 or -EINVAL.
+ * For an app that embeds the loop: stores in `*timeout_ms` how long it may
+ * wait before calling `rdmasafe_cq_loop_run_once` again even if the fd
+ * stays quiet: 0 while the loop has work right now, the milliseconds to
+ * its next keepalive / watchdog / drain deadline (rounded up), or -1 if
+ * none (ready to pass to epoll_wait). Thread-safe.
+ *
+ * Returns 0, or -EINVAL (unknown loop, NULL `timeout_ms`).
+ *
+ * # Safety
+ * `timeout_ms` NULL or writable.
+ */
+int rdmasafe_cq_loop_next_timeout_ms(struct rdmasafe_cq_loop *cq_loop, int *timeout_ms);
+
+/**
+ * Asks the loop to stop: `rdmasafe_cq_loop_run` returns after the current
+ * batch with every ack flushed (a loop driven by `_run_once` finishes the
+ * stop in its next call). Thread-safe, callable from a callback, never
+ * blocks, and async-signal-safe: it takes no lock and leaves errno as it
+ * was, so a signal handler may call it.
+ *
+ * Returns 0 or -EINVAL.
  */
 int rdmasafe_cq_loop_stop(struct rdmasafe_cq_loop *cq_loop);
 
@@ -640,29 +839,36 @@ int rdmasafe_cq_loop_stop(struct rdmasafe_cq_loop *cq_loop);
 int rdmasafe_cq_loop_set_outstanding(struct rdmasafe_cq_loop *cq_loop, uint64_t n);
 
 /**
- * Reads the loop's figures into `*out` without stopping it. Thread-safe.
- * Returns 0 or -EINVAL.
+ * Reads the loop's figures into `*out` (set `out->size` first) without
+ * stopping it. Thread-safe, takes no lock.
+ *
+ * Returns 0, or -EINVAL (unknown loop, NULL `out`, size not set).
  *
  * # Safety
- * `out` NULL or writable.
+ * `out` NULL or writable for its `size`.
  */
 int rdmasafe_cq_loop_get_stats(struct rdmasafe_cq_loop *cq_loop,
                                struct rdmasafe_cq_loop_stats *out);
 
 /**
  * Drains `qp` before teardown (like the kernel's ib_drain_qp): moves it to
- * the error state, posts marker work requests (wr_id UINT64_MAX on the send
- * queue, UINT64_MAX - 1 on the receive queue unless `use_srq`), and runs
- * the loop until both flush completions were delivered to the callbacks.
- * Then every request posted before has completed, and every CQ event the
- * loop read is acked. The QP's CQs must be in
- * this loop. Blocks up to `timeout_ms` (> 0). Not while the loop runs.
+ * the error state, posts marker work requests (wr_id UINT64_MAX on the
+ * send queue, UINT64_MAX - 1 on the receive queue unless `use_srq`), and
+ * the loop delivers every completion until both markers come back. The
+ * markers never reach a callback. Then every request posted before has
+ * completed, and every CQ event the loop read is acked. The QP's CQs must
+ * be in this loop. From another thread this blocks up to `timeout_ms`
+ * (> 0), running the loop itself when nobody runs it; from inside a
+ * callback it starts the drain and returns RDMASAFE_PENDING (use
+ * `rdmasafe_cq_loop_drain_qp_async` to be told when it is done).
  *
- * Returns 0, -EINVAL (NULL, unknown loop, CQs not in the loop,
- * `timeout_ms <= 0`), -ETIMEDOUT, -EBUSY, -EDEADLK, or a negative errno.
+ * Returns 0, RDMASAFE_PENDING, -EINVAL (NULL, unknown loop, CQs not in the
+ * loop, `timeout_ms <= 0`), -ETIMEDOUT, -ECANCELED (a CQ of the QP left
+ * the loop meanwhile), or the negative errno of a verbs call.
  *
  * # Safety
- * `qp` NULL or a live QP with a free slot on each queue.
+ * `qp` NULL or a live QP with a free slot on each queue, alive until the
+ * drain is done.
  */
 int rdmasafe_cq_loop_drain_qp(struct rdmasafe_cq_loop *cq_loop,
                               struct ibv_qp *qp,
@@ -670,22 +876,44 @@ int rdmasafe_cq_loop_drain_qp(struct rdmasafe_cq_loop *cq_loop,
                               int timeout_ms);
 
 /**
- * Dead-peer detection for `qp`, an RC QP whose send CQ is in this loop.
- * While the loop runs, when the QP has had no successful completion for
+ * Starts a drain (see `rdmasafe_cq_loop_drain_qp`) and never blocks:
+ * `done(done_ctx, qp, result)` is called once with its result (0,
+ * -ETIMEDOUT, -ECANCELED, ...) on the thread that runs the loop; the
+ * drain makes progress as the loop runs.
+ *
+ * Returns 0 (`done` will be called), -EINVAL (NULL `qp` or `done`, unknown
+ * loop, CQs not in the loop, `timeout_ms <= 0`; `done` is not called).
+ *
+ * # Safety
+ * `qp` NULL or a live QP with a free slot on each queue, alive until
+ * `done` is called.
+ */
+int rdmasafe_cq_loop_drain_qp_async(struct rdmasafe_cq_loop *cq_loop,
+                                    struct ibv_qp *qp,
+                                    int use_srq,
+                                    int timeout_ms,
+                                    rdmasafe_done_cb done,
+                                    void *done_ctx);
+
+/**
+ * Dead-peer detection for `qp`, an RC QP whose send CQ is in this loop,
+ * while the loop runs or not, from any thread or a callback. While the
+ * loop runs, when the QP has had no successful completion for
  * `period_ms`, rdmasafe posts a probe (a signaled zero-length RDMA WRITE
  * with wr_id `probe_wr_id`, using one send-queue slot; the peer's
- * application sees nothing). If a probe has not completed within
- * `bound_ms`, or fails, the peer is declared dead: the QP is moved to the
- * error state (outstanding work flushes to the callbacks) and `on_dead` is
- * called once. A timer decides, so this works whatever retry_cnt the QP
- * has. Probe completions are never passed to the CQ callback: pick a
- * `probe_wr_id` the app does not use on this QP. The QP must stay alive
- * until `rdmasafe_cq_loop_remove_keepalive` or the loop is destroyed.
- * Not while the loop runs.
+ * application sees nothing; a full send queue delays it, up to the
+ * bound). If a probe has not completed within `bound_ms`, or fails, the
+ * peer is declared dead: the QP is moved to the error state (outstanding
+ * work flushes to the callbacks) and `on_dead` is called once. A timer
+ * decides, so this works whatever retry_cnt the QP has. Probe completions
+ * are never passed to the CQ callback: pick a `probe_wr_id` the app does
+ * not use on this QP. The QP must stay alive until
+ * `rdmasafe_cq_loop_remove_keepalive` returns, its send CQ leaves the
+ * loop, or the loop is destroyed.
  *
- * Returns 0, -EINVAL (NULL, unknown loop, `period_ms` or `bound_ms` <= 0,
- * send CQ not in this loop), -EBUSY (already registered, or running),
- * -EDEADLK (from a callback).
+ * Returns 0 (or RDMASAFE_PENDING from a callback), -EINVAL (NULL, unknown
+ * loop, `period_ms` or `bound_ms` <= 0, send CQ not in this loop), -EBUSY
+ * (the QP has a keepalive already).
  *
  * # Safety
  * `qp` NULL or a live QP.
@@ -699,8 +927,11 @@ int rdmasafe_cq_loop_add_keepalive(struct rdmasafe_cq_loop *cq_loop,
                                    void *ctx);
 
 /**
- * Stops dead-peer detection for `qp`. Not while the loop runs.
- * Returns 0, -EINVAL, -ENOENT (no keepalive for it), -EBUSY, -EDEADLK.
+ * Stops dead-peer detection for `qp`; a probe still outstanding is
+ * consumed when it completes. Any thread, or a callback.
+ *
+ * Returns 0 (or RDMASAFE_PENDING from a callback), -EINVAL (NULL, unknown
+ * loop), -ENOENT (no keepalive for it).
  *
  * # Safety
  * `qp` NULL or a live QP.
@@ -709,36 +940,16 @@ int rdmasafe_cq_loop_remove_keepalive(struct rdmasafe_cq_loop *cq_loop, struct i
 
 /**
  * Destroys the loop: acks every pending CQ event and every event still in
- * the channel, so afterwards each of its CQs can be destroyed. Does not
- * destroy the CQs or the channel (the app's). The pointer is invalid after.
+ * the channel, drops the callbacks, restores the channel fd's flags, so
+ * that afterwards each of its CQs can be destroyed. Does not destroy the
+ * CQs or the channel (the app's). The handle is invalid afterwards: every
+ * later call with it (destroy included) returns -EINVAL, even if a new
+ * loop is created at the same time.
  *
- * Returns 0, -EINVAL (NULL or unknown loop, e.g. destroyed twice), -EBUSY
- * (another thread runs it: stop it first), -EDEADLK (from its callback).
+ * Returns 0, -EINVAL (unknown or already destroyed loop), -EBUSY (another
+ * thread runs it: stop it first), -EDEADLK (from one of its callbacks).
  */
 int rdmasafe_cq_loop_destroy(struct rdmasafe_cq_loop *cq_loop);
-
-/**
- * Gets one async event of `context`, copies it into `*out` and acks it at
- * once, so no held copy can block a destroy. Waits at most `timeout_ms`
- * (-1 forever, 0 not at all) with poll() on `context->async_fd`, whose
- * mode is not changed. One reader per context.
- *
- * Returns 0, -EINVAL (NULL argument, `timeout_ms < -1`), -EAGAIN
- * (`timeout_ms == 0`, none), -ETIMEDOUT, or a negative errno.
- *
- * # Safety
- * `context` NULL or a live device context; `out` NULL or writable.
- */
-int rdmasafe_async_get(struct ibv_context *context,
-                       struct rdmasafe_async_event *out,
-                       int timeout_ms);
-
-/**
- * The name of an async event type, e.g. "IBV_EVENT_CQ_ERR";
- * "IBV_EVENT_UNKNOWN" for values rdmasafe does not know. Never NULL,
- * static. Thread-safe.
- */
-const char *rdmasafe_async_event_str(uint32_t event_type);
 
 /**
  * Sets the log level: 0 off, 1 error, 2 warn, 3 info, 4 debug, 5 trace

@@ -1,26 +1,22 @@
-//! CQ notification loop and async events for C.
+//! The CQ notification loop for C.
 //!
-//! A loop is driven by one thread at a time (`rdmasafe_cq_loop_run` or
-//! `rdmasafe_cq_loop_run_once`); `rdmasafe_cq_loop_stop`,
-//! `rdmasafe_cq_loop_stats` and `rdmasafe_cq_loop_set_outstanding` may be
-//! called from any thread, including from inside a callback. CQs are added
-//! and removed while the loop is not running (stop it first).
+//! A loop is run by one thread at a time (`rdmasafe_cq_loop_run` or
+//! `rdmasafe_cq_loop_run_once`). Everything else may be called from any
+//! thread while it runs, and from inside its callbacks: CQs and keepalives
+//! are added and removed, QPs drained, figures read, the loop stopped
+//! (`rdmasafe_cq_loop_stop` also from a signal handler). The handle is a
+//! value looked up in a table on every call (see `handles`), so a stale
+//! handle can never reach a newer loop.
 
-use std::collections::HashMap;
-use std::os::fd::AsRawFd;
-use std::os::raw::{c_char, c_int, c_void};
+use std::os::raw::{c_int, c_void};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering::SeqCst};
-use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use rdmasafe_core::cq::{
-    self, AsyncElement, AsyncEventType, AsyncEvents, CqLoop, Keepalive, LoopControl, LoopOptions, Mode,
-};
-use rdmasafe_core::sys::{ibv_comp_channel, ibv_context, ibv_cq, ibv_qp, ibv_wc, Wait};
-use rdmasafe_core::verbs::DeviceContext;
+use rdmasafe_core::cq::{self, CqLoop, CqOptions, Keepalive, LoopControl, LoopOptions, Mode, Outcome};
+use rdmasafe_core::sys::{ibv_comp_channel, ibv_cq, ibv_qp, ibv_wc, Wait};
 
-use crate::{guard, PtrHash};
+use crate::handles::{Entered, Table};
+use crate::{guard, guard_signal_safe};
 
 /// Event mode: arm, sleep until notified, re-arm, drain.
 pub const RDMASAFE_MODE_EVENT: c_int = 0;
@@ -30,12 +26,38 @@ pub const RDMASAFE_MODE_BUSY_POLL: c_int = 1;
 /// last completion, then arm and sleep.
 pub const RDMASAFE_MODE_ADAPTIVE: c_int = 2;
 
+/// Returned (positive) by a change requested from inside one of the loop's
+/// callbacks: it takes effect as soon as that callback returns, before the
+/// loop calls any other callback (the `_async` variants call back when it
+/// is done).
+pub const RDMASAFE_PENDING: c_int = 1;
+
+/// `rdmasafe_cq_options.notify`: the loop's default (`solicited_only` of
+/// its options).
+pub const RDMASAFE_NOTIFY_DEFAULT: c_int = 0;
+/// `rdmasafe_cq_options.notify`: arm for every completion.
+pub const RDMASAFE_NOTIFY_ALL: c_int = 1;
+/// `rdmasafe_cq_options.notify`: arm for solicited completions only (and
+/// errors): a send CQ armed so never wakes the loop.
+pub const RDMASAFE_NOTIFY_SOLICITED: c_int = 2;
+
 /// Called with each batch of work completions of one CQ (error completions
-/// included): `wc[0..n]` is valid only during the call. Runs on the thread
-/// that runs the loop. It may call `rdmasafe_cq_loop_stop` (the loop stops
-/// after this batch) and post work requests; it must not add or remove CQs,
-/// run or destroy the loop.
+/// included; never the loop's own keepalive probes and drain markers):
+/// `wc[0..n]` is valid only during the call. Runs on the thread that runs
+/// the loop. It may call any rdmasafe function on this loop except
+/// `rdmasafe_cq_loop_run`, `_run_once` and `_destroy` (-EDEADLK): changes
+/// take effect when it returns. It must not block on a thread that waits
+/// for this loop (one removing a CQ from it, say), and must not throw a
+/// C++ exception or longjmp out (the loop would be left half-way).
 pub type rdmasafe_wc_cb = Option<unsafe extern "C" fn(ctx: *mut c_void, wc: *const ibv_wc, n: c_int)>;
+
+/// Called once when an asynchronous change is done: `object` is the CQ of
+/// `rdmasafe_cq_loop_remove_cq_async` or the QP of
+/// `rdmasafe_cq_loop_drain_qp_async`, `result` 0 or a negative errno. Runs
+/// on the thread that runs the loop (or on the caller's, when the loop is
+/// idle and the change completes within the call). `ibv_destroy_cq` of a
+/// removed CQ may be called from it.
+pub type rdmasafe_done_cb = Option<unsafe extern "C" fn(ctx: *mut c_void, object: *mut c_void, result: c_int)>;
 
 /// Options of `rdmasafe_cq_loop_create`. Zero-initialise, set `size`, and
 /// set what you need: 0 in a field means its default.
@@ -48,7 +70,8 @@ pub struct rdmasafe_cq_loop_options {
     pub size: u32,
     /// RDMASAFE_MODE_EVENT (default), RDMASAFE_MODE_BUSY_POLL or RDMASAFE_MODE_ADAPTIVE.
     pub mode: c_int,
-    /// Non-zero: arm for solicited completions only.
+    /// Non-zero: arm CQs for solicited completions only (the default of
+    /// `rdmasafe_cq_options.notify`).
     pub solicited_only: c_int,
     /// Completions per poll and per callback, 1..4096 (default 16).
     pub poll_batch: c_int,
@@ -60,6 +83,22 @@ pub struct rdmasafe_cq_loop_options {
     /// Watchdog: poll anyway after this many ms without an event while
     /// outstanding work is reported (0: off).
     pub watchdog_ms: c_int,
+}
+
+/// Options of one CQ (`rdmasafe_cq_loop_add_cq_ex`). Zero-initialise, set
+/// `size`; 0 in a field means its default.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct rdmasafe_cq_options {
+    /// `sizeof(struct rdmasafe_cq_options)` as the caller's header declares it.
+    pub size: u32,
+    /// RDMASAFE_NOTIFY_DEFAULT, RDMASAFE_NOTIFY_ALL or RDMASAFE_NOTIFY_SOLICITED.
+    pub notify: c_int,
+    /// Completions handled per loop cycle at most (0: no limit). A CQ that
+    /// still has completions after its budget is polled again in the next
+    /// cycle, without waiting for an event, after the other ready CQs: one
+    /// flooding CQ cannot starve the others.
+    pub budget: c_int,
 }
 
 /// Figures of a loop (see `rdmasafe_cq_loop_get_stats`). Set `size` to
@@ -105,84 +144,45 @@ pub struct rdmasafe_cq_loop_stats {
     pub completions_per_wakeup: [u64; 16],
     /// Cycle time in microseconds, same buckets.
     pub cycle_time_us: [u64; 16],
+    /// CQ events for CQs on the channel that are not in the loop (acked at
+    /// once, logged once per CQ at warn level).
+    pub foreign_cq_events: u64,
+    /// CQs in the loop now.
+    pub cqs: u64,
+    /// CQs added since the loop was created.
+    pub cqs_added: u64,
+    /// CQs removed since the loop was created.
+    pub cqs_removed: u64,
+    /// Times a CQ used up its budget with completions left.
+    pub budget_yields: u64,
 }
 
-/// A CQ loop (opaque).
+/// A CQ loop (opaque; the handle is looked up on every call).
 pub struct rdmasafe_cq_loop {
-    /// The loop; `None` once destroyed.
-    inner: Mutex<Option<CqLoop>>,
+    _opaque: [u8; 0],
+}
+
+struct CLoop {
+    lp: CqLoop,
     ctl: LoopControl,
-    /// IDLE, RUNNING (run / run_once / drain: may block), SHORT (add,
-    /// remove, keepalive, destroy: brief), or DEAD.
-    state: AtomicU8,
-    /// Id of the thread running the loop now, 0 if none.
-    runner: AtomicU64,
-    /// The channel's fd (fixed for the loop's life; readable without the lock).
-    fd: c_int,
 }
 
-const IDLE: u8 = 0;
-const RUNNING: u8 = 1;
-const SHORT: u8 = 2;
-const DEAD: u8 = 3;
+static LOOPS: Table<CLoop> = Table::new();
 
-fn thread_tag() -> u64 {
-    // SAFETY: pthread_self has no preconditions.
-    unsafe { libc::pthread_self() as u64 }
+fn lookup(l: *mut rdmasafe_cq_loop) -> Result<Entered<'static, CLoop>, c_int> {
+    LOOPS.enter(l as usize).ok_or(-libc::EINVAL)
 }
 
-/// Live loops: every call looks its handle up here first, so a pointer
-/// rdmasafe did not hand out, or one already destroyed, is an EINVAL.
-fn loops() -> &'static Mutex<HashMap<usize, Arc<rdmasafe_cq_loop>, PtrHash>> {
-    static L: OnceLock<Mutex<HashMap<usize, Arc<rdmasafe_cq_loop>, PtrHash>>> = OnceLock::new();
-    L.get_or_init(Default::default)
+fn neg(e: rdmasafe_core::Error) -> c_int {
+    -e.errno()
 }
 
-fn lookup(l: *mut rdmasafe_cq_loop) -> Result<Arc<rdmasafe_cq_loop>, c_int> {
-    loops().lock().unwrap_or_else(|e| e.into_inner()).get(&(l as usize)).cloned().ok_or(-libc::EINVAL)
-}
-
-/// Exclusive use of an idle loop; gives the state back when dropped.
-struct Entered<'a> {
-    h: &'a rdmasafe_cq_loop,
-    guard: std::sync::MutexGuard<'a, Option<CqLoop>>,
-    release_to: u8,
-}
-
-impl Entered<'_> {
-    fn lp(&mut self) -> &mut CqLoop {
-        self.guard.as_mut().expect("entered loops are not destroyed")
+fn outcome(r: rdmasafe_core::Result<Outcome>) -> c_int {
+    match r {
+        Ok(Outcome::Done) => 0,
+        Ok(Outcome::Pending) => RDMASAFE_PENDING,
+        Err(e) => neg(e),
     }
-}
-
-impl Drop for Entered<'_> {
-    fn drop(&mut self) {
-        self.h.state.store(self.release_to, SeqCst);
-    }
-}
-
-/// Takes the loop for an operation of `kind` (RUNNING or SHORT):
-/// -EDEADLK from inside one of its callbacks, -EBUSY while another thread
-/// runs it, -EINVAL once destroyed. A brief operation of another thread is
-/// waited for, never reported as busy.
-fn enter(h: &rdmasafe_cq_loop, kind: u8) -> Result<Entered<'_>, c_int> {
-    if h.runner.load(SeqCst) == thread_tag() {
-        return Err(-libc::EDEADLK);
-    }
-    loop {
-        match h.state.compare_exchange(IDLE, kind, SeqCst, SeqCst) {
-            Ok(_) => break,
-            Err(RUNNING) => return Err(-libc::EBUSY),
-            Err(DEAD) => return Err(-libc::EINVAL),
-            Err(_) => std::thread::yield_now(),
-        }
-    }
-    let guard = h.inner.lock().unwrap_or_else(|e| e.into_inner());
-    if guard.is_none() {
-        h.state.store(DEAD, SeqCst);
-        return Err(-libc::EINVAL);
-    }
-    Ok(Entered { h, guard, release_to: IDLE })
 }
 
 fn options(o: Option<&rdmasafe_cq_loop_options>) -> Result<LoopOptions, c_int> {
@@ -207,20 +207,34 @@ fn options(o: Option<&rdmasafe_cq_loop_options>) -> Result<LoopOptions, c_int> {
     })
 }
 
-fn neg(e: rdmasafe_core::Error) -> c_int {
-    -e.errno()
+fn cq_options(o: &rdmasafe_cq_options, defaults: CqOptions) -> Result<CqOptions, c_int> {
+    let solicited_only = match o.notify {
+        RDMASAFE_NOTIFY_DEFAULT => defaults.solicited_only,
+        RDMASAFE_NOTIFY_ALL => false,
+        RDMASAFE_NOTIFY_SOLICITED => true,
+        _ => return Err(-libc::EINVAL),
+    };
+    if o.budget < 0 {
+        return Err(-libc::EINVAL);
+    }
+    Ok(CqOptions { solicited_only, budget: o.budget as usize })
 }
 
 /// Creates a loop on `channel` (a completion channel the app created with
 /// `ibv_create_comp_channel`, which must outlive the loop). The loop puts
-/// the channel's fd in non-blocking mode and is from now on its only
-/// reader. `opts` may be NULL for the defaults (event mode).
+/// the channel's fd in non-blocking mode (its flags are restored by
+/// `rdmasafe_cq_loop_destroy`) and is from now on its only reader. `opts`
+/// may be NULL for the defaults (event mode).
 ///
 /// Returns 0 and stores the loop in `*out`, or -EINVAL (NULL `channel` or
-/// `out`, an option out of range), -ENOMEM, or another negative errno.
+/// `out`, an option out of range, `opts->size` not set), -E2BIG (`opts` has
+/// fields this library does not know set), -EBUSY (the channel has a loop
+/// already), -EMFILE (4096 loops exist), -ENOMEM, or another negative
+/// errno. `*out` is untouched on failure.
 ///
 /// # Safety
-/// `channel` NULL or live; `opts` NULL or readable; `out` NULL or writable.
+/// `channel` NULL or live; `opts` NULL or readable for its `size`; `out`
+/// NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn rdmasafe_cq_loop_create(
     channel: *mut ibv_comp_channel,
@@ -248,23 +262,19 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_create(
                 Err(e) => return e,
             };
             // SAFETY: channel live for the loop's life (caller).
-            let l = match unsafe { CqLoop::from_raw(chan, opts) } {
+            let lp = match unsafe { CqLoop::from_raw(chan, opts) } {
                 Ok(l) => l,
                 Err(e) => return neg(e),
             };
-            let fd = l.as_raw_fd();
-            let h = Arc::new(rdmasafe_cq_loop {
-                ctl: l.control(),
-                inner: Mutex::new(Some(l)),
-                state: AtomicU8::new(IDLE),
-                runner: AtomicU64::new(0),
-                fd,
-            });
-            let p = Arc::as_ptr(&h) as *mut rdmasafe_cq_loop;
-            loops().lock().unwrap_or_else(|e| e.into_inner()).insert(p as usize, h);
-            // SAFETY: out checked non-NULL.
-            unsafe { *out = p };
-            0
+            let ctl = lp.control();
+            match LOOPS.insert(Box::new(CLoop { lp, ctl })) {
+                Some(h) => {
+                    // SAFETY: out checked non-NULL.
+                    unsafe { *out = h as *mut rdmasafe_cq_loop };
+                    0
+                }
+                None => -libc::EMFILE,
+            }
         },
     )
 }
@@ -277,15 +287,68 @@ struct CCallback {
 // only from the thread that runs the loop, as the header documents.
 unsafe impl Send for CCallback {}
 
-/// Adds `cq` with its callback. The CQ must have been created on this
-/// loop's channel and must not be destroyed before it is removed
-/// (`rdmasafe_cq_loop_remove_cq`) or the loop destroyed: `ibv_destroy_cq`
-/// waits for acks only the loop can give, and libibverbs cannot be
-/// intercepted. Not while the loop runs.
+struct CDone {
+    f: unsafe extern "C" fn(*mut c_void, *mut c_void, c_int),
+    ctx: *mut c_void,
+    object: *mut c_void,
+}
+// SAFETY: as for CCallback.
+unsafe impl Send for CDone {}
+
+impl CDone {
+    fn boxed(self) -> Box<dyn FnOnce(rdmasafe_core::Result<()>) + Send> {
+        Box::new(move |r: rdmasafe_core::Result<()>| {
+            let d = self;
+            let code = match r {
+                Ok(()) => 0,
+                Err(e) => neg(e),
+            };
+            // SAFETY: the app's callback, called once as documented.
+            unsafe { (d.f)(d.ctx, d.object, code) }
+        })
+    }
+}
+
+fn add(
+    l: *mut rdmasafe_cq_loop,
+    cq: *mut ibv_cq,
+    opts: Option<&rdmasafe_cq_options>,
+    cb: rdmasafe_wc_cb,
+    ctx: *mut c_void,
+) -> c_int {
+    let (Some(cqp), Some(f)) = (NonNull::new(cq), cb) else { return -libc::EINVAL };
+    let h = match lookup(l) {
+        Ok(h) => h,
+        Err(e) => return e,
+    };
+    let defaults = h.lp.default_cq_options();
+    let opts = match opts.map(|o| cq_options(o, defaults)).transpose() {
+        Ok(o) => o.unwrap_or(defaults),
+        Err(e) => return e,
+    };
+    let c = CCallback { f, ctx };
+    let handler: cq::Handler = Box::new(move |wcs: &[ibv_wc], _ctl: &LoopControl| {
+        let c = &c;
+        // SAFETY: the app's callback, called as documented.
+        unsafe { (c.f)(c.ctx, wcs.as_ptr(), wcs.len() as c_int) }
+    });
+    // SAFETY: cq live until removed (caller's contract, documented).
+    outcome(unsafe { h.ctl.add_raw_cq(cqp, opts, handler) })
+}
+
+/// Adds `cq` with its callback and the loop's default options, while the
+/// loop runs or not, from any thread or from inside a callback. The loop
+/// arms the CQ and delivers what it already holds at its next cycle (a
+/// loop embedded in the app's epoll has its fd readable for that). The CQ
+/// must have been created on this loop's channel and must not be
+/// destroyed before it has left the loop (`rdmasafe_cq_loop_remove_cq`,
+/// `rdmasafe_cq_loop_destroy_cq`, or the loop destroyed):
+/// `ibv_destroy_cq` waits for acks only the loop can give, and the loop
+/// would poll freed memory.
 ///
-/// Returns 0, -EINVAL (NULL argument, unknown loop, CQ not bound to this
-/// loop's channel or of another device context), -EBUSY (the CQ is in a
-/// loop already, or the loop is running), -EDEADLK (from a callback).
+/// Returns 0 (or RDMASAFE_PENDING from inside a callback), -EINVAL (NULL
+/// argument, unknown loop, CQ not bound to this loop's channel or of
+/// another device context), -EBUSY (the CQ is in a loop already).
 ///
 /// # Safety
 /// `cq` NULL or a live CQ.
@@ -296,34 +359,56 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_add_cq(
     cb: rdmasafe_wc_cb,
     ctx: *mut c_void,
 ) -> c_int {
+    guard(|| -libc::EIO, || add(cq_loop, cq, None, cb, ctx))
+}
+
+/// Like `rdmasafe_cq_loop_add_cq`, with options for this CQ (`opts` may be
+/// NULL): which completions arm it (`notify`) and a per-cycle budget.
+///
+/// Returns as `rdmasafe_cq_loop_add_cq`, and -EINVAL for an option out of
+/// range or `opts->size` not set, -E2BIG for fields this library does not
+/// know set.
+///
+/// # Safety
+/// `cq` NULL or a live CQ; `opts` NULL or readable for its `size`.
+#[no_mangle]
+pub unsafe extern "C" fn rdmasafe_cq_loop_add_cq_ex(
+    cq_loop: *mut rdmasafe_cq_loop,
+    cq: *mut ibv_cq,
+    opts: *const rdmasafe_cq_options,
+    cb: rdmasafe_wc_cb,
+    ctx: *mut c_void,
+) -> c_int {
     guard(
         || -libc::EIO,
         || {
-            let (Some(cqp), Some(f)) = (NonNull::new(cq), cb) else { return -libc::EINVAL };
-            with_loop(cq_loop, SHORT, |l| {
-                let c = CCallback { f, ctx };
-                let handler: cq::Handler = Box::new(move |wcs: &[ibv_wc], _ctl: &LoopControl| {
-                    let c = &c;
-                    // SAFETY: the app's callback, called as documented.
-                    unsafe { (c.f)(c.ctx, wcs.as_ptr(), wcs.len() as c_int) }
-                });
-                // SAFETY: cq live until removed (caller's contract, documented).
-                match unsafe { l.add_raw_cq(cqp, handler) } {
-                    Ok(()) => 0,
-                    Err(e) => neg(e),
+            let opts = if opts.is_null() {
+                None
+            } else {
+                // SAFETY: readable for its stated size (caller).
+                match unsafe { crate::abi::read_in(opts) } {
+                    Ok(o) => Some(o),
+                    Err(e) => return e,
                 }
-            })
+            };
+            add(cq_loop, cq, opts.as_ref(), cb, ctx)
         },
     )
 }
 
-/// Removes `cq`: acks its pending events and forgets it; events for it read
-/// later are acked at once. Afterwards the app may destroy the CQ. Not
-/// while the loop runs.
+/// Removes `cq`, while the loop runs or not: its pending acks are flushed,
+/// events already queued for it are read and acked, and its callback will
+/// never be called again. From another thread this waits for the loop's
+/// current cycle (it never returns while the CQ's callback runs) and
+/// returns 0: `ibv_destroy_cq` may follow at once, provided no QP can still
+/// raise an event on the CQ (destroy or drain its QPs first). From inside a
+/// callback of this loop it returns RDMASAFE_PENDING: the removal is done
+/// when that callback returns (use `rdmasafe_cq_loop_remove_cq_async` or
+/// `rdmasafe_cq_loop_destroy_cq` to destroy the CQ then). Keepalives that
+/// probe through the CQ stop; drains that need it end with -ECANCELED.
 ///
-/// Returns 0, -EINVAL (NULL, unknown loop), -ENOENT (CQ not in this loop),
-/// -EBUSY (running, or a keepalive probes through this CQ: remove the
-/// keepalive first), -EDEADLK (from a callback).
+/// Returns 0, RDMASAFE_PENDING, -EINVAL (NULL, unknown loop), -ENOENT (CQ
+/// not in this loop).
 #[no_mangle]
 pub extern "C" fn rdmasafe_cq_loop_remove_cq(cq_loop: *mut rdmasafe_cq_loop, cq: *mut ibv_cq) -> c_int {
     guard(
@@ -332,61 +417,136 @@ pub extern "C" fn rdmasafe_cq_loop_remove_cq(cq_loop: *mut rdmasafe_cq_loop, cq:
             if cq.is_null() {
                 return -libc::EINVAL;
             }
-            with_loop(cq_loop, SHORT, |l| match l.remove_cq(cq) {
-                Ok(()) => 0,
-                Err(e) => neg(e),
-            })
+            match lookup(cq_loop) {
+                Ok(h) => outcome(h.ctl.remove_raw_cq(cq)),
+                Err(e) => e,
+            }
         },
     )
 }
 
-/// Looks the loop up, takes it for an operation of `kind` (see `enter`)
-/// and runs `f` on it. A RUNNING operation marks this thread as the loop's
-/// runner, so calls from inside its callbacks get -EDEADLK.
-fn with_loop(cq_loop: *mut rdmasafe_cq_loop, kind: u8, f: impl FnOnce(&mut CqLoop) -> c_int) -> c_int {
-    let h = match lookup(cq_loop) {
-        Ok(h) => h,
-        Err(e) => return e,
-    };
-    let mut e = match enter(&h, kind) {
-        Ok(e) => e,
-        Err(err) => return err,
-    };
-    if kind == RUNNING {
-        h.runner.store(thread_tag(), SeqCst);
-    }
-    let r = f(e.lp());
-    if kind == RUNNING {
-        h.runner.store(0, SeqCst);
-    }
-    r
+/// Removes `cq` without ever blocking: `done(done_ctx, cq, result)` is
+/// called once the removal is complete (acks flushed, callback never called
+/// again), on the thread that runs the loop, or on the caller's when the
+/// loop is idle. `done` may call `ibv_destroy_cq(cq)`.
+///
+/// Returns 0 (`done` will be called), -EINVAL (NULL `cq` or `done`, unknown
+/// loop), -ENOENT (CQ not in this loop; `done` is not called).
+#[no_mangle]
+pub extern "C" fn rdmasafe_cq_loop_remove_cq_async(
+    cq_loop: *mut rdmasafe_cq_loop,
+    cq: *mut ibv_cq,
+    done: rdmasafe_done_cb,
+    done_ctx: *mut c_void,
+) -> c_int {
+    guard(
+        || -libc::EIO,
+        || {
+            let (false, Some(f)) = (cq.is_null(), done) else { return -libc::EINVAL };
+            let h = match lookup(cq_loop) {
+                Ok(h) => h,
+                Err(e) => return e,
+            };
+            let d = CDone { f, ctx: done_ctx, object: cq.cast() };
+            match h.ctl.remove_raw_cq_then(cq, d.boxed()) {
+                Ok(()) => 0,
+                Err(e) => neg(e),
+            }
+        },
+    )
+}
+
+struct DestroyCq(*mut ibv_cq);
+// SAFETY: a CQ pointer handed from the app to the loop's thread.
+unsafe impl Send for DestroyCq {}
+
+/// Removes `cq` from the loop and destroys it, in the only safe order: the
+/// removal completes (acks flushed, callback never called again), then
+/// `ibv_destroy_cq`. Destroy or drain the QPs that use the CQ first. From
+/// inside a callback of this loop the CQ is removed and destroyed when that
+/// callback returns (RDMASAFE_PENDING; a failed destroy is logged).
+///
+/// Returns 0, RDMASAFE_PENDING, -EINVAL (NULL, unknown loop), -ENOENT (CQ
+/// not in this loop: nothing destroyed), or the negative errno of
+/// `ibv_destroy_cq`.
+///
+/// # Safety
+/// `cq` NULL or a live CQ that nothing but the loop uses any more.
+#[no_mangle]
+pub unsafe extern "C" fn rdmasafe_cq_loop_destroy_cq(cq_loop: *mut rdmasafe_cq_loop, cq: *mut ibv_cq) -> c_int {
+    guard(
+        || -libc::EIO,
+        || {
+            if cq.is_null() {
+                return -libc::EINVAL;
+            }
+            let h = match lookup(cq_loop) {
+                Ok(h) => h,
+                Err(e) => return e,
+            };
+            if h.ctl.on_loop_thread() {
+                let target = DestroyCq(cq);
+                let then = Box::new(move |r: rdmasafe_core::Result<()>| {
+                    let t = target;
+                    if r.is_ok() {
+                        // SAFETY: out of the loop now, and the app's to destroy.
+                        let d = unsafe { rdmasafe_core::sys::ibv_destroy_cq(t.0) };
+                        if d != 0 {
+                            log::error!(target: "rdmasafe", "rdmasafe_cq_loop_destroy_cq: ibv_destroy_cq: errno {d}");
+                        }
+                    }
+                });
+                return match h.ctl.remove_raw_cq_then(cq, then) {
+                    Ok(()) => RDMASAFE_PENDING,
+                    Err(e) => neg(e),
+                };
+            }
+            match h.ctl.remove_raw_cq(cq) {
+                Ok(_) => {}
+                Err(e) => return neg(e),
+            }
+            // SAFETY: the CQ left the loop (removal complete); the app's.
+            match unsafe { rdmasafe_core::sys::ibv_destroy_cq(cq) } {
+                0 => 0,
+                r => -r.abs(),
+            }
+        },
+    )
 }
 
 /// Runs the loop on the calling thread until `rdmasafe_cq_loop_stop`, then
 /// acks everything outstanding and returns 0. A stopped loop can be run
-/// again. Blocks.
+/// again. Blocks. Signals do not end it (a profiler's SIGPROF is harmless);
+/// a signal handler may call `rdmasafe_cq_loop_stop`.
 ///
-/// Returns 0, -EINVAL (unknown loop), -EBUSY (another thread runs it),
-/// -EDEADLK (from a callback), or the negative errno of a failed verbs call.
+/// Returns 0, -EINVAL (unknown or destroyed loop), -EBUSY (another thread
+/// runs it), -EDEADLK (from a callback), or the negative errno of a failed
+/// verbs call.
 #[no_mangle]
 pub extern "C" fn rdmasafe_cq_loop_run(cq_loop: *mut rdmasafe_cq_loop) -> c_int {
     guard(
         || -libc::EIO,
-        || {
-            with_loop(cq_loop, RUNNING, |l| match l.run() {
+        || match lookup(cq_loop) {
+            Ok(h) => match h.lp.run() {
                 Ok(()) => 0,
                 Err(e) => neg(e),
-            })
+            },
+            Err(e) => e,
         },
     )
 }
 
-/// One cycle: waits at most `timeout_ms` (-1 forever, 0 not at all), then
-/// delivers what arrived. For driving the loop from the app's own epoll:
-/// watch `rdmasafe_cq_loop_fd` and call this with 0 when it is readable.
+/// One cycle: waits at most `timeout_ms` (-1 forever, 0 not at all; also
+/// bounded by the loop's next deadline), then delivers what arrived. For
+/// driving the loop from the app's own epoll: watch `rdmasafe_cq_loop_fd`
+/// and call this with 0 whenever it is readable, no priming call needed
+/// (see there). A stop requested meanwhile ends the call at once with
+/// every ack flushed (returns 0).
 ///
-/// Returns the number of completions delivered (>= 0), -EINVAL (unknown
-/// loop, `timeout_ms < -1`), -EBUSY, -EDEADLK, or a negative errno.
+/// Returns the number of completions delivered (>= 0), -EINTR (a signal
+/// interrupted the wait), -EINVAL (unknown loop, `timeout_ms < -1`),
+/// -EBUSY (another thread runs it), -EDEADLK (from a callback), or a
+/// negative errno.
 #[no_mangle]
 pub extern "C" fn rdmasafe_cq_loop_run_once(cq_loop: *mut rdmasafe_cq_loop, timeout_ms: c_int) -> c_int {
     guard(
@@ -395,40 +555,93 @@ pub extern "C" fn rdmasafe_cq_loop_run_once(cq_loop: *mut rdmasafe_cq_loop, time
             if timeout_ms < -1 {
                 return -libc::EINVAL;
             }
-            with_loop(cq_loop, RUNNING, |l| match l.process_once(Wait::from_millis(timeout_ms as i64)) {
-                Ok(n) => n.min(c_int::MAX as usize) as c_int,
-                Err(e) => neg(e),
-            })
+            match lookup(cq_loop) {
+                Ok(h) => match h.lp.process_once(Wait::from_millis(timeout_ms as i64)) {
+                    Ok(n) => n.min(c_int::MAX as usize) as c_int,
+                    Err(e) => neg(e),
+                },
+                Err(e) => e,
+            }
         },
     )
 }
 
-/// The completion channel's fd (readable when a CQ event is ready), for the
-/// app's own poll/epoll. Returns the fd (>= 0) or -EINVAL. Thread-safe.
+/// The loop's own epoll fd, for the app's poll/epoll: readable whenever
+/// the loop has work (a CQ event; a CQ just added; a stop; a due
+/// keepalive, watchdog or drain deadline; an adaptive loop still polling;
+/// a CQ left over its budget). Call `rdmasafe_cq_loop_run_once(l, 0)`
+/// when it is. Not the completion channel's fd. Thread-safe.
+///
+/// Returns the fd (>= 0) or -EINVAL.
 #[no_mangle]
 pub extern "C" fn rdmasafe_cq_loop_fd(cq_loop: *mut rdmasafe_cq_loop) -> c_int {
     guard(
         || -libc::EIO,
         || match lookup(cq_loop) {
-            Ok(h) => h.fd,
+            Ok(h) => std::os::fd::AsRawFd::as_raw_fd(&h.lp),
             Err(e) => e,
         },
     )
 }
 
-/// Asks the loop to stop; `rdmasafe_cq_loop_run` returns after the current
-/// batch with every ack flushed. Thread-safe, callable from a callback,
-/// never blocks. Returns 0 or -EINVAL.
+/// For an app that embeds the loop: stores in `*timeout_ms` how long it may
+/// wait before calling `rdmasafe_cq_loop_run_once` again even if the fd
+/// stays quiet: 0 while the loop has work right now, the milliseconds to
+/// its next keepalive / watchdog / drain deadline (rounded up), or -1 if
+/// none (ready to pass to epoll_wait). Thread-safe.
+///
+/// Returns 0, or -EINVAL (unknown loop, NULL `timeout_ms`).
+///
+/// # Safety
+/// `timeout_ms` NULL or writable.
 #[no_mangle]
-pub extern "C" fn rdmasafe_cq_loop_stop(cq_loop: *mut rdmasafe_cq_loop) -> c_int {
+pub unsafe extern "C" fn rdmasafe_cq_loop_next_timeout_ms(
+    cq_loop: *mut rdmasafe_cq_loop,
+    timeout_ms: *mut c_int,
+) -> c_int {
     guard(
         || -libc::EIO,
-        || match lookup(cq_loop) {
-            Ok(h) => {
-                h.ctl.stop();
-                0
+        || {
+            if timeout_ms.is_null() {
+                return -libc::EINVAL;
             }
-            Err(e) => e,
+            let h = match lookup(cq_loop) {
+                Ok(h) => h,
+                Err(e) => return e,
+            };
+            let v = match h.ctl.next_timeout() {
+                None => -1,
+                Some(d) => d.as_micros().div_ceil(1000).min(c_int::MAX as u128) as c_int,
+            };
+            // SAFETY: checked non-NULL.
+            unsafe { *timeout_ms = v };
+            0
+        },
+    )
+}
+
+/// Asks the loop to stop: `rdmasafe_cq_loop_run` returns after the current
+/// batch with every ack flushed (a loop driven by `_run_once` finishes the
+/// stop in its next call). Thread-safe, callable from a callback, never
+/// blocks, and async-signal-safe: it takes no lock and leaves errno as it
+/// was, so a signal handler may call it.
+///
+/// Returns 0 or -EINVAL.
+#[no_mangle]
+pub extern "C" fn rdmasafe_cq_loop_stop(cq_loop: *mut rdmasafe_cq_loop) -> c_int {
+    guard_signal_safe(
+        || -libc::EIO,
+        || {
+            let saved = rdmasafe_core::sys::errno_raw();
+            let r = match LOOPS.enter(cq_loop as usize) {
+                Some(h) => {
+                    h.ctl.stop();
+                    0
+                }
+                None => -libc::EINVAL,
+            };
+            rdmasafe_core::sys::set_errno(saved);
+            r
         },
     )
 }
@@ -449,11 +662,13 @@ pub extern "C" fn rdmasafe_cq_loop_set_outstanding(cq_loop: *mut rdmasafe_cq_loo
     )
 }
 
-/// Reads the loop's figures into `*out` without stopping it. Thread-safe.
-/// Returns 0 or -EINVAL.
+/// Reads the loop's figures into `*out` (set `out->size` first) without
+/// stopping it. Thread-safe, takes no lock.
+///
+/// Returns 0, or -EINVAL (unknown loop, NULL `out`, size not set).
 ///
 /// # Safety
-/// `out` NULL or writable.
+/// `out` NULL or writable for its `size`.
 #[no_mangle]
 pub unsafe extern "C" fn rdmasafe_cq_loop_get_stats(
     cq_loop: *mut rdmasafe_cq_loop,
@@ -489,6 +704,11 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_get_stats(
                 keepalive_dead: s.keepalive_dead,
                 completions_per_wakeup: s.completions_per_wakeup,
                 cycle_time_us: s.cycle_time_us,
+                foreign_cq_events: s.foreign_cq_events,
+                cqs: s.cqs,
+                cqs_added: s.cqs_added,
+                cqs_removed: s.cqs_removed,
+                budget_yields: s.budget_yields,
             };
             // SAFETY: out checked non-NULL; writable for its stated size (caller).
             match unsafe { crate::abi::write_out(out, &v) } {
@@ -500,18 +720,23 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_get_stats(
 }
 
 /// Drains `qp` before teardown (like the kernel's ib_drain_qp): moves it to
-/// the error state, posts marker work requests (wr_id UINT64_MAX on the send
-/// queue, UINT64_MAX - 1 on the receive queue unless `use_srq`), and runs
-/// the loop until both flush completions were delivered to the callbacks.
-/// Then every request posted before has completed, and every CQ event the
-/// loop read is acked. The QP's CQs must be in
-/// this loop. Blocks up to `timeout_ms` (> 0). Not while the loop runs.
+/// the error state, posts marker work requests (wr_id UINT64_MAX on the
+/// send queue, UINT64_MAX - 1 on the receive queue unless `use_srq`), and
+/// the loop delivers every completion until both markers come back. The
+/// markers never reach a callback. Then every request posted before has
+/// completed, and every CQ event the loop read is acked. The QP's CQs must
+/// be in this loop. From another thread this blocks up to `timeout_ms`
+/// (> 0), running the loop itself when nobody runs it; from inside a
+/// callback it starts the drain and returns RDMASAFE_PENDING (use
+/// `rdmasafe_cq_loop_drain_qp_async` to be told when it is done).
 ///
-/// Returns 0, -EINVAL (NULL, unknown loop, CQs not in the loop,
-/// `timeout_ms <= 0`), -ETIMEDOUT, -EBUSY, -EDEADLK, or a negative errno.
+/// Returns 0, RDMASAFE_PENDING, -EINVAL (NULL, unknown loop, CQs not in the
+/// loop, `timeout_ms <= 0`), -ETIMEDOUT, -ECANCELED (a CQ of the QP left
+/// the loop meanwhile), or the negative errno of a verbs call.
 ///
 /// # Safety
-/// `qp` NULL or a live QP with a free slot on each queue.
+/// `qp` NULL or a live QP with a free slot on each queue, alive until the
+/// drain is done.
 #[no_mangle]
 pub unsafe extern "C" fn rdmasafe_cq_loop_drain_qp(
     cq_loop: *mut rdmasafe_cq_loop,
@@ -526,20 +751,60 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_drain_qp(
             if timeout_ms <= 0 {
                 return -libc::EINVAL;
             }
-            with_loop(cq_loop, RUNNING, |l| {
-                // SAFETY: qp live (caller).
-                match unsafe { l.drain_qp(qp, use_srq != 0, Duration::from_millis(timeout_ms as u64)) } {
-                    Ok(()) => 0,
-                    Err(e) => neg(e),
+            match lookup(cq_loop) {
+                Ok(h) => {
+                    let timeout = Duration::from_millis(timeout_ms as u64);
+                    // SAFETY: qp live until the drain is done (caller).
+                    outcome(unsafe { h.ctl.drain_qp(qp, use_srq != 0, timeout) })
                 }
-            })
+                Err(e) => e,
+            }
+        },
+    )
+}
+
+/// Starts a drain (see `rdmasafe_cq_loop_drain_qp`) and never blocks:
+/// `done(done_ctx, qp, result)` is called once with its result (0,
+/// -ETIMEDOUT, -ECANCELED, ...) on the thread that runs the loop; the
+/// drain makes progress as the loop runs.
+///
+/// Returns 0 (`done` will be called), -EINVAL (NULL `qp` or `done`, unknown
+/// loop, CQs not in the loop, `timeout_ms <= 0`; `done` is not called).
+///
+/// # Safety
+/// `qp` NULL or a live QP with a free slot on each queue, alive until
+/// `done` is called.
+#[no_mangle]
+pub unsafe extern "C" fn rdmasafe_cq_loop_drain_qp_async(
+    cq_loop: *mut rdmasafe_cq_loop,
+    qp: *mut ibv_qp,
+    use_srq: c_int,
+    timeout_ms: c_int,
+    done: rdmasafe_done_cb,
+    done_ctx: *mut c_void,
+) -> c_int {
+    guard(
+        || -libc::EIO,
+        || {
+            let (Some(qpp), Some(f), true) = (NonNull::new(qp), done, timeout_ms > 0) else { return -libc::EINVAL };
+            let h = match lookup(cq_loop) {
+                Ok(h) => h,
+                Err(e) => return e,
+            };
+            let d = CDone { f, ctx: done_ctx, object: qp.cast() };
+            let timeout = Duration::from_millis(timeout_ms as u64);
+            // SAFETY: qp live until done is called (caller).
+            match unsafe { h.ctl.drain_qp_then(qpp, use_srq != 0, timeout, d.boxed()) } {
+                Ok(()) => 0,
+                Err(e) => neg(e),
+            }
         },
     )
 }
 
 /// Called once when a keepalive declares the peer of `qp` dead (after the
-/// QP was moved to the error state). Runs on the loop's thread; it may call
-/// `rdmasafe_cq_loop_stop`, not add/remove/run/destroy.
+/// QP was moved to the error state). Runs on the loop's thread; like a
+/// completion callback, it may change the loop (not run or destroy it).
 pub type rdmasafe_dead_peer_cb = Option<unsafe extern "C" fn(ctx: *mut c_void, qp: *mut ibv_qp, qp_num: u32)>;
 
 struct CDeadPeer {
@@ -550,22 +815,24 @@ struct CDeadPeer {
 // SAFETY: called only on the loop's thread, as documented.
 unsafe impl Send for CDeadPeer {}
 
-/// Dead-peer detection for `qp`, an RC QP whose send CQ is in this loop.
-/// While the loop runs, when the QP has had no successful completion for
+/// Dead-peer detection for `qp`, an RC QP whose send CQ is in this loop,
+/// while the loop runs or not, from any thread or a callback. While the
+/// loop runs, when the QP has had no successful completion for
 /// `period_ms`, rdmasafe posts a probe (a signaled zero-length RDMA WRITE
 /// with wr_id `probe_wr_id`, using one send-queue slot; the peer's
-/// application sees nothing). If a probe has not completed within
-/// `bound_ms`, or fails, the peer is declared dead: the QP is moved to the
-/// error state (outstanding work flushes to the callbacks) and `on_dead` is
-/// called once. A timer decides, so this works whatever retry_cnt the QP
-/// has. Probe completions are never passed to the CQ callback: pick a
-/// `probe_wr_id` the app does not use on this QP. The QP must stay alive
-/// until `rdmasafe_cq_loop_remove_keepalive` or the loop is destroyed.
-/// Not while the loop runs.
+/// application sees nothing; a full send queue delays it, up to the
+/// bound). If a probe has not completed within `bound_ms`, or fails, the
+/// peer is declared dead: the QP is moved to the error state (outstanding
+/// work flushes to the callbacks) and `on_dead` is called once. A timer
+/// decides, so this works whatever retry_cnt the QP has. Probe completions
+/// are never passed to the CQ callback: pick a `probe_wr_id` the app does
+/// not use on this QP. The QP must stay alive until
+/// `rdmasafe_cq_loop_remove_keepalive` returns, its send CQ leaves the
+/// loop, or the loop is destroyed.
 ///
-/// Returns 0, -EINVAL (NULL, unknown loop, `period_ms` or `bound_ms` <= 0,
-/// send CQ not in this loop), -EBUSY (already registered, or running),
-/// -EDEADLK (from a callback).
+/// Returns 0 (or RDMASAFE_PENDING from a callback), -EINVAL (NULL, unknown
+/// loop, `period_ms` or `bound_ms` <= 0, send CQ not in this loop), -EBUSY
+/// (the QP has a keepalive already).
 ///
 /// # Safety
 /// `qp` NULL or a live QP.
@@ -585,30 +852,32 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_add_keepalive(
             let (Some(qpp), Some(f), true) = (NonNull::new(qp), on_dead, period_ms > 0 && bound_ms > 0) else {
                 return -libc::EINVAL;
             };
-            with_loop(cq_loop, SHORT, |l| {
-                let cfg = Keepalive {
-                    period: Duration::from_millis(period_ms as u64),
-                    bound: Duration::from_millis(bound_ms as u64),
-                    wr_id: probe_wr_id,
-                };
-                let cb = CDeadPeer { f, ctx, qp };
-                let on_dead: cq::DeadPeer = Box::new(move |qpn, _| {
-                    let cb = &cb;
-                    // SAFETY: the app's callback, called as documented.
-                    unsafe { (cb.f)(cb.ctx, cb.qp, qpn) }
-                });
-                // SAFETY: qp live until removed (caller's contract, documented).
-                match unsafe { l.add_keepalive(qpp, cfg, on_dead) } {
-                    Ok(()) => 0,
-                    Err(e) => neg(e),
-                }
-            })
+            let h = match lookup(cq_loop) {
+                Ok(h) => h,
+                Err(e) => return e,
+            };
+            let cfg = Keepalive {
+                period: Duration::from_millis(period_ms as u64),
+                bound: Duration::from_millis(bound_ms as u64),
+                wr_id: probe_wr_id,
+            };
+            let cb = CDeadPeer { f, ctx, qp };
+            let on_dead: cq::DeadPeer = Box::new(move |qpn, _| {
+                let cb = &cb;
+                // SAFETY: the app's callback, called as documented.
+                unsafe { (cb.f)(cb.ctx, cb.qp, qpn) }
+            });
+            // SAFETY: qp live until removed (caller's contract, documented).
+            outcome(unsafe { h.ctl.add_keepalive(qpp, cfg, on_dead) })
         },
     )
 }
 
-/// Stops dead-peer detection for `qp`. Not while the loop runs.
-/// Returns 0, -EINVAL, -ENOENT (no keepalive for it), -EBUSY, -EDEADLK.
+/// Stops dead-peer detection for `qp`; a probe still outstanding is
+/// consumed when it completes. Any thread, or a callback.
+///
+/// Returns 0 (or RDMASAFE_PENDING from a callback), -EINVAL (NULL, unknown
+/// loop), -ENOENT (no keepalive for it).
 ///
 /// # Safety
 /// `qp` NULL or a live QP.
@@ -620,24 +889,24 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_remove_keepalive(cq_loop: *mut rdmasaf
             if qp.is_null() {
                 return -libc::EINVAL;
             }
-            with_loop(cq_loop, SHORT, |l| {
+            match lookup(cq_loop) {
                 // SAFETY: live QP (caller).
-                let qpn = unsafe { (*qp).qp_num };
-                match l.remove_keepalive(qpn) {
-                    Ok(()) => 0,
-                    Err(e) => neg(e),
-                }
-            })
+                Ok(h) => outcome(h.ctl.remove_keepalive(unsafe { (*qp).qp_num })),
+                Err(e) => e,
+            }
         },
     )
 }
 
 /// Destroys the loop: acks every pending CQ event and every event still in
-/// the channel, so afterwards each of its CQs can be destroyed. Does not
-/// destroy the CQs or the channel (the app's). The pointer is invalid after.
+/// the channel, drops the callbacks, restores the channel fd's flags, so
+/// that afterwards each of its CQs can be destroyed. Does not destroy the
+/// CQs or the channel (the app's). The handle is invalid afterwards: every
+/// later call with it (destroy included) returns -EINVAL, even if a new
+/// loop is created at the same time.
 ///
-/// Returns 0, -EINVAL (NULL or unknown loop, e.g. destroyed twice), -EBUSY
-/// (another thread runs it: stop it first), -EDEADLK (from its callback).
+/// Returns 0, -EINVAL (unknown or already destroyed loop), -EBUSY (another
+/// thread runs it: stop it first), -EDEADLK (from one of its callbacks).
 #[no_mangle]
 pub extern "C" fn rdmasafe_cq_loop_destroy(cq_loop: *mut rdmasafe_cq_loop) -> c_int {
     guard(
@@ -647,122 +916,19 @@ pub extern "C" fn rdmasafe_cq_loop_destroy(cq_loop: *mut rdmasafe_cq_loop) -> c_
                 Ok(h) => h,
                 Err(e) => return e,
             };
-            let mut e = match enter(&h, SHORT) {
-                Ok(e) => e,
-                Err(err) => return err,
-            };
-            // Out of the registry first (new calls get EINVAL), then the loop
-            // is dropped here, on this thread: its acks are done when this
-            // returns. Calls that looked the handle up earlier find it DEAD.
-            loops().lock().unwrap_or_else(|e| e.into_inner()).remove(&(cq_loop as usize));
-            e.release_to = DEAD;
-            drop(e.guard.take());
-            0
-        },
-    )
-}
-
-/// What an async event concerns (`rdmasafe_async_event.element_kind`).
-pub const RDMASAFE_ASYNC_CQ: c_int = 1;
-/// The element is a QP (`element` = struct ibv_qp *, `qp_num` set).
-pub const RDMASAFE_ASYNC_QP: c_int = 2;
-/// The element is an SRQ (`struct ibv_srq *`).
-pub const RDMASAFE_ASYNC_SRQ: c_int = 3;
-/// The element is a WQ (`struct ibv_wq *`).
-pub const RDMASAFE_ASYNC_WQ: c_int = 4;
-/// The element is a port (`port_num` set).
-pub const RDMASAFE_ASYNC_PORT: c_int = 5;
-/// The whole device (IBV_EVENT_DEVICE_FATAL).
-pub const RDMASAFE_ASYNC_DEVICE: c_int = 6;
-/// An event type rdmasafe does not know; `element` is the raw value.
-pub const RDMASAFE_ASYNC_UNKNOWN: c_int = 0;
-
-/// A copy of one async event; the original is already acked. Set `size`
-/// to `sizeof` the struct before the call.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct rdmasafe_async_event {
-    /// In: `sizeof(struct rdmasafe_async_event)` as the caller's header
-    /// declares it. Out: the number of bytes the library filled.
-    pub size: u32,
-    /// `enum ibv_event_type` value (unknown values pass through).
-    pub event_type: u32,
-    /// One of RDMASAFE_ASYNC_*.
-    pub element_kind: c_int,
-    /// The CQ / QP / SRQ / WQ pointer (a value: compare, do not free).
-    pub element: *mut c_void,
-    /// For QP events: the QP number.
-    pub qp_num: u32,
-    /// For port events: the port number.
-    pub port_num: u8,
-}
-
-/// Gets one async event of `context`, copies it into `*out` and acks it at
-/// once, so no held copy can block a destroy. Waits at most `timeout_ms`
-/// (-1 forever, 0 not at all) with poll() on `context->async_fd`, whose
-/// mode is not changed. One reader per context.
-///
-/// Returns 0, -EINVAL (NULL argument, `timeout_ms < -1`), -EAGAIN
-/// (`timeout_ms == 0`, none), -ETIMEDOUT, or a negative errno.
-///
-/// # Safety
-/// `context` NULL or a live device context; `out` NULL or writable.
-#[no_mangle]
-pub unsafe extern "C" fn rdmasafe_async_get(
-    context: *mut ibv_context,
-    out: *mut rdmasafe_async_event,
-    timeout_ms: c_int,
-) -> c_int {
-    guard(
-        || -libc::EIO,
-        || {
-            if out.is_null() || timeout_ms < -1 {
-                return -libc::EINVAL;
+            if let Err(e) = h.lp.try_close() {
+                return neg(e);
             }
-            // Before an event is taken (and acked): a bad size loses nothing.
-            // SAFETY: out is non-NULL and readable for its size field (caller).
-            if let Err(e) = unsafe { crate::abi::check_size(out) } {
-                return e;
-            }
-            // SAFETY: context NULL or live (caller).
-            let Some(ctx) = (unsafe { DeviceContext::from_raw_checked(context) }) else { return -libc::EINVAL };
-            match AsyncEvents::new(&ctx).get(Wait::from_millis(timeout_ms as i64)) {
-                Ok(ev) => {
-                    let (kind, element, qp_num, port_num) = match ev.element {
-                        AsyncElement::Cq(p) => (RDMASAFE_ASYNC_CQ, p.cast(), 0, 0),
-                        AsyncElement::Qp(p, n) => (RDMASAFE_ASYNC_QP, p.cast(), n, 0),
-                        AsyncElement::Srq(p) => (RDMASAFE_ASYNC_SRQ, p, 0, 0),
-                        AsyncElement::Wq(p) => (RDMASAFE_ASYNC_WQ, p, 0, 0),
-                        AsyncElement::Port(n) => (RDMASAFE_ASYNC_PORT, std::ptr::null_mut(), 0, n),
-                        AsyncElement::Device => (RDMASAFE_ASYNC_DEVICE, std::ptr::null_mut(), 0, 0),
-                        AsyncElement::Unknown(v) => (RDMASAFE_ASYNC_UNKNOWN, v as *mut c_void, 0, 0),
-                    };
-                    let v = rdmasafe_async_event {
-                        size: 0,
-                        event_type: ev.event_type.0,
-                        element_kind: kind,
-                        element,
-                        qp_num,
-                        port_num,
-                    };
-                    // SAFETY: out checked non-NULL; writable for its size (caller).
-                    match unsafe { crate::abi::write_out(out, &v) } {
-                        Ok(()) => 0,
-                        Err(e) => e,
-                    }
+            match LOOPS.remove(h) {
+                // Dropped here, on this thread: its acks are done when this returns.
+                Some(obj) => {
+                    drop(obj);
+                    0
                 }
-                Err(e) => neg(e),
+                None => -libc::EINVAL,
             }
         },
     )
-}
-
-/// The name of an async event type, e.g. "IBV_EVENT_CQ_ERR";
-/// "IBV_EVENT_UNKNOWN" for values rdmasafe does not know. Never NULL,
-/// static. Thread-safe.
-#[no_mangle]
-pub extern "C" fn rdmasafe_async_event_str(event_type: u32) -> *const c_char {
-    guard(|| c"IBV_EVENT_UNKNOWN".as_ptr(), || AsyncEventType(event_type).c_name().as_ptr())
 }
 
 #[cfg(test)]
@@ -783,7 +949,10 @@ mod tests {
         assert_eq!(rdmasafe_cq_loop_remove_cq(p, std::ptr::null_mut()), -libc::EINVAL);
         // SAFETY: NULL and fake pointers are rejected before use.
         unsafe {
-            let mut s = rdmasafe_cq_loop_stats::default();
+            let mut s = rdmasafe_cq_loop_stats {
+                size: std::mem::size_of::<rdmasafe_cq_loop_stats>() as u32,
+                ..Default::default()
+            };
             assert_eq!(rdmasafe_cq_loop_get_stats(p, &mut s), -libc::EINVAL);
             assert_eq!(rdmasafe_cq_loop_get_stats(p, std::ptr::null_mut()), -libc::EINVAL);
             let mut out = std::ptr::null_mut();
@@ -795,8 +964,9 @@ mod tests {
                 -libc::EINVAL
             );
             assert_eq!(rdmasafe_cq_loop_remove_keepalive(p, std::ptr::null_mut()), -libc::EINVAL);
-            let mut ev = std::mem::zeroed();
-            assert_eq!(rdmasafe_async_get(std::ptr::null_mut(), &mut ev, 0), -libc::EINVAL);
+            let mut t = 7;
+            assert_eq!(rdmasafe_cq_loop_next_timeout_ms(p, &mut t), -libc::EINVAL);
+            assert_eq!(t, 7);
         }
     }
 
@@ -813,14 +983,12 @@ mod tests {
         ] {
             assert_eq!(options(Some(&bad)).err(), Some(-libc::EINVAL));
         }
-    }
-
-    #[test]
-    fn async_names() {
-        // SAFETY: static NUL-terminated strings.
-        let s = |v| unsafe { std::ffi::CStr::from_ptr(rdmasafe_async_event_str(v)) }.to_str().unwrap();
-        assert_eq!(s(0), "IBV_EVENT_CQ_ERR");
-        assert_eq!(s(10), "IBV_EVENT_PORT_ERR");
-        assert_eq!(s(1234), "IBV_EVENT_UNKNOWN");
+        let d = CqOptions { solicited_only: true, budget: 0 };
+        let all = rdmasafe_cq_options { notify: RDMASAFE_NOTIFY_ALL, budget: 8, ..Default::default() };
+        assert_eq!(cq_options(&all, d), Ok(CqOptions { solicited_only: false, budget: 8 }));
+        let def = rdmasafe_cq_options::default();
+        assert_eq!(cq_options(&def, d), Ok(d));
+        assert_eq!(cq_options(&rdmasafe_cq_options { notify: 3, ..Default::default() }, d), Err(-libc::EINVAL));
+        assert_eq!(cq_options(&rdmasafe_cq_options { budget: -1, ..Default::default() }, d), Err(-libc::EINVAL));
     }
 }

@@ -11,13 +11,16 @@
 #![allow(non_camel_case_types)]
 
 mod abi;
+mod async_events;
 mod cm;
 mod cq;
 #[doc(hidden)]
 pub mod fuzzing;
+mod handles;
 mod log;
 
 pub use abi::*;
+pub use async_events::*;
 pub use cm::*;
 pub use cq::*;
 pub use log::*;
@@ -40,6 +43,13 @@ pub(crate) fn guard<T>(on_panic: impl FnOnce() -> T, f: impl FnOnce() -> T) -> T
     }
 }
 
+/// The panic boundary of the async-signal-safe exports: no logger set-up
+/// (a `Once` that a signal could interrupt half-way), nothing but
+/// `catch_unwind`, which costs nothing unless a panic happens.
+pub(crate) fn guard_signal_safe<T>(on_panic: impl FnOnce() -> T, f: impl FnOnce() -> T) -> T {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| on_panic())
+}
+
 /// The boundary of the drop-in CM calls, which keep librdmacm's -1/errno
 /// convention exactly: `Ok(v)` returns `v` with errno as it was when the
 /// call began (whatever the library's own system calls left in it);
@@ -57,30 +67,6 @@ pub(crate) fn guard_errno(f: impl FnOnce() -> Result<c_int, c_int>) -> c_int {
         },
     )
 }
-
-/// A hasher for the registries keyed by pointer values (live copies, live
-/// loops): one multiply instead of SipHash on every get and free. Keys are
-/// addresses rdmasafe chose, not attacker-chosen strings.
-#[derive(Default, Clone, Copy)]
-pub(crate) struct PtrHasher(u64);
-
-impl std::hash::Hasher for PtrHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ *b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-    fn write_usize(&mut self, v: usize) {
-        // Allocations are 16-byte aligned: drop the zero bits, then spread.
-        self.0 = ((v as u64) >> 4).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    }
-}
-
-/// `BuildHasher` for [`PtrHasher`].
-pub(crate) type PtrHash = std::hash::BuildHasherDefault<PtrHasher>;
 
 /// For the -1/errno functions: sets errno and returns -1.
 pub(crate) fn fail_errno(errno: c_int) -> c_int {

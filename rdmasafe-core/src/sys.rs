@@ -186,7 +186,7 @@ pub fn poll_readable<const N: usize>(fds: [c_int; N], wait: Wait) -> std::io::Re
 /// wait with an EINTR error, as the blocking librdmacm calls do.
 pub fn poll_readable_ex<const N: usize>(fds: [c_int; N], wait: Wait, retry_eintr: bool) -> std::io::Result<[bool; N]> {
     let deadline = match wait {
-        Wait::For(d) => Some(Instant::now() + d),
+        Wait::For(d) => Some(deadline_after(Instant::now(), d)),
         _ => None,
     };
     let mut pfds = fds.map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
@@ -231,13 +231,16 @@ impl WakeFd {
         Ok(WakeFd(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }))
     }
 
-    /// Makes the fd readable (wakes pollers).
+    /// Makes the fd readable (wakes pollers). Async-signal-safe: one
+    /// write(2), and errno is kept as it was.
     pub fn wake(&self) {
         use std::os::fd::AsRawFd;
         let one: u64 = 1;
+        let saved = errno_raw();
         // SAFETY: writes 8 bytes from a valid u64; failure (counter full)
         // still leaves the fd readable, which is all a wake needs.
         unsafe { libc::write(self.0.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        set_errno(saved);
     }
 
     /// Resets the fd to not readable.
@@ -253,6 +256,129 @@ impl WakeFd {
         use std::os::fd::AsRawFd;
         self.0.as_raw_fd()
     }
+}
+
+/// An fd returned by a call that creates one, or the errno.
+fn owned_fd(fd: c_int) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fd is a fresh descriptor that nothing else owns.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}
+
+/// An epoll instance (`epoll_create1(EPOLL_CLOEXEC)`): one fd that is
+/// readable when any fd registered in it is.
+#[derive(Debug)]
+pub struct Epoll(std::os::fd::OwnedFd);
+
+impl Epoll {
+    /// A new, empty epoll instance.
+    pub fn new() -> std::io::Result<Epoll> {
+        // SAFETY: no pointers.
+        owned_fd(unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) }).map(Epoll)
+    }
+
+    /// Watches `fd` for readability; `key` comes back in [`Epoll::wait`].
+    pub fn add(&self, fd: c_int, key: u64) -> std::io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: key };
+        // SAFETY: ev is valid for the call; a bad fd gives EBADF.
+        if unsafe { libc::epoll_ctl(self.0.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut ev) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Waits at most `timeout_ms` (-1: forever, 0: not at all) and returns
+    /// the keys of the ready fds as bits (`1 << key`, keys below 64).
+    /// EINTR is returned as an error.
+    pub fn wait(&self, timeout_ms: c_int) -> std::io::Result<u64> {
+        use std::os::fd::AsRawFd;
+        let mut evs = [libc::epoll_event { events: 0, u64: 0 }; 8];
+        // SAFETY: evs has room for 8 events.
+        let n = unsafe { libc::epoll_wait(self.0.as_raw_fd(), evs.as_mut_ptr(), 8, timeout_ms) };
+        if n < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(evs[..n as usize].iter().fold(0, |m, e| m | 1u64 << (e.u64 & 63)))
+    }
+
+    /// The epoll fd (readable when a watched fd is).
+    pub fn fd(&self) -> c_int {
+        use std::os::fd::AsRawFd;
+        self.0.as_raw_fd()
+    }
+}
+
+/// A non-blocking monotonic timerfd: readable once its deadline passed.
+#[derive(Debug)]
+pub struct TimerFd(std::os::fd::OwnedFd);
+
+impl TimerFd {
+    /// A disarmed timer.
+    pub fn new() -> std::io::Result<TimerFd> {
+        // SAFETY: no pointers.
+        owned_fd(unsafe { libc::timerfd_create(libc::CLOCK_MONOTONIC, libc::TFD_NONBLOCK | libc::TFD_CLOEXEC) })
+            .map(TimerFd)
+    }
+
+    /// Arms the timer to fire `after` from now (`None`: disarm). A zero
+    /// `after` fires at once.
+    pub fn set(&self, after: Option<Duration>) -> std::io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let value = match after {
+            // A zero it_value would disarm: fire in 1 ns instead.
+            Some(d) => libc::timespec {
+                tv_sec: d.as_secs().min(i64::MAX as u64 / 2) as libc::time_t,
+                tv_nsec: if d.is_zero() { 1 } else { d.subsec_nanos() as libc::c_long },
+            },
+            None => libc::timespec { tv_sec: 0, tv_nsec: 0 },
+        };
+        let spec = libc::itimerspec { it_interval: libc::timespec { tv_sec: 0, tv_nsec: 0 }, it_value: value };
+        // SAFETY: spec is valid for the call; no old value wanted.
+        if unsafe { libc::timerfd_settime(self.0.as_raw_fd(), 0, &spec, std::ptr::null_mut()) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Consumes an expiry (the fd is then not readable until the next).
+    pub fn drain(&self) {
+        use std::os::fd::AsRawFd;
+        let mut v: u64 = 0;
+        // SAFETY: reads 8 bytes into a valid u64; EAGAIN when not expired.
+        unsafe { libc::read(self.0.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+    }
+
+    /// The timer's fd.
+    pub fn fd(&self) -> c_int {
+        use std::os::fd::AsRawFd;
+        self.0.as_raw_fd()
+    }
+}
+
+/// Sets an fd's status flags (`fcntl(F_SETFL)`), e.g. to restore them.
+pub fn set_fd_flags(fd: c_int, flags: c_int) -> std::io::Result<()> {
+    // SAFETY: F_SETFL with an integer argument; a bad fd gives EBADF.
+    if unsafe { libc::fcntl(fd, libc::F_SETFL, flags) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// A number naming the calling thread, never 0 (for "am I the thread
+/// that runs this loop?").
+pub fn thread_tag() -> u64 {
+    // SAFETY: pthread_self has no preconditions.
+    (unsafe { libc::pthread_self() }) as u64 | 1
+}
+
+/// `now + d`, or a time so far ahead that it never comes when that
+/// overflows (`Duration::MAX` timeouts and periods).
+pub fn deadline_after(now: Instant, d: Duration) -> Instant {
+    now.checked_add(d).unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
 }
 
 /// Pins the calling thread to one CPU (`sched_setaffinity`).

@@ -365,7 +365,9 @@ impl CompChannel {
     /// Waits per `wait` for one CQ event and returns which of `cqs` it was
     /// for, counting it on that CQ as unacked (acked by [`Cq::ack_events`]
     /// or at the latest when the CQ is dropped). An event for a CQ not in
-    /// `cqs` is an error (EPROTO): pass every CQ bound to this channel.
+    /// `cqs` is acked at once (so that CQ's destroy cannot hang), logged
+    /// with the CQ's address, and returned as an error (EPROTO): pass every
+    /// CQ bound to this channel.
     pub fn get_event<'c>(&self, cqs: &[&'c Cq], wait: Wait) -> Result<&'c Cq> {
         if wait != Wait::Forever {
             let [ready] = sys::poll_readable([self.as_raw_fd()], wait)
@@ -380,7 +382,13 @@ impl CompChannel {
         if unsafe { sys::ibv_get_cq_event(self.raw(), &mut cq, &mut ctx) } != 0 {
             return Err(Error::last("ibv_get_cq_event"));
         }
-        let found = cqs.iter().find(|c| c.raw() == cq).ok_or(Error::new("ibv_get_cq_event", libc::EPROTO))?;
+        let Some(found) = cqs.iter().find(|c| c.raw() == cq) else {
+            // SAFETY: the event was read for `cq`, which therefore lives
+            // until this ack (its destroy waits for it).
+            unsafe { sys::ibv_ack_cq_events(cq, 1) };
+            log::warn!(target: "rdmasafe", "CompChannel::get_event: an event for CQ {cq:p}, not among the CQs passed: acked");
+            return Err(Error::new("ibv_get_cq_event: event for a CQ not passed", libc::EPROTO));
+        };
         found.0.unacked.fetch_add(1, Ordering::Relaxed);
         Ok(found)
     }

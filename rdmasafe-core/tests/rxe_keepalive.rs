@@ -71,7 +71,7 @@ fn keepalive_detects_a_killed_idle_peer_with_infinite_retries() {
     id.connect(&ConnectParams { retry_count: 7, ..params(b"") }).unwrap();
     expect(&ch, E::ESTABLISHED);
 
-    let mut lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
     let seen: Arc<Mutex<Vec<(u64, u32)>>> = Arc::default();
     let s2 = seen.clone();
     lp.add_cq(&cq, move |w, _| s2.lock().unwrap().extend(w.iter().map(|w| (w.wr_id, w.status)))).unwrap();
@@ -82,8 +82,6 @@ fn keepalive_detects_a_killed_idle_peer_with_infinite_retries() {
     let qpn = id.qp_num().unwrap();
     // SAFETY: the QP lives (owned by `id`) until after the loop is dropped.
     unsafe { lp.add_keepalive(qp, cfg, Box::new(move |n, _| d2.store(n, SeqCst))) }.unwrap();
-    // The keepalive's CQ cannot be removed from under it.
-    assert_eq!(lp.remove_cq(cq.raw()).unwrap_err().errno(), libc::EBUSY, "a keepalive uses the CQ");
     let ctl = lp.control();
     let t = lp.spawn(None).unwrap();
 

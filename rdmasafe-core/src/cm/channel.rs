@@ -316,7 +316,7 @@ impl<'a> ChannelRef<'a> {
 
     fn get_with(&self, wait: Wait, owner: Option<&Arc<ChannelInner>>) -> Result<CmEvent> {
         let deadline = match wait {
-            Wait::For(d) => Some(Instant::now() + d),
+            Wait::For(d) => Some(sys::deadline_after(Instant::now(), d)),
             _ => None,
         };
         // On an fd of unknown mode, a get that must not block polls first;

@@ -145,7 +145,7 @@ impl WorkQueue {
         if let Some(ev) = self.try_pop() {
             return Some(ev);
         }
-        let deadline = std::time::Instant::now() + timeout;
+        let deadline = crate::sys::deadline_after(std::time::Instant::now(), timeout);
         let mut g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             self.sleeping_consumers.fetch_add(1, SeqCst);

@@ -132,6 +132,44 @@ impl Default for QpCaps {
     }
 }
 
+/// How a work request is sent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SendOptions {
+    /// Ask for a completion (`IBV_SEND_SIGNALED`). Without it the request
+    /// completes silently (errors still complete), and the send queue slot
+    /// is freed by the next signaled completion.
+    pub signaled: bool,
+    /// Set the solicited event bit (`IBV_SEND_SOLICITED`): wakes a peer CQ
+    /// armed for solicited completions only.
+    pub solicited: bool,
+    /// Send the data inline (`IBV_SEND_INLINE`), up to the QP's
+    /// `max_inline_data`.
+    pub inline: bool,
+}
+
+impl Default for SendOptions {
+    fn default() -> Self {
+        SendOptions { signaled: true, solicited: false, inline: false }
+    }
+}
+
+impl SendOptions {
+    fn flags(&self) -> u32 {
+        use sys::ibv_send_flags as F;
+        let mut f = 0;
+        if self.signaled {
+            f |= F::IBV_SEND_SIGNALED.0;
+        }
+        if self.solicited {
+            f |= F::IBV_SEND_SOLICITED.0;
+        }
+        if self.inline {
+            f |= F::IBV_SEND_INLINE.0;
+        }
+        f
+    }
+}
+
 /// What a QP needs alive as long as it exists: its PD, CQs, and every MR a
 /// work request was ever posted with (the device may touch their memory
 /// until the QP is destroyed).
@@ -395,6 +433,11 @@ impl CmId {
 
     /// Posts one signaled SEND of `len` bytes at `offset` in `mr`.
     pub fn post_send(&self, mr: &Mr, offset: usize, len: u32, wr_id: u64) -> Result<()> {
+        self.post_send_with(mr, offset, len, wr_id, SendOptions::default())
+    }
+
+    /// Posts one SEND of `len` bytes at `offset` in `mr`, with `opts`.
+    pub fn post_send_with(&self, mr: &Mr, offset: usize, len: u32, wr_id: u64, opts: SendOptions) -> Result<()> {
         let qp = self.keep_mr(mr)?;
         let mut sge = mr.sge(offset, len).ok_or(Error::new("ibv_post_send", libc::EINVAL))?;
         // SAFETY: ibv_send_wr is plain data; zero is valid.
@@ -403,7 +446,7 @@ impl CmId {
         wr.sg_list = &mut sge;
         wr.num_sge = 1;
         wr.opcode = sys::ibv_wr_opcode::IBV_WR_SEND;
-        wr.send_flags = sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
+        wr.send_flags = opts.flags();
         let mut bad = null_mut();
         // SAFETY: as for post_recv.
         let r = unsafe { sys::ibv_post_send(qp, &mut wr, &mut bad) };

@@ -1,575 +1,528 @@
-//! The CQ notification loop.
+//! The CQ notification loop: [`CqLoop`], and its state and cycle
+//! ([`Core`]).
 //!
 //! One loop serves one completion channel and any number of CQs bound to
-//! it, each with its own handler. The cycle in event mode:
+//! it, each with its own handler and options. The cycle in event mode:
 //!
-//! 1. wait in poll() on the channel fd and the loop's wakeup fd;
-//! 2. read every ready CQ event (the fd is non-blocking) and count one
-//!    pending ack on the CQ the event *names*;
-//! 3. for each CQ that fired: re-arm it (`ibv_req_notify_cq`), *then* poll
-//!    it until it is empty, handing batches of work completions to its
-//!    handler. Re-arming before the final drain closes the window in which
-//!    a completion lands after the last empty poll and no event follows;
-//! 4. ack in batches (`ibv_ack_cq_events(cq, n)` once a CQ has `ack_batch`
-//!    pending), and always everything before stop, removal and drop.
+//! 1. apply queued changes (CQs added or removed, keepalives, drains);
+//! 2. arm each CQ that is new (or was stopped), then drain it (arming
+//!    reports nothing about completions that came before it); drain each CQ
+//!    that used up its budget last cycle;
+//! 3. if that delivered nothing: sleep in `epoll_wait` on the loop's own
+//!    epoll fd (the channel, a wake eventfd, a timerfd for deadlines);
+//! 4. read every ready CQ event (the fd is non-blocking), count one pending
+//!    ack on the CQ the event *names*, found in O(1);
+//! 5. for each CQ that fired: re-arm it, *then* drain it, at most its budget
+//!    (re-arming before the final drain closes the window in which a
+//!    completion lands after the last empty poll and no event follows);
+//! 6. ack in batches, and always everything before stop, removal and drop.
 //!
-//! Busy-poll mode never arms and never sleeps. Adaptive mode polls while
-//! completions keep coming and for `spin` after the last one, then arms,
-//! drains once more, and sleeps like event mode.
+//! Per wakeup the work is proportional to the CQs that fired. Busy-poll
+//! mode never arms and never sleeps, polling every CQ; adaptive mode polls
+//! every CQ while completions keep coming and for `spin` after the last,
+//! then arms them all and sleeps like event mode.
 //!
-//! Ownership: the loop does not own the CQs' memory. A CQ must be removed
-//! from the loop (or the loop dropped) before the CQ is destroyed, because
-//! `ibv_destroy_cq` waits for acks that only the loop can give.
+//! Ownership: a CQ must leave the loop (removal done, or the loop dropped)
+//! before `ibv_destroy_cq`: that destroy waits for acks only the loop can
+//! give, and a loop polling a destroyed CQ reads freed memory.
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::Ordering::*;
+use std::sync::{Arc, TryLockError};
 use std::time::{Duration, Instant};
 
-use super::stats::{Counters, LoopStats};
-use crate::sys::{self, ibv_comp_channel, ibv_cq, ibv_wc, Wait, WakeFd};
+use super::control::{Cmd, Completion, Done, Held, LoopControl, Shared, KEY_CHANNEL, KEY_TIMER, KEY_WAKE};
+use super::drain::Drains;
+use super::entries::{Entries, Entry, Ref};
+use super::handle::{LiveChannel, LiveCq};
+use super::keepalive::Keepalives;
+use super::options::{CqOptions, LoopOptions, Mode};
+use super::stats::LoopStats;
+use super::{registry, Handler};
+use crate::sys::{self, ibv_comp_channel, ibv_cq, ibv_wc, Wait};
 use crate::verbs::{empty_wc, CompChannel, Cq};
 use crate::{Error, Result};
 
-/// How the loop waits for completions.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Mode {
-    /// Arm, sleep until notified, re-arm, drain. Lowest CPU use.
-    Event,
-    /// Poll continuously; never arm, never sleep. Lowest latency, one core.
-    BusyPoll,
-    /// Poll while busy and for `spin` after the last completion, then arm
-    /// and sleep until the next event.
-    Adaptive {
-        /// How long to keep polling after the last completion.
-        spin: Duration,
-    },
-}
-
-/// Options of a loop.
-#[derive(Clone, Copy, Debug)]
-pub struct LoopOptions {
-    /// How to wait.
-    pub mode: Mode,
-    /// Arm for solicited completions only (`ibv_req_notify_cq(cq, 1)`).
-    pub solicited_only: bool,
-    /// Work completions per `ibv_poll_cq` call and per handler call (1..=4096).
-    pub poll_batch: usize,
-    /// CQ events counted on a CQ before one `ibv_ack_cq_events` call
-    /// (1..=65536). Pending acks are always flushed before stop, removal
-    /// and drop.
-    pub ack_batch: u32,
-    /// If set: when no event arrived within this time while the app reports
-    /// outstanding work ([`LoopControl::set_outstanding`]), poll every CQ
-    /// anyway and count it in [`LoopStats::watchdog_polls`].
-    pub watchdog: Option<Duration>,
-}
-
-impl Default for LoopOptions {
-    fn default() -> Self {
-        LoopOptions { mode: Mode::Event, solicited_only: false, poll_batch: 16, ack_batch: 16, watchdog: None }
-    }
-}
-
-impl LoopOptions {
-    fn check(&self) -> Result<()> {
-        let ok = (1..=4096).contains(&self.poll_batch) && (1..=65536).contains(&self.ack_batch);
-        if ok {
-            Ok(())
-        } else {
-            Err(Error::new("rdmasafe_cq_loop options", libc::EINVAL))
-        }
-    }
-}
-
-/// Dead-peer detection for one RC QP (see [`CqLoop::add_keepalive`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Keepalive {
-    /// Probe after the QP has been idle (no successful completion) this long.
-    pub period: Duration,
-    /// Declare the peer dead when a probe has not completed within this.
-    pub bound: Duration,
-    /// The wr_id rdmasafe gives its probes. Probe completions are consumed
-    /// by the loop, never handed to the app's handler, so pick a value the
-    /// app does not use on this QP. rdmasafe keeps at most one probe
-    /// outstanding: it needs one free send-queue slot.
-    pub wr_id: u64,
-}
-
-/// Called once when a keepalive declares a QP's peer dead, after the QP was
-/// moved to the error state; gets the QP number.
-pub type DeadPeer = Box<dyn FnMut(u32, &LoopControl) + Send>;
-
-struct KaEntry {
-    qp: NonNull<sys::ibv_qp>,
-    send_cq: *mut ibv_cq,
-    qp_num: u32,
-    cfg: Keepalive,
-    last_activity: Instant,
-    probe_sent: Option<Instant>,
-    dead: bool,
-    on_dead: DeadPeer,
-}
-
-/// wr_id of the send-queue marker posted by [`CqLoop::drain_qp`].
-pub const DRAIN_SEND_WR_ID: u64 = u64::MAX;
-/// wr_id of the receive-queue marker posted by [`CqLoop::drain_qp`].
-pub const DRAIN_RECV_WR_ID: u64 = u64::MAX - 1;
-
-struct Shared {
-    stop: AtomicBool,
-    wake: WakeFd,
-    counters: Counters,
-    outstanding: AtomicU64,
-    /// Set while a handler of this loop runs (for "not from inside a handler").
-    in_handler: AtomicBool,
-}
-
-/// A handle to a loop usable from any thread, and from inside handlers:
-/// stop it, report outstanding work for the watchdog, read its figures.
-#[derive(Clone)]
-pub struct LoopControl(Arc<Shared>);
-
-impl LoopControl {
-    /// Asks the loop to stop: `run` returns after the current batch, with
-    /// every pending ack flushed. Thread-safe, never blocks.
-    pub fn stop(&self) {
-        self.0.stop.store(true, SeqCst);
-        self.0.wake.wake();
-    }
-
-    /// Tells the watchdog how much work the app has outstanding (0: none).
-    pub fn set_outstanding(&self, n: u64) {
-        self.0.outstanding.store(n, Relaxed);
-    }
-
-    /// The loop's figures now.
-    pub fn stats(&self) -> LoopStats {
-        self.0.counters.snapshot()
-    }
-
-    /// True while one of this loop's handlers is running (on any thread).
-    pub fn in_handler(&self) -> bool {
-        self.0.in_handler.load(SeqCst)
-    }
-}
-
-/// A CQ's handler: gets each batch of work completions (error completions
-/// included, never dropped) and the loop's control.
-pub type Handler = Box<dyn FnMut(&[ibv_wc], &LoopControl) + Send>;
-
-struct Entry {
-    cq: NonNull<ibv_cq>,
-    _keep: Option<Cq>,
-    handler: Handler,
-    pending_acks: u32,
-    armed: bool,
-    fired: bool,
-}
-
-/// CQs currently in some loop: the same CQ in two loops is refused.
-fn registry() -> &'static Mutex<HashSet<usize>> {
-    static R: OnceLock<Mutex<HashSet<usize>>> = OnceLock::new();
-    R.get_or_init(Default::default)
-}
-
-/// Completion channels that have a loop: a channel has one reader.
-fn channels() -> &'static Mutex<HashSet<usize>> {
-    static C: OnceLock<Mutex<HashSet<usize>>> = OnceLock::new();
-    C.get_or_init(Default::default)
-}
-
-/// Markers of a drain in progress: (qp_num, send seen, recv seen).
-struct DrainWatch {
-    qp_num: u32,
-    send: bool,
-    recv: bool,
-}
-
-/// The loop; see the module docs. Driven by `&mut self` from one thread
-/// ([`CqLoop::run`], [`CqLoop::process_once`], or [`CqLoop::spawn`]);
-/// controlled from anywhere through [`LoopControl`].
-pub struct CqLoop {
-    chan: NonNull<ibv_comp_channel>,
-    _chan_keep: Option<CompChannel>,
-    entries: Vec<Entry>,
+/// The loop's state; held by whoever drives the loop (see
+/// [`super::control`]).
+pub(crate) struct Core {
+    chan: LiveChannel,
+    /// The channel fd's flags before the loop made it non-blocking.
+    orig_flags: i32,
     opts: LoopOptions,
-    ctl: LoopControl,
+    entries: Entries,
+    /// CQs to arm and drain (new, or after a stop / an adaptive spin).
+    unarmed: Vec<Ref>,
+    /// CQs whose event was read this cycle.
+    fired: Vec<Ref>,
+    /// CQs that used up their budget with completions left.
+    ready: VecDeque<Ref>,
+    /// How many CQs are armed and have not fired since.
+    armed: usize,
     wcs: Vec<ibv_wc>,
     /// Adaptive mode: `Some(time of last activity)` while polling.
     polling_since: Option<Instant>,
-    drain: Option<DrainWatch>,
-    keepalives: Vec<KaEntry>,
+    keepalives: Keepalives,
+    drains: Drains,
     hook: Option<Box<dyn FnMut() + Send>>,
-    /// Clock reads are system calls on some VMs (hpet): the loop reads the
-    /// clock once before a cycle's first handler and once after each
-    /// handler, and reuses those stamps for the cycle time.
+    warned_foreign: HashSet<usize>,
+    /// What the timerfd is armed for.
+    timer_at: Option<Instant>,
+    /// Watchdog: when an event or a watchdog poll last happened.
+    last_event: Option<Instant>,
+    /// Clock stamps of the cycle in progress (clock reads are system calls
+    /// on some VMs: once before a cycle's first handler, once after each).
     cycle_start: Option<Instant>,
     last_stamp: Option<Instant>,
+    /// Torn down (the fd has its own flags back: never read it again).
+    shut: bool,
 }
 
-// SAFETY: the raw CQ / channel pointers are only used by the thread that
-// holds `&mut CqLoop`; libibverbs allows these calls from any thread.
-unsafe impl Send for CqLoop {}
-
-fn io_err(op: &'static str, e: std::io::Error) -> Error {
-    Error::new(op, e.raw_os_error().unwrap_or(libc::EIO))
+fn io_err(op: &'static str) -> impl Fn(std::io::Error) -> Error {
+    move |e| Error::new(op, e.raw_os_error().unwrap_or(libc::EIO))
 }
 
-impl CqLoop {
-    /// A loop on `channel`. The loop puts the channel's fd in non-blocking
-    /// mode and from now on is the only reader of the channel.
-    pub fn new(channel: &CompChannel, opts: LoopOptions) -> Result<CqLoop> {
-        // SAFETY: the CompChannel is live, and kept alive by the loop.
-        let mut l = unsafe { Self::from_raw(NonNull::new(channel.raw()).expect("live channel"), opts)? };
-        l._chan_keep = Some(channel.clone());
-        Ok(l)
-    }
-
-    /// A loop on a channel the app owns (the C API).
-    ///
-    /// # Safety
-    /// `chan` must be a live completion channel that outlives the loop.
-    pub unsafe fn from_raw(chan: NonNull<ibv_comp_channel>, opts: LoopOptions) -> Result<CqLoop> {
-        opts.check()?;
-        if !channels().lock().unwrap_or_else(|e| e.into_inner()).insert(chan.as_ptr() as usize) {
-            return Err(Error::new("rdmasafe_cq_loop_create: the channel already has a loop", libc::EBUSY));
-        }
-        // SAFETY: forwarded contract.
-        let l = unsafe { Self::from_raw_registered(chan, opts) };
-        if l.is_err() {
-            channels().lock().unwrap_or_else(|e| e.into_inner()).remove(&(chan.as_ptr() as usize));
-        }
-        l
-    }
-
-    /// # Safety
-    /// As for `from_raw`; the channel is registered already.
-    unsafe fn from_raw_registered(chan: NonNull<ibv_comp_channel>, opts: LoopOptions) -> Result<CqLoop> {
-        // SAFETY: chan is live (caller's contract).
-        let fd = unsafe { (*chan.as_ptr()).fd };
-        sys::set_nonblocking(fd).map_err(|e| io_err("fcntl", e))?;
-        let wake = WakeFd::new().map_err(|e| io_err("eventfd", e))?;
-        let shared = Shared {
-            stop: AtomicBool::new(false),
-            wake,
-            counters: Counters::default(),
-            outstanding: AtomicU64::new(0),
-            in_handler: AtomicBool::new(false),
-        };
-        Ok(CqLoop {
+impl Core {
+    fn new(chan: LiveChannel, opts: LoopOptions) -> Result<Core> {
+        let fd = chan.fd();
+        let orig_flags = sys::fd_flags(fd).map_err(io_err("fcntl"))?;
+        sys::set_nonblocking(fd).map_err(io_err("fcntl"))?;
+        Ok(Core {
             chan,
-            _chan_keep: None,
-            entries: Vec::new(),
+            orig_flags,
             opts,
-            ctl: LoopControl(Arc::new(shared)),
+            entries: Entries::default(),
+            unarmed: Vec::new(),
+            fired: Vec::new(),
+            ready: VecDeque::new(),
+            armed: 0,
             wcs: (0..opts.poll_batch).map(|_| empty_wc()).collect(),
             polling_since: None,
-            drain: None,
-            keepalives: Vec::new(),
+            keepalives: Keepalives::default(),
+            drains: Drains::default(),
             hook: None,
+            warned_foreign: HashSet::new(),
+            timer_at: None,
+            last_event: None,
             cycle_start: None,
             last_stamp: None,
+            shut: false,
         })
     }
 
-    /// The loop's control handle.
-    pub fn control(&self) -> LoopControl {
-        self.ctl.clone()
-    }
+    // ------------------------------------------------------------ changes
 
-    /// The loop's figures now.
-    pub fn stats(&self) -> LoopStats {
-        self.ctl.stats()
-    }
-
-    /// The options in force.
-    pub fn options(&self) -> LoopOptions {
-        self.opts
-    }
-
-    /// Adds a CQ (kept alive by the loop) with its handler.
-    pub fn add_cq<F>(&mut self, cq: &Cq, handler: F) -> Result<()>
-    where
-        F: FnMut(&[ibv_wc], &LoopControl) + Send + 'static,
-    {
-        // SAFETY: the Cq is live and kept alive by the entry.
-        unsafe { self.add_entry(NonNull::new(cq.raw()).expect("live CQ"), Some(cq.clone()), Box::new(handler)) }
-    }
-
-    /// Adds a CQ the app owns (the C API).
-    ///
-    /// # Safety
-    /// `cq` must be a live CQ that stays alive until it is removed from the
-    /// loop or the loop is dropped.
-    pub unsafe fn add_raw_cq(&mut self, cq: NonNull<ibv_cq>, handler: Handler) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.add_entry(cq, None, handler) }
-    }
-
-    /// # Safety
-    /// `cq` live while in the loop.
-    unsafe fn add_entry(&mut self, cq: NonNull<ibv_cq>, keep: Option<Cq>, handler: Handler) -> Result<()> {
-        // SAFETY: cq and the channel are live.
-        let (cq_chan, cq_ctx, chan_ctx) =
-            unsafe { ((*cq.as_ptr()).channel, (*cq.as_ptr()).context, (*self.chan.as_ptr()).context) };
-        if cq_ctx != chan_ctx {
-            return Err(Error::new("rdmasafe_cq_loop_add_cq: CQ of another device context", libc::EINVAL));
+    /// Applies every queued change (FIFO).
+    pub(crate) fn apply_cmds(&mut self, ctl: &LoopControl) {
+        let sh = &*ctl.0;
+        while sh.cmds_pending.load(SeqCst) {
+            for cmd in sh.take_cmds() {
+                self.apply(ctl, cmd);
+            }
         }
-        if cq_chan != self.chan.as_ptr() {
-            return Err(Error::new("rdmasafe_cq_loop_add_cq: CQ not bound to this loop's channel", libc::EINVAL));
+    }
+
+    fn apply(&mut self, ctl: &LoopControl, cmd: Cmd) {
+        let sh = &*ctl.0;
+        match cmd {
+            Cmd::AddCq { cq, opts, handler } => {
+                let r = self.entries.insert(Entry::new(cq, opts, handler));
+                self.push_unarmed(r);
+                sh.counters.cqs_added.fetch_add(1, Relaxed);
+                sh.counters.cqs.store(self.entries.len() as u64, Relaxed);
+            }
+            Cmd::RemoveCq { cq, done } => {
+                let r = self.remove_cq(ctl, cq);
+                done.finish(sh, r);
+            }
+            Cmd::AddKeepalive { qp, cfg, on_dead } => self.keepalives.add(qp, cfg, on_dead, Instant::now()),
+            Cmd::RemoveKeepalive { qp_num, done } => {
+                self.keepalives.remove(qp_num);
+                done.finish(sh, Ok(()));
+            }
+            Cmd::Drain { qp, srq, timeout, done } => {
+                let deadline = sys::deadline_after(Instant::now(), timeout);
+                if let Err((done, e)) = self.drains.start(&qp, srq, deadline, done) {
+                    done.finish(sh, Err(e));
+                }
+            }
         }
-        if !registry().lock().unwrap_or_else(|e| e.into_inner()).insert(cq.as_ptr() as usize) {
-            return Err(Error::new("rdmasafe_cq_loop_add_cq: CQ already in a loop", libc::EBUSY));
+    }
+
+    fn remove_cq(&mut self, ctl: &LoopControl, cq: usize) -> Result<()> {
+        let sh = &*ctl.0;
+        let Some(r) = self.entries.find(cq) else {
+            return Err(Error::new("rdmasafe_cq_loop_remove_cq", libc::ENOENT));
+        };
+        // Events already queued for it: read them now (crediting the other
+        // CQs' as usual), so its destroy has nothing left to wait for.
+        let _ = self.read_events(ctl);
+        self.flush(sh, r);
+        let e = self.entries.remove(r).expect("found above");
+        if e.armed {
+            self.armed -= 1;
         }
-        self.entries.push(Entry { cq, _keep: keep, handler, pending_acks: 0, armed: false, fired: false });
+        registry::release_cq(cq, sh.id);
+        let gone = self.keepalives.remove_for_cq(cq);
+        sh.forget_keepalives_of(&gone);
+        for (done, res) in self.drains.take_for_cq(cq) {
+            done.finish(sh, res);
+        }
+        sh.counters.cqs_removed.fetch_add(1, Relaxed);
+        sh.counters.cqs.store(self.entries.len() as u64, Relaxed);
+        drop(e); // the handler goes now: never called again
         Ok(())
     }
 
-    /// Removes a CQ: flushes its pending acks and forgets it. Any event for
-    /// it read later is acked at once. After this returns the app may
-    /// destroy the CQ. ENOENT if the CQ is not in this loop; EBUSY while a
-    /// keepalive probes through it (remove the keepalive first: without
-    /// the CQ the loop would no longer see its probes complete and would
-    /// declare a live peer dead).
-    pub fn remove_cq(&mut self, cq: *mut ibv_cq) -> Result<()> {
-        if self.keepalives.iter().any(|k| k.send_cq == cq) {
-            return Err(Error::new("rdmasafe_cq_loop_remove_cq: a keepalive uses this CQ", libc::EBUSY));
+    fn push_unarmed(&mut self, r: Ref) {
+        if let Some(e) = self.entries.get_mut(r) {
+            if !e.in_unarmed {
+                e.in_unarmed = true;
+                self.unarmed.push(r);
+            }
         }
-        let i = self
-            .entries
-            .iter()
-            .position(|e| e.cq.as_ptr() == cq)
-            .ok_or(Error::new("rdmasafe_cq_loop_remove_cq", libc::ENOENT))?;
-        self.flush_entry(i);
-        let e = self.entries.swap_remove(i);
-        registry().lock().unwrap_or_else(|e| e.into_inner()).remove(&(e.cq.as_ptr() as usize));
-        Ok(())
     }
 
-    /// Number of CQs in the loop.
-    pub fn len(&self) -> usize {
-        self.entries.len()
-    }
+    // --------------------------------------------------------------- acks
 
-    /// True if the loop has no CQ.
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
-    }
-
-    /// Test hook: called after the loop's last empty poll, right before it
-    /// sleeps (event mode, and adaptive mode's sleep phase).
-    #[doc(hidden)]
-    pub fn set_before_sleep_hook(&mut self, hook: Option<Box<dyn FnMut() + Send>>) {
-        self.hook = hook;
-    }
-
-    fn fd(&self) -> RawFd {
-        // SAFETY: the channel is live while the loop is.
-        unsafe { (*self.chan.as_ptr()).fd }
-    }
-
-    fn ack(&self, cq: NonNull<ibv_cq>, n: u32) {
+    fn ack(sh: &Shared, cq: &LiveCq, n: u32) {
         if n == 0 {
             return;
         }
-        // SAFETY: n events were read for this CQ and not acked; the CQ is
-        // live (in the loop, or its destroy is waiting for exactly this ack).
-        unsafe { sys::ibv_ack_cq_events(cq.as_ptr(), n) };
-        let c = &self.ctl.0.counters;
+        cq.ack(n);
+        let c = &sh.counters;
         c.ack_calls.fetch_add(1, Relaxed);
         c.acked_events.fetch_add(n as u64, Relaxed);
         c.unacked.fetch_sub(n as u64, Relaxed);
     }
 
-    fn flush_entry(&mut self, i: usize) {
-        let (cq, n) = (self.entries[i].cq, std::mem::take(&mut self.entries[i].pending_acks));
-        self.ack(cq, n);
+    fn flush(&mut self, sh: &Shared, r: Ref) {
+        if let Some(e) = self.entries.get_mut(r) {
+            let n = std::mem::take(&mut e.pending_acks);
+            Self::ack(sh, &e.cq, n);
+        }
     }
 
     /// Acks every pending CQ event now.
-    pub fn flush_acks(&mut self) {
-        for i in 0..self.entries.len() {
-            self.flush_entry(i);
+    pub(crate) fn flush_all(&mut self, sh: &Shared) {
+        for e in self.entries.iter_mut() {
+            let n = std::mem::take(&mut e.pending_acks);
+            Self::ack(sh, &e.cq, n);
         }
     }
 
-    fn arm(&self, cq: NonNull<ibv_cq>) -> Result<()> {
-        self.ctl.0.counters.arms.fetch_add(1, Relaxed);
-        // SAFETY: live CQ.
-        match unsafe { sys::ibv_req_notify_cq(cq.as_ptr(), self.opts.solicited_only as i32) } {
-            0 => Ok(()),
-            r => Err(Error::new("ibv_req_notify_cq", r)),
-        }
-    }
+    // ------------------------------------------------------------- events
 
-    /// Polls entry `i` until it is empty, handing batches to its handler.
-    fn drain_entry(&mut self, i: usize) -> Result<usize> {
-        let mut total = 0;
+    /// Reads every ready CQ event; counts an ack on the CQ each names and
+    /// marks it fired. An event for a CQ whose add is still queued is
+    /// credited to it; one for a CQ not in the loop is acked at once,
+    /// counted and logged (once per CQ).
+    fn read_events(&mut self, ctl: &LoopControl) -> Result<()> {
+        let sh = &*ctl.0;
         loop {
-            let cq = self.entries[i].cq;
-            // SAFETY: live CQ; wcs has poll_batch entries.
-            let n = unsafe { sys::ibv_poll_cq(cq.as_ptr(), self.wcs.len() as i32, self.wcs.as_mut_ptr()) };
-            if n < 0 {
-                return Err(Error::new("ibv_poll_cq", -n));
-            }
-            let n = n as usize;
-            if n == 0 {
-                break;
-            }
-            let n = if self.keepalives.is_empty() { n } else { self.keepalive_filter(n) };
-            if n == 0 {
-                continue;
-            }
-            let batch = &self.wcs[..n];
-            let errors = batch.iter().filter(|w| w.status != sys::ibv_wc_status::IBV_WC_SUCCESS).count();
-            if let Some(d) = self.drain.as_mut() {
-                for w in batch.iter().filter(|w| w.qp_num == d.qp_num) {
-                    d.send |= w.wr_id == DRAIN_SEND_WR_ID;
-                    d.recv |= w.wr_id == DRAIN_RECV_WR_ID;
-                }
-            }
-            let c = &self.ctl.0.counters;
-            c.completions.fetch_add(n as u64, Relaxed);
-            c.error_completions.fetch_add(errors as u64, Relaxed);
-            // One clock read per handler call: the previous stamp (taken
-            // after the previous handler, or at the cycle's first batch)
-            // starts this one, so a handler's time includes the user-space
-            // poll that fetched its batch.
-            let t = match self.last_stamp {
-                Some(t) => t,
-                None => {
-                    let now = Instant::now();
-                    self.cycle_start.get_or_insert(now);
-                    now
-                }
-            };
-            self.ctl.0.in_handler.store(true, SeqCst);
-            (self.entries[i].handler)(batch, &self.ctl);
-            self.ctl.0.in_handler.store(false, SeqCst);
-            let after = Instant::now();
-            c.handler_time(after.duration_since(t));
-            self.last_stamp = Some(after);
-            total += n;
-            // Fewer than asked: the CQ was empty at that moment. In event
-            // mode it was re-armed before this drain, so a later completion
-            // raises an event; in polling modes the next cycle polls again.
-            if n < self.wcs.len() || self.ctl.0.stop.load(Relaxed) {
-                break;
-            }
-        }
-        Ok(total)
-    }
-
-    fn drain_all(&mut self) -> Result<usize> {
-        let mut n = 0;
-        for i in 0..self.entries.len() {
-            n += self.drain_entry(i)?;
-        }
-        Ok(n)
-    }
-
-    /// Arms every CQ not armed yet, then drains it (completions that came
-    /// before the arm raise no event).
-    fn arm_and_drain_unarmed(&mut self) -> Result<usize> {
-        let mut n = 0;
-        for i in 0..self.entries.len() {
-            if !self.entries[i].armed {
-                self.arm(self.entries[i].cq)?;
-                self.entries[i].armed = true;
-                n += self.drain_entry(i)?;
-            }
-        }
-        Ok(n)
-    }
-
-    /// Reads every ready CQ event; counts acks on the CQ each names and
-    /// marks it fired. Events for CQs not in the loop are acked at once.
-    fn read_events(&mut self) -> Result<()> {
-        // Each arm raises at most one event, so once every CQ that was armed
-        // has fired nothing more can be queued: skip the read that would
-        // only return EAGAIN. (With none armed, read until EAGAIN.)
-        let mut armed = self.entries.iter().filter(|e| e.armed).count();
-        loop {
-            if armed == 0 && self.entries.iter().any(|e| e.fired) {
+            // Each arm raises at most one event: once every armed CQ has
+            // fired, the read could only say EAGAIN.
+            if self.armed == 0 && !self.fired.is_empty() {
                 return Ok(());
             }
-            let mut cq = std::ptr::null_mut();
-            let mut ctx = std::ptr::null_mut();
-            // SAFETY: live channel (non-blocking fd); out-pointers valid.
-            if unsafe { sys::ibv_get_cq_event(self.chan.as_ptr(), &mut cq, &mut ctx) } != 0 {
-                let err = Error::last("ibv_get_cq_event");
-                return match err.errno() {
-                    libc::EAGAIN => Ok(()),
-                    libc::EINTR => continue,
-                    _ => Err(err),
-                };
+            let Some(ev) = self.chan.get_event()? else { return Ok(()) };
+            sh.counters.cq_events.fetch_add(1, Relaxed);
+            sh.counters.unacked.fetch_add(1, Relaxed);
+            let mut found = self.entries.find(ev.cq_addr());
+            if found.is_none() && sh.cmds_pending.load(SeqCst) {
+                self.apply_cmds(ctl);
+                found = self.entries.find(ev.cq_addr());
             }
-            let c = &self.ctl.0.counters;
-            c.cq_events.fetch_add(1, Relaxed);
-            c.unacked.fetch_add(1, Relaxed);
-            let Some(cq) = NonNull::new(cq) else { continue };
-            match self.entries.iter().position(|e| e.cq == cq) {
-                Some(i) => {
-                    let e = &mut self.entries[i];
-                    if e.armed {
-                        armed -= 1;
-                    }
-                    e.pending_acks += 1;
-                    e.fired = true;
-                    e.armed = false;
-                    if e.pending_acks >= self.opts.ack_batch {
-                        self.flush_entry(i);
+            let Some(r) = found else {
+                let cq = ev.cq_addr();
+                ev.ack();
+                sh.counters.unacked.fetch_sub(1, Relaxed);
+                sh.counters.foreign_cq_events.fetch_add(1, Relaxed);
+                if self.warned_foreign.insert(cq) {
+                    log::warn!(
+                        target: "rdmasafe",
+                        "CQ loop: an event for CQ {cq:#x}, which is on this loop's channel but not in the loop: \
+                         acked, its completions are not handled (add it to the loop)"
+                    );
+                }
+                continue;
+            };
+            let batch = self.opts.ack_batch;
+            let e = self.entries.get_mut(r).expect("found above");
+            e.pending_acks += 1;
+            if e.armed {
+                e.armed = false;
+                self.armed -= 1;
+            }
+            if !e.in_fired {
+                e.in_fired = true;
+                self.fired.push(r);
+            }
+            if e.pending_acks >= batch {
+                self.flush(sh, r);
+            }
+            self.last_event = None;
+        }
+    }
+
+    // ------------------------------------------------------------ draining
+
+    /// Polls `r` until it is empty or its budget is used, handing batches
+    /// to its handler. Returns the completions taken from the CQ.
+    fn drain(&mut self, ctl: &LoopControl, r: Ref, honor_stop: bool) -> Result<usize> {
+        let sh = &*ctl.0;
+        let budget = match self.entries.get(r) {
+            Some(e) if e.opts.budget > 0 => e.opts.budget,
+            Some(_) => usize::MAX,
+            None => return Ok(0),
+        };
+        let mut total = 0;
+        loop {
+            let Some(e) = self.entries.get(r) else { return Ok(total) };
+            let raw = e.cq.poll(&mut self.wcs)?;
+            if raw == 0 {
+                return Ok(total);
+            }
+            total += raw;
+            let n = if self.keepalives.is_empty() && self.drains.is_empty() { raw } else { self.filter(sh, raw) };
+            if n > 0 {
+                self.call_handler(ctl, r, n);
+            }
+            // Fewer than asked: the CQ was empty at that moment (a later
+            // completion raises an event: it was armed before this drain).
+            if raw < self.wcs.len() || (honor_stop && sh.stop.load(Relaxed)) || self.entries.get(r).is_none() {
+                return Ok(total);
+            }
+            if total >= budget {
+                sh.counters.budget_yields.fetch_add(1, Relaxed);
+                if let Some(e) = self.entries.get_mut(r) {
+                    if !e.in_ready {
+                        e.in_ready = true;
+                        self.ready.push_back(r);
                     }
                 }
-                // Removed earlier (or never added): ack now so its destroy
-                // cannot hang.
-                None => self.ack(cq, 1),
+                return Ok(total);
             }
         }
     }
 
-    fn wait_fds(&mut self, wait: Wait) -> Result<(bool, bool, bool)> {
-        let mut wait = wait;
-        let watchdog = match self.opts.watchdog {
-            Some(t) if self.ctl.0.outstanding.load(Relaxed) > 0 => {
-                wait = match wait {
-                    Wait::For(d) if d <= t => wait,
-                    Wait::None => wait,
-                    _ => Wait::For(t),
-                };
-                true
+    /// Takes the loop's own completions (keepalive probes, drain markers)
+    /// out of `wcs[..n]`, notes activity; returns how many are left.
+    fn filter(&mut self, sh: &Shared, n: usize) -> usize {
+        let now = Instant::now();
+        let mut kept = 0;
+        for j in 0..n {
+            let wc = &self.wcs[j];
+            let mut ours = self.drains.note(wc);
+            if !ours && !self.keepalives.is_empty() {
+                let (probe, ok) = self.keepalives.note(wc, now);
+                ours = probe;
+                if probe && ok {
+                    sh.counters.keepalive_probes_ok.fetch_add(1, Relaxed);
+                }
             }
-            _ => false,
+            if !ours {
+                self.wcs.swap(kept, j);
+                kept += 1;
+            }
+        }
+        kept
+    }
+
+    fn call_handler(&mut self, ctl: &LoopControl, r: Ref, n: usize) {
+        let sh = &*ctl.0;
+        let batch = &self.wcs[..n];
+        let errors = batch.iter().filter(|w| w.status != sys::ibv_wc_status::IBV_WC_SUCCESS).count();
+        let c = &sh.counters;
+        c.completions.fetch_add(n as u64, Relaxed);
+        c.error_completions.fetch_add(errors as u64, Relaxed);
+        let t = match self.last_stamp {
+            Some(t) => t,
+            None => {
+                let now = Instant::now();
+                self.cycle_start.get_or_insert(now);
+                now
+            }
         };
-        wait = self.keepalive_wait(wait);
-        if let Some(h) = self.hook.as_mut() {
-            h();
+        let Some(mut handler) = self.entries.get_mut(r).and_then(|e| e.handler.take()) else { return };
+        sh.in_handler.store(true, SeqCst);
+        let result = catch_unwind(AssertUnwindSafe(|| handler(&self.wcs[..n], ctl)));
+        sh.in_handler.store(false, SeqCst);
+        let after = Instant::now();
+        c.handler_time(after.duration_since(t));
+        self.last_stamp = Some(after);
+        if let Some(e) = self.entries.get_mut(r) {
+            e.handler = Some(handler);
         }
-        let [ch, woke] = sys::poll_readable([self.fd(), self.ctl.0.wake.fd()], wait).map_err(|e| io_err("poll", e))?;
-        if woke {
-            self.ctl.0.wake.drain();
+        // Changes the handler asked for take effect now, before any other
+        // handler runs (a CQ removed from its own handler is gone here).
+        self.apply_cmds(ctl);
+        if let Err(p) = result {
+            // The loop is consistent (handler back, flags reset): let the
+            // panic go on to whoever runs the loop.
+            resume_unwind(p);
         }
-        Ok((ch, woke, watchdog && !ch && !woke))
     }
 
-    /// Starts a cycle's clock bookkeeping (no clock read).
+    fn work_list(&mut self, ctl: &LoopControl, list: Vec<Ref>, arm: bool, honor_stop: bool) -> Result<usize> {
+        let mut n = 0;
+        for r in list {
+            let Some(e) = self.entries.get_mut(r) else { continue };
+            e.in_unarmed = false;
+            e.in_fired = false;
+            if arm {
+                let solicited = e.opts.solicited_only;
+                if !e.armed {
+                    e.armed = true;
+                    self.armed += 1;
+                }
+                ctl.0.counters.arms.fetch_add(1, Relaxed);
+                e.cq.arm(solicited)?;
+            }
+            n += self.drain(ctl, r, honor_stop)?;
+        }
+        Ok(n)
+    }
+
+    fn work_ready(&mut self, ctl: &LoopControl, honor_stop: bool) -> Result<usize> {
+        let mut n = 0;
+        for _ in 0..self.ready.len() {
+            let Some(r) = self.ready.pop_front() else { break };
+            match self.entries.get_mut(r) {
+                Some(e) => e.in_ready = false,
+                None => continue,
+            }
+            n += self.drain(ctl, r, honor_stop)?;
+        }
+        Ok(n)
+    }
+
+    /// Polls every CQ once (busy-poll and adaptive's spin: O(CQs)).
+    fn poll_all(&mut self, ctl: &LoopControl, honor_stop: bool) -> Result<usize> {
+        let mut n = 0;
+        for r in self.entries.refs() {
+            if let Some(e) = self.entries.get_mut(r) {
+                e.in_ready = false;
+            }
+            n += self.drain(ctl, r, honor_stop)?;
+        }
+        self.ready.clear();
+        Ok(n)
+    }
+
+    // ---------------------------------------------------------- deadlines
+
+    /// The earliest keepalive / drain / watchdog deadline.
+    fn next_deadline(&self, sh: &Shared) -> Option<Instant> {
+        let mut d = self.keepalives.next_deadline();
+        if let Some(x) = self.drains.next_deadline() {
+            d = Some(d.map_or(x, |y| y.min(x)));
+        }
+        if let (Some(t), Some(since)) = (self.opts.watchdog, self.watchdog_since(sh)) {
+            let x = sys::deadline_after(since, t);
+            d = Some(d.map_or(x, |y| y.min(x)));
+        }
+        d
+    }
+
+    /// Since when the watchdog counts (no event since), if it is on and the
+    /// app reports outstanding work.
+    fn watchdog_since(&self, sh: &Shared) -> Option<Instant> {
+        self.last_event.filter(|_| self.opts.watchdog.is_some() && sh.outstanding.load(Relaxed) > 0)
+    }
+
+    /// Starts the watchdog's count at the first sleep after an event.
+    fn watchdog_start(&mut self, sh: &Shared) {
+        if self.last_event.is_none() && self.opts.watchdog.is_some() && sh.outstanding.load(Relaxed) > 0 {
+            self.last_event = Some(Instant::now());
+        }
+    }
+
+    fn has_work_now(&self, sh: &Shared) -> bool {
+        !self.unarmed.is_empty()
+            || !self.ready.is_empty()
+            || !self.fired.is_empty()
+            || self.polling_since.is_some()
+            || (self.opts.mode == Mode::BusyPoll && self.entries.len() > 0)
+            || sh.cmds_pending.load(SeqCst)
+    }
+
+    pub(crate) fn next_timeout(&self, sh: &Shared) -> Option<Duration> {
+        if self.has_work_now(sh) || sh.stop.load(SeqCst) {
+            return Some(Duration::ZERO);
+        }
+        self.next_deadline(sh).map(|d| d.saturating_duration_since(Instant::now()))
+    }
+
+    /// Keeps the timerfd armed for the next deadline (an embedding app's
+    /// epoll wakes at it).
+    fn arm_timer(&mut self, sh: &Shared, at: Option<Instant>) {
+        if at != self.timer_at {
+            let after = at.map(|a| a.saturating_duration_since(Instant::now()));
+            if sh.timer.set(after).is_ok() {
+                self.timer_at = at;
+            }
+        }
+    }
+
+    /// Keepalive probes and deaths, finished and timed-out drains, the
+    /// watchdog: whatever is due now.
+    fn tick(&mut self, ctl: &LoopControl, honor_stop: bool) -> Result<usize> {
+        let sh = &*ctl.0;
+        let timed = !self.keepalives.is_empty() || !self.drains.is_empty() || self.watchdog_since(sh).is_some();
+        let now = timed.then(Instant::now);
+        let mut n = 0;
+        if let Some(now) = now {
+            if !self.keepalives.is_empty() {
+                let (posted, dead) = self.keepalives.tick(now);
+                sh.counters.keepalive_probes.fetch_add(posted, Relaxed);
+                for (qpn, _qp) in dead {
+                    sh.counters.keepalive_dead.fetch_add(1, Relaxed);
+                    if let Some(f) = self.keepalives.on_dead(qpn) {
+                        f(qpn, ctl);
+                    }
+                }
+            }
+            if let (Some(t), Some(since)) = (self.opts.watchdog, self.watchdog_since(sh)) {
+                if now.saturating_duration_since(since) >= t {
+                    sh.counters.watchdog_polls.fetch_add(1, Relaxed);
+                    self.last_event = Some(now);
+                    n += self.poll_all(ctl, honor_stop)?;
+                }
+            }
+        }
+        if !self.drains.is_empty() {
+            let finished = self.drains.take_finished(now);
+            if !finished.is_empty() {
+                // A drain precedes teardown: leave no ack pending.
+                self.flush_all(sh);
+                for (done, r) in finished {
+                    done.finish(sh, r);
+                }
+            }
+        }
+        let next = self.next_deadline(sh);
+        self.arm_timer(sh, next);
+        Ok(n)
+    }
+
+    // -------------------------------------------------------------- cycles
+
     fn begin_cycle(&mut self) {
         self.cycle_start = None;
         self.last_stamp = None;
     }
 
-    fn record_wakeup(&mut self, n: usize) {
-        let c = &self.ctl.0.counters;
+    fn record_wakeup(&mut self, sh: &Shared, n: usize) {
+        let c = &sh.counters;
         c.wakeups.fetch_add(1, Relaxed);
         if n == 0 {
             c.empty_wakeups.fetch_add(1, Relaxed);
         }
         c.per_wakeup.record(n as u64);
-        // Cycle time from the first batch to the end of the last handler
-        // (0 for an empty wakeup): no extra clock read.
         if let (Some(a), Some(b)) = (self.cycle_start, self.last_stamp) {
             c.cycle_us.record(b.duration_since(a).as_micros() as u64);
         } else {
@@ -578,110 +531,115 @@ impl CqLoop {
         log::trace!(target: "rdmasafe", "CQ loop wakeup: {n} completions");
     }
 
-    /// One cycle: wait per `wait`, then handle what arrived. Returns the
-    /// number of completions delivered (0 on timeout or stop). For
-    /// embedding in the app's own epoll: watch the completion channel's fd
-    /// and call `process_once(Wait::None)` when it is readable (event mode).
-    ///
-    /// A stop requested while the app drives the loop this way ends the
-    /// call at once: this call returns 0 with every ack flushed and the
-    /// request consumed, and the next call runs normally.
-    pub fn process_once(&mut self, wait: Wait) -> Result<usize> {
-        if self.ctl.0.stop.load(SeqCst) {
-            self.finish_stop();
+    /// Waits per `wait` (bounded by the next deadline) on the loop's epoll
+    /// fd. Returns the ready keys as bits (0 on timeout).
+    fn sleep(&mut self, ctl: &LoopControl, wait: Wait) -> Result<u64> {
+        let sh = &*ctl.0;
+        self.watchdog_start(sh);
+        let deadline = self.next_deadline(sh);
+        self.arm_timer(sh, deadline);
+        let mut ms: i32 = match wait {
+            Wait::None => 0,
+            Wait::Forever => -1,
+            Wait::For(d) => d.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32,
+        };
+        if let Some(d) = deadline {
+            let left =
+                d.saturating_duration_since(Instant::now()).as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
+            ms = if ms < 0 { left } else { ms.min(left) };
+        }
+        if let Some(h) = self.hook.as_mut() {
+            h();
+        }
+        let bits = sh.epoll.wait(ms).map_err(io_err("epoll_wait"))?;
+        if bits & (1 << KEY_WAKE) != 0 {
+            sh.wake_set.store(false, SeqCst);
+            sh.wake.drain();
+        }
+        if bits & (1 << KEY_TIMER) != 0 {
+            sh.timer.drain();
+            self.timer_at = None;
+        }
+        Ok(bits)
+    }
+
+    /// One cycle in the loop's mode; the completions delivered.
+    fn cycle(&mut self, ctl: &LoopControl, wait: Wait, honor_stop: bool) -> Result<usize> {
+        self.apply_cmds(ctl);
+        if honor_stop && ctl.0.stop.load(SeqCst) {
             return Ok(0);
         }
-        self.cycle(wait)
-    }
-
-    fn cycle(&mut self, wait: Wait) -> Result<usize> {
-        let n = match self.opts.mode {
-            Mode::Event => self.event_cycle(wait),
-            Mode::BusyPoll => self.poll_cycle(wait, None),
-            Mode::Adaptive { spin } => self.adaptive_cycle(wait, spin),
-        }?;
-        if !self.keepalives.is_empty() {
-            self.keepalive_tick()?;
+        match self.opts.mode {
+            Mode::Event => self.event_cycle(ctl, wait, honor_stop),
+            Mode::BusyPoll => self.poll_cycle(ctl, wait, None, honor_stop),
+            Mode::Adaptive { spin } => self.adaptive_cycle(ctl, wait, spin, honor_stop),
         }
-        Ok(n)
     }
 
-    fn event_cycle(&mut self, wait: Wait) -> Result<usize> {
+    /// Arms and drains new CQs, drains CQs over their budget; if that gave
+    /// nothing, sleeps, then reads events and drains what fired (re-arming
+    /// first when `rearm`).
+    fn event_cycle(&mut self, ctl: &LoopControl, wait: Wait, honor_stop: bool) -> Result<usize> {
+        let sh = &*ctl.0;
         self.begin_cycle();
-        let n = self.arm_and_drain_unarmed()?;
+        let unarmed = std::mem::take(&mut self.unarmed);
+        let mut n = self.work_list(ctl, unarmed, true, honor_stop)?;
+        n += self.work_ready(ctl, honor_stop)?;
         if n > 0 {
-            self.record_wakeup(n);
+            n += self.tick(ctl, honor_stop)?;
+            self.record_wakeup(sh, n);
             return Ok(n);
         }
-        self.sleep_and_handle(wait, true)
-    }
-
-    /// Sleeps on the fds, then reads events and drains the CQs that fired,
-    /// re-arming each before its drain when `rearm`.
-    fn sleep_and_handle(&mut self, wait: Wait, rearm: bool) -> Result<usize> {
-        let (ch, _woke, watchdog_due) = self.wait_fds(wait)?;
+        let bits = if self.has_work_now(sh) { 1 << KEY_CHANNEL } else { self.sleep(ctl, wait)? };
         self.begin_cycle();
-        if watchdog_due {
-            self.ctl.0.counters.watchdog_polls.fetch_add(1, Relaxed);
-            let n = self.drain_all()?;
-            if n > 0 {
-                self.record_wakeup(n);
-            }
-            return Ok(n);
+        self.apply_cmds(ctl);
+        if bits & (1 << KEY_CHANNEL) != 0 {
+            self.read_events(ctl)?;
         }
-        if !ch {
-            return Ok(0);
+        let fired = std::mem::take(&mut self.fired);
+        let woke = !fired.is_empty();
+        let rearm = self.polling_since.is_none() && self.opts.mode == Mode::Event;
+        let mut n = self.work_list(ctl, fired, rearm, honor_stop)?;
+        n += self.tick(ctl, honor_stop)?;
+        if woke || n > 0 {
+            self.record_wakeup(sh, n);
         }
-        self.read_events()?;
-        let mut n = 0;
-        for i in 0..self.entries.len() {
-            if std::mem::take(&mut self.entries[i].fired) {
-                if rearm {
-                    self.arm(self.entries[i].cq)?;
-                    self.entries[i].armed = true;
-                }
-                n += self.drain_entry(i)?;
-            }
-        }
-        self.record_wakeup(n);
         Ok(n)
     }
 
     /// Polls every CQ until completions arrive, `wait` runs out, the
-    /// adaptive `spin` passes without completions, or stop.
-    fn poll_cycle(&mut self, wait: Wait, spin: Option<Duration>) -> Result<usize> {
+    /// adaptive `spin` passes without completions, or a stop / change.
+    fn poll_cycle(&mut self, ctl: &LoopControl, wait: Wait, spin: Option<Duration>, honor_stop: bool) -> Result<usize> {
+        let sh = &*ctl.0;
+        let start = Instant::now();
         let deadline = match wait {
-            Wait::For(d) => Some(Instant::now() + d),
-            Wait::None => Some(Instant::now()),
+            Wait::For(d) => Some(sys::deadline_after(start, d)),
+            Wait::None => Some(start),
             Wait::Forever => None,
         };
-        // Only a deadline, an adaptive spin limit or a keepalive needs the
-        // clock while spinning; plain busy polling reads it only when it
-        // delivers completions.
-        let timed = deadline.is_some() || spin.is_some() || !self.keepalives.is_empty();
-        let idle_from = match (self.polling_since, timed) {
-            (Some(t), _) => Some(t),
-            (None, true) => Some(Instant::now()),
-            (None, false) => None,
-        };
+        // Only a deadline, a spin limit or a timer needs the clock while
+        // spinning; plain busy polling reads it when it delivers.
+        let timed = deadline.is_some() || spin.is_some() || self.next_deadline(sh).is_some();
+        let idle_from = self.polling_since.unwrap_or(start);
         loop {
             self.begin_cycle();
-            let n = self.drain_all()?;
+            let mut n = self.poll_all(ctl, honor_stop)?;
+            n += self.tick(ctl, honor_stop)?;
             if n > 0 {
-                self.polling_since = self.last_stamp;
-                self.record_wakeup(n);
+                self.polling_since = self.last_stamp.or(Some(start));
+                self.record_wakeup(sh, n);
                 return Ok(n);
             }
-            if self.ctl.0.stop.load(Relaxed) {
+            if (honor_stop && sh.stop.load(Relaxed)) || sh.cmds_pending.load(Relaxed) {
                 return Ok(0);
             }
             if timed {
                 let now = Instant::now();
-                if spin.is_some_and(|s| idle_from.is_some_and(|f| now.duration_since(f) >= s)) {
+                if spin.is_some_and(|s| now.saturating_duration_since(idle_from) >= s) {
                     self.polling_since = None;
                     return Ok(0);
                 }
-                if deadline.is_some_and(|d| now >= d) || self.keepalive_due(now) {
+                if deadline.is_some_and(|d| now >= d) {
                     return Ok(0);
                 }
             }
@@ -689,326 +647,438 @@ impl CqLoop {
         }
     }
 
-    fn adaptive_cycle(&mut self, wait: Wait, spin: Duration) -> Result<usize> {
+    fn adaptive_cycle(&mut self, ctl: &LoopControl, wait: Wait, spin: Duration, honor_stop: bool) -> Result<usize> {
         if self.polling_since.is_some() {
-            let n = self.poll_cycle(wait, Some(spin))?;
+            let n = self.poll_cycle(ctl, wait, Some(spin), honor_stop)?;
             if n > 0 || self.polling_since.is_some() {
                 return Ok(n);
             }
-            // Idle for `spin`: go to sleep. Events raised while we polled
-            // are for completions already delivered: read and count them
-            // now (no empty wakeup later), then arm everything again below.
-            self.read_events()?;
-            for e in &mut self.entries {
-                e.armed = false;
-                e.fired = false;
+            // Idle for `spin`: sleep from now on. Events raised while we
+            // polled are for completions already delivered: count them, then
+            // arm every CQ that is not armed and drain it once more.
+            self.read_events(ctl)?;
+            self.fired.clear();
+            for e in self.entries.iter_mut() {
+                e.in_fired = false;
+            }
+            for r in self.entries.refs() {
+                if self.entries.get(r).is_some_and(|e| !e.armed) {
+                    self.push_unarmed(r);
+                }
             }
         }
-        self.begin_cycle();
-        let n = self.arm_and_drain_unarmed()?;
+        let n = self.event_cycle(ctl, wait, honor_stop)?;
         if n > 0 {
-            self.polling_since = self.last_stamp;
-            self.record_wakeup(n);
-            return Ok(n);
-        }
-        // Woken: drain what fired without re-arming and poll from now on;
-        // CQs that fired stay unarmed until the next sleep arms them.
-        let n = self.sleep_and_handle(wait, false)?;
-        if n > 0 {
-            self.polling_since = self.last_stamp;
+            // Woken (or new CQs had completions): poll from now on; CQs
+            // that fired stay unarmed until the next sleep arms them.
+            self.polling_since = self.last_stamp.or_else(|| Some(Instant::now()));
         }
         Ok(n)
     }
 
-    /// Registers dead-peer detection for `qp` (an RC QP whose send CQ is in
-    /// this loop). While the loop runs, when the QP has had no successful
-    /// completion for `cfg.period`, rdmasafe posts a probe: a signaled
-    /// zero-length RDMA WRITE (no rkey is checked for zero length; the
-    /// peer's application sees nothing). A probe that has not completed
-    /// within `cfg.bound` means the peer is dead: rdmasafe moves the QP to
-    /// the error state, so everything outstanding flushes to the handler,
-    /// and calls `on_dead` once. A timer decides, not the retry count, so
-    /// this works whatever `retry_cnt` the QP has (with 7, rxe retries
-    /// forever and reports nothing). A probe that fails with an error status
-    /// (e.g. retry exceeded) declares the peer dead at once.
-    ///
-    /// Errors: EINVAL (zero period or bound, send CQ not in this loop),
-    /// EBUSY (the QP already has a keepalive).
+    /// Runs cycles (ignoring stop requests, which are for `run`) until `c`
+    /// is done: a drain driven by a caller while nobody runs the loop.
+    pub(crate) fn drive_until(&mut self, ctl: &LoopControl, c: &Completion) {
+        while !c.is_done() {
+            if let Err(e) = self.cycle(ctl, Wait::For(Duration::from_millis(100)), false) {
+                if e.errno() != libc::EINTR {
+                    log::warn!(target: "rdmasafe", "CQ loop: a cycle failed while draining: {e}");
+                    std::thread::yield_now();
+                }
+            }
+        }
+    }
+
+    /// After a stop: flush acks, forget arm state (the next run re-arms and
+    /// drains, so completions left in a CQ at stop are delivered then),
+    /// consume the stop request and its wakeup.
+    fn finish_stop(&mut self, sh: &Shared) {
+        sh.wake_set.store(false, SeqCst);
+        sh.wake.drain();
+        self.flush_all(sh);
+        for r in self.entries.refs() {
+            if let Some(e) = self.entries.get_mut(r) {
+                e.armed = false;
+            }
+            self.push_unarmed(r);
+        }
+        self.armed = 0;
+        self.polling_since = None;
+        sh.stop.store(false, SeqCst);
+    }
+}
+
+impl Core {
+    /// The loop goes away: ack every pending event, read and ack whatever
+    /// is still in the channel (so no CQ destroy waits), drop the handlers
+    /// (which may hold the loop's control: no cycle is left), end the
+    /// drains, give the fd its flags back. Idempotent.
+    fn shutdown(&mut self) {
+        if self.shut {
+            return;
+        }
+        self.shut = true;
+        for e in self.entries.iter_mut() {
+            e.cq.ack(std::mem::take(&mut e.pending_acks));
+        }
+        while let Ok(Some(ev)) = self.chan.get_event() {
+            match self.entries.find(ev.cq_addr()).and_then(|r| self.entries.get(r)) {
+                Some(e) => e.cq.ack(1),
+                None => ev.ack(),
+            }
+        }
+        for r in self.entries.refs() {
+            drop(self.entries.remove(r));
+        }
+        self.unarmed.clear();
+        self.fired.clear();
+        self.ready.clear();
+        self.armed = 0;
+        for done in self.drains.take_all() {
+            if let Done::Call(f) = done {
+                f(Err(Error::new("rdmasafe drain_qp: the loop is gone", libc::ECANCELED)));
+            }
+        }
+        self.keepalives = Keepalives::default();
+        let _ = sys::set_fd_flags(self.chan.fd(), self.orig_flags);
+    }
+}
+
+impl Drop for Core {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// The loop; see the module docs. Thread-safe: it may be run by one thread
+/// at a time ([`CqLoop::run`], [`CqLoop::process_once`], or
+/// [`CqLoop::spawn`]; a second runner gets EBUSY) and changed from any
+/// thread, and from inside its handlers, through [`LoopControl`].
+pub struct CqLoop {
+    sh: Arc<Shared>,
+    chan_fd: RawFd,
+}
+
+impl CqLoop {
+    /// A loop on `channel`. The loop puts the channel's fd in non-blocking
+    /// mode (restored when the loop is dropped) and from now on is the only
+    /// reader of the channel.
+    pub fn new(channel: &CompChannel, opts: LoopOptions) -> Result<CqLoop> {
+        Self::with_channel(LiveChannel::owned(channel), opts)
+    }
+
+    /// A loop on a channel the app owns (the C API).
     ///
     /// # Safety
-    /// `qp` must be live until [`CqLoop::remove_keepalive`] or the loop is
-    /// dropped.
-    pub unsafe fn add_keepalive(&mut self, qp: NonNull<sys::ibv_qp>, cfg: Keepalive, on_dead: DeadPeer) -> Result<()> {
-        if cfg.period.is_zero() || cfg.bound.is_zero() {
-            return Err(Error::new("rdmasafe keepalive: zero period or bound", libc::EINVAL));
+    /// `chan` must be a live completion channel that outlives the loop.
+    pub unsafe fn from_raw(chan: NonNull<ibv_comp_channel>, opts: LoopOptions) -> Result<CqLoop> {
+        // SAFETY: forwarded contract.
+        Self::with_channel(unsafe { LiveChannel::borrowed(chan) }, opts)
+    }
+
+    fn with_channel(chan: LiveChannel, opts: LoopOptions) -> Result<CqLoop> {
+        opts.check()?;
+        let id = registry::next_loop_id();
+        if !registry::claim_channel(chan.addr(), id) {
+            return Err(Error::new("rdmasafe_cq_loop_create: the channel already has a loop", libc::EBUSY));
         }
-        // SAFETY: live QP (caller).
-        let (send_cq, qp_num) = unsafe { ((*qp.as_ptr()).send_cq, (*qp.as_ptr()).qp_num) };
-        if !self.entries.iter().any(|e| e.cq.as_ptr() == send_cq) {
-            return Err(Error::new("rdmasafe keepalive: the QP's send CQ is not in this loop", libc::EINVAL));
+        let (fd, ident) = (chan.fd(), (chan.addr(), chan.context() as usize));
+        let built = Core::new(chan, opts).and_then(|core| Shared::new(id, core, fd, ident, opts));
+        match built {
+            Ok(sh) => Ok(CqLoop { sh: Arc::new(sh), chan_fd: fd }),
+            Err(e) => {
+                registry::release_channel(ident.0, id);
+                Err(e)
+            }
         }
-        if self.keepalives.iter().any(|k| k.qp_num == qp_num) {
-            return Err(Error::new("rdmasafe keepalive: QP already registered", libc::EBUSY));
+    }
+
+    /// The loop's control handle.
+    pub fn control(&self) -> LoopControl {
+        LoopControl(self.sh.clone())
+    }
+
+    /// The loop's figures now.
+    pub fn stats(&self) -> LoopStats {
+        self.sh.counters.snapshot()
+    }
+
+    /// Adds a CQ (kept alive by the loop) with its handler and the loop's
+    /// default options; see [`LoopControl::add_cq`].
+    pub fn add_cq<F>(&self, cq: &Cq, handler: F) -> Result<()>
+    where
+        F: FnMut(&[ibv_wc], &LoopControl) + Send + 'static,
+    {
+        let opts = self.default_cq_options();
+        self.control().add_cq(cq, opts, handler).map(|_| ())
+    }
+
+    /// Adds a CQ with its own options; see [`LoopControl::add_cq`].
+    pub fn add_cq_with<F>(&self, cq: &Cq, opts: CqOptions, handler: F) -> Result<()>
+    where
+        F: FnMut(&[ibv_wc], &LoopControl) + Send + 'static,
+    {
+        self.control().add_cq(cq, opts, handler).map(|_| ())
+    }
+
+    /// The options a CQ added without its own gets.
+    pub fn default_cq_options(&self) -> CqOptions {
+        self.sh.opts.cq_defaults()
+    }
+
+    /// The options in force.
+    pub fn options(&self) -> LoopOptions {
+        self.sh.opts
+    }
+
+    /// Removes a CQ; see [`LoopControl::remove_cq`].
+    pub fn remove_cq(&self, cq: &Cq) -> Result<()> {
+        self.control().remove_cq(cq).map(|_| ())
+    }
+
+    /// Number of CQs in the loop (changes queued but not applied yet are
+    /// not counted).
+    pub fn len(&self) -> usize {
+        self.sh.counters.cqs.load(Relaxed) as usize
+    }
+
+    /// True if the loop has no CQ.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Test hook: called right before the loop sleeps.
+    #[doc(hidden)]
+    pub fn set_before_sleep_hook(&self, hook: Option<Box<dyn FnMut() + Send>>) {
+        if let Ok(mut c) = self.sh.core.lock() {
+            c.hook = hook;
         }
-        self.keepalives.push(KaEntry {
-            qp,
-            send_cq,
-            qp_num,
-            cfg,
-            last_activity: Instant::now(),
-            probe_sent: None,
-            dead: false,
-            on_dead,
-        });
+    }
+
+    /// Takes the state for running: EBUSY if someone runs the loop, a
+    /// short wait if a thread is applying a change.
+    fn enter(&self) -> Result<Held<'_>> {
+        let sh = &*self.sh;
+        if sh.held_here() {
+            return Err(Error::new("rdmasafe_cq_loop_run: from inside one of its handlers", libc::EDEADLK));
+        }
+        let g = match sh.core.try_lock() {
+            Ok(g) => g,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => {
+                if sh.running.load(SeqCst) {
+                    return Err(Error::new("rdmasafe_cq_loop_run: another thread runs the loop", libc::EBUSY));
+                }
+                sh.core.lock().unwrap_or_else(|e| e.into_inner())
+            }
+        };
+        if sh.running.swap(true, SeqCst) {
+            return Err(Error::new("rdmasafe_cq_loop_run: another thread runs the loop", libc::EBUSY));
+        }
+        // Paired with try_close (both SeqCst): either it sees `running`, or
+        // this sees `closing`.
+        if sh.closing.load(SeqCst) {
+            sh.running.store(false, SeqCst);
+            return Err(Error::new("rdmasafe_cq_loop_run: the loop is being destroyed", libc::EINVAL));
+        }
+        Ok(Held::new(sh, g, self.control()).as_runner())
+    }
+
+    /// True while a thread runs the loop (`run` / `process_once`).
+    pub fn is_running(&self) -> bool {
+        self.sh.running.load(SeqCst)
+    }
+
+    /// Marks the loop as going away: from now on `run` and `process_once`
+    /// fail (EINVAL). EBUSY (and nothing changes) while a thread runs it,
+    /// EDEADLK from inside one of its handlers. For an owner that must
+    /// know nobody runs the loop before it drops it (the C API's destroy).
+    pub fn try_close(&self) -> Result<()> {
+        let sh = &*self.sh;
+        if sh.held_here() {
+            return Err(Error::new("rdmasafe_cq_loop_destroy: from inside one of its handlers", libc::EDEADLK));
+        }
+        if sh.closing.swap(true, SeqCst) {
+            return Err(Error::new("rdmasafe_cq_loop_destroy: destroyed already", libc::EINVAL));
+        }
+        if sh.running.load(SeqCst) {
+            sh.closing.store(false, SeqCst);
+            return Err(Error::new("rdmasafe_cq_loop_destroy: another thread runs the loop", libc::EBUSY));
+        }
         Ok(())
     }
 
-    /// Stops dead-peer detection for the QP with this number (ENOENT if it
-    /// had none). A probe still outstanding completes to the handler.
-    pub fn remove_keepalive(&mut self, qp_num: u32) -> Result<()> {
-        let i = self
-            .keepalives
-            .iter()
-            .position(|k| k.qp_num == qp_num)
-            .ok_or(Error::new("rdmasafe keepalive", libc::ENOENT))?;
-        self.keepalives.swap_remove(i);
-        Ok(())
-    }
-
-    /// Notes activity and takes probe completions out of `wcs[..n]`;
-    /// returns how many completions remain for the handler.
-    fn keepalive_filter(&mut self, n: usize) -> usize {
-        let now = Instant::now();
-        let mut kept = 0;
-        for j in 0..n {
-            let (qpn, wr_id, ok) =
-                (self.wcs[j].qp_num, self.wcs[j].wr_id, self.wcs[j].status == sys::ibv_wc_status::IBV_WC_SUCCESS);
-            let mut probe = false;
-            if let Some(k) = self.keepalives.iter_mut().find(|k| k.qp_num == qpn) {
-                if ok {
-                    k.last_activity = now;
-                }
-                if wr_id == k.cfg.wr_id && k.probe_sent.is_some() {
-                    probe = true;
-                    k.probe_sent = None;
-                    if ok {
-                        self.ctl.0.counters.keepalive_probes_ok.fetch_add(1, Relaxed);
-                    } else if !k.dead {
-                        // Retry exceeded or the like: the timer need not wait.
-                        k.probe_sent = Some(now - k.cfg.bound);
-                    }
-                }
-            }
-            if !probe {
-                self.wcs.swap(kept, j);
-                kept += 1;
-            }
-        }
-        kept
-    }
-
-    fn keepalive_deadline(&self) -> Option<Instant> {
-        self.keepalives
-            .iter()
-            .filter(|k| !k.dead)
-            .map(|k| match k.probe_sent {
-                Some(t) => t + k.cfg.bound,
-                None => k.last_activity + k.cfg.period,
-            })
-            .min()
-    }
-
-    fn keepalive_due(&self, now: Instant) -> bool {
-        self.keepalive_deadline().is_some_and(|d| now >= d)
-    }
-
-    fn keepalive_wait(&self, wait: Wait) -> Wait {
-        let Some(d) = self.keepalive_deadline() else { return wait };
-        let left = d.saturating_duration_since(Instant::now());
-        match wait {
-            Wait::None => Wait::None,
-            Wait::For(w) if w <= left => wait,
-            _ => Wait::For(left),
-        }
-    }
-
-    /// Posts due probes and declares peers dead whose probe is overdue.
-    fn keepalive_tick(&mut self) -> Result<()> {
-        let now = Instant::now();
-        for i in 0..self.keepalives.len() {
-            let k = &mut self.keepalives[i];
-            if k.dead {
-                continue;
-            }
-            let overdue = k.probe_sent.is_some_and(|t| now.duration_since(t) >= k.cfg.bound);
-            if !overdue && k.probe_sent.is_none() && now.duration_since(k.last_activity) >= k.cfg.period {
-                // SAFETY: live QP (add_keepalive's contract).
-                match unsafe { sys::post_zero_length_write(k.qp.as_ptr(), k.cfg.wr_id) } {
-                    Ok(()) => {
-                        k.probe_sent = Some(now);
-                        self.ctl.0.counters.keepalive_probes.fetch_add(1, Relaxed);
-                        continue;
-                    }
-                    // The QP cannot even take a probe: treat as dead.
-                    Err(_) => k.probe_sent = Some(now - k.cfg.bound),
-                }
-            }
-            let k = &mut self.keepalives[i];
-            if k.probe_sent.is_some_and(|t| now.duration_since(t) >= k.cfg.bound) {
-                k.dead = true;
-                // SAFETY: live QP; the error state flushes outstanding work.
-                let _ = unsafe { sys::qp_to_error(k.qp.as_ptr()) };
-                self.ctl.0.counters.keepalive_dead.fetch_add(1, Relaxed);
-                log::warn!(target: "rdmasafe", "keepalive: peer of QP {} declared dead", k.qp_num);
-                let qpn = k.qp_num;
-                let ctl = self.ctl.clone();
-                (self.keepalives[i].on_dead)(qpn, &ctl);
-            }
-        }
-        Ok(())
+    fn leave(&self, held: Held<'_>) {
+        drop(held); // clears `running`
     }
 
     /// Runs cycles until [`LoopControl::stop`]; then flushes every pending
     /// ack and returns. The stop request is consumed: the loop can run
-    /// again.
-    pub fn run(&mut self) -> Result<()> {
-        let r = (|| {
-            while !self.ctl.0.stop.load(SeqCst) {
-                self.cycle(Wait::Forever)?;
+    /// again. Signals do not end it (a profiler's SIGPROF is harmless); a
+    /// signal handler may call stop. EBUSY if another thread runs the loop,
+    /// EDEADLK from inside one of its handlers.
+    pub fn run(&self) -> Result<()> {
+        let mut held = self.enter()?;
+        let r = {
+            let (core, ctl) = held.parts();
+            let mut r = Ok(());
+            while !ctl.0.stop.load(SeqCst) {
+                if let Err(e) = core.cycle(ctl, Wait::Forever, true) {
+                    if e.errno() != libc::EINTR {
+                        r = Err(e);
+                        break;
+                    }
+                }
             }
-            Ok(())
-        })();
-        self.finish_stop();
+            core.finish_stop(&ctl.0);
+            r
+        };
+        self.leave(held);
         r
     }
 
-    /// Flushes acks, forgets arm state (the next run re-arms and drains, so
-    /// completions left in a CQ at stop are delivered then) and clears the
-    /// stop request.
-    fn finish_stop(&mut self) {
-        // The stop's wakeup may not have been read (the loop was not in
-        // poll()): consume it so the next wait is not cut short.
-        self.ctl.0.wake.drain();
-        self.flush_acks();
-        for e in &mut self.entries {
-            e.armed = false;
-        }
-        self.polling_since = None;
-        self.ctl.0.stop.store(false, SeqCst);
+    /// One cycle: waits per `wait` (bounded by the loop's next deadline),
+    /// then delivers what arrived; returns the completions delivered (0 on
+    /// timeout). EINTR when a signal interrupted the wait. For embedding in
+    /// the app's own epoll: watch [`CqLoop::as_raw_fd`] (readable whenever
+    /// the loop has work: a CQ event, a CQ just added, a stop, a due
+    /// deadline, an adaptive spin or a CQ over its budget in progress) and
+    /// call `process_once(Wait::None)` when it is readable; no priming call
+    /// is needed.
+    ///
+    /// A stop requested while the app drives the loop this way ends the
+    /// call at once: it returns 0 with every ack flushed and the request
+    /// consumed, and the next call runs normally.
+    pub fn process_once(&self, wait: Wait) -> Result<usize> {
+        let mut held = self.enter()?;
+        let r = {
+            let (core, ctl) = held.parts();
+            if ctl.0.stop.load(SeqCst) {
+                core.finish_stop(&ctl.0);
+                Ok(0)
+            } else {
+                let r = core.cycle(ctl, wait, true);
+                if ctl.0.stop.load(SeqCst) {
+                    core.finish_stop(&ctl.0);
+                } else if core.has_work_now(&ctl.0) {
+                    // Keep the fd readable: the app's epoll must call again.
+                    ctl.0.wake();
+                }
+                r
+            }
+        };
+        self.leave(held);
+        r
+    }
+
+    /// How long an embedding app may wait before the next `process_once`;
+    /// see [`LoopControl::next_timeout`].
+    pub fn next_timeout(&self) -> Option<Duration> {
+        self.control().next_timeout()
+    }
+
+    /// Acks every pending CQ event now.
+    pub fn flush_acks(&self) -> Result<()> {
+        let mut held = self.enter()?;
+        let (core, ctl) = held.parts();
+        core.flush_all(&ctl.0);
+        self.leave(held);
+        Ok(())
     }
 
     /// Starts a thread that runs the loop, optionally pinned to `cpu`.
     /// [`LoopThread::stop`] stops it and gives the loop back.
-    pub fn spawn(mut self, cpu: Option<usize>) -> Result<LoopThread> {
-        let ctl = self.control();
-        let t = std::thread::Builder::new()
-            .name("rdmasafe-cq".into())
-            .spawn(move || {
-                let pinned = cpu.map(sys::pin_current_thread).transpose();
-                let r = pinned.map_err(|e| io_err("sched_setaffinity", e)).and_then(|_| self.run());
-                (self, r)
-            })
-            .map_err(|e| io_err("pthread_create", e))?;
-        Ok(LoopThread { ctl, thread: t })
+    pub fn spawn(self, cpu: Option<usize>) -> Result<LoopThread> {
+        super::thread::spawn(self, cpu)
     }
 
     /// Like [`CqLoop::spawn`], pinned to the first CPU of the NUMA node the
     /// device `ctx` sits on; unpinned when the device reports no node
-    /// (Soft-RoCE, single-node machines). Returns the thread and the CPU
-    /// chosen.
+    /// (Soft-RoCE, single-node machines). Returns the thread and the CPU.
     pub fn spawn_near(self, ctx: &crate::verbs::DeviceContext) -> Result<(LoopThread, Option<usize>)> {
         let cpu = sys::device_numa_cpus(&ctx.name()).and_then(|c| c.first().copied());
         Ok((self.spawn(cpu)?, cpu))
     }
 
-    /// Drains a QP before teardown, like the kernel's `ib_drain_qp`: moves
-    /// it to the error state, posts a marker on its send queue
-    /// ([`DRAIN_SEND_WR_ID`]) and, unless `srq`, on its receive queue
-    /// ([`DRAIN_RECV_WR_ID`]), then runs the loop until both flush
-    /// completions were delivered (to the handlers, like every completion)
-    /// or `timeout` passes (ETIMEDOUT). Flush completions are in order per
-    /// queue, so when this returns every request posted before it has
-    /// completed. The QP's CQs must be in this loop (EINVAL otherwise).
-    /// Returns with every CQ event the loop read acked (whatever
-    /// `ack_batch`), as teardown follows.
+    /// Blocking drain; see [`LoopControl::drain_qp`].
     ///
     /// # Safety
-    /// `qp` must be a live QP with a free slot on each queue.
-    pub unsafe fn drain_qp(&mut self, qp: NonNull<sys::ibv_qp>, srq: bool, timeout: Duration) -> Result<()> {
-        // SAFETY: live QP (caller's contract).
-        let (send_cq, recv_cq, qp_num) =
-            unsafe { ((*qp.as_ptr()).send_cq, (*qp.as_ptr()).recv_cq, (*qp.as_ptr()).qp_num) };
-        let ours = |cq| self.entries.iter().any(|e| e.cq.as_ptr() == cq);
-        if !ours(send_cq) || (!srq && !ours(recv_cq)) {
-            return Err(Error::new("rdmasafe drain_qp: QP's CQs not in this loop", libc::EINVAL));
-        }
-        // SAFETY: live QP; marker WRs without buffers.
-        unsafe { sys::qp_to_error_and_post_markers(qp.as_ptr(), !srq, DRAIN_SEND_WR_ID, DRAIN_RECV_WR_ID)? };
-        self.drain = Some(DrainWatch { qp_num, send: false, recv: srq });
-        let deadline = Instant::now() + timeout;
-        let result = loop {
-            if self.drain.as_ref().is_some_and(|d| d.send && d.recv) {
-                break Ok(());
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break Err(Error::new("rdmasafe drain_qp", libc::ETIMEDOUT));
-            }
-            // Markers may already sit in a CQ that is armed and quiet: poll
-            // directly as well as waiting for events.
-            self.begin_cycle();
-            let n = self.drain_all()?;
-            if n > 0 {
-                self.record_wakeup(n);
-                continue;
-            }
-            let wait = Wait::For(left.min(Duration::from_millis(10)));
-            match self.opts.mode {
-                Mode::Event => self.event_cycle(wait)?,
-                _ => self.poll_cycle(wait, None)?,
-            };
-        };
-        self.drain = None;
-        // A drain precedes teardown: leave no ack pending, whatever ack_batch.
-        self.flush_acks();
-        result
+    /// As for [`LoopControl::drain_qp`].
+    pub unsafe fn drain_qp(&self, qp: NonNull<sys::ibv_qp>, srq: bool, timeout: Duration) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.control().drain_qp(qp, srq, timeout) }.map(|_| ())
+    }
+
+    /// Dead-peer detection; see [`LoopControl::add_keepalive`].
+    ///
+    /// # Safety
+    /// As for [`LoopControl::add_keepalive`].
+    pub unsafe fn add_keepalive(
+        &self,
+        qp: NonNull<sys::ibv_qp>,
+        cfg: super::Keepalive,
+        on_dead: super::DeadPeer,
+    ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.control().add_keepalive(qp, cfg, on_dead) }.map(|_| ())
+    }
+
+    /// Stops dead-peer detection; see [`LoopControl::remove_keepalive`].
+    pub fn remove_keepalive(&self, qp_num: u32) -> Result<()> {
+        self.control().remove_keepalive(qp_num).map(|_| ())
+    }
+
+    /// Adds a CQ the app owns (the C API).
+    ///
+    /// # Safety
+    /// As for [`LoopControl::add_raw_cq`].
+    pub unsafe fn add_raw_cq(&self, cq: NonNull<ibv_cq>, opts: CqOptions, handler: Handler) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.control().add_raw_cq(cq, opts, handler) }.map(|_| ())
     }
 }
 
 impl AsRawFd for CqLoop {
-    /// The completion channel's fd: readable when a CQ event is ready.
+    /// The loop's own epoll fd: readable whenever the loop has work (see
+    /// [`CqLoop::process_once`]). Not the completion channel's fd.
     fn as_raw_fd(&self) -> RawFd {
-        self.fd()
+        self.sh.epoll.fd()
     }
 }
 
 impl AsFd for CqLoop {
     fn as_fd(&self) -> BorrowedFd<'_> {
-        // SAFETY: the channel outlives the loop (it is kept or the app's
-        // contract), so its fd is open while self is borrowed.
-        unsafe { BorrowedFd::borrow_raw(self.fd()) }
+        // SAFETY: the epoll fd lives as long as the loop's shared state,
+        // which self keeps.
+        unsafe { BorrowedFd::borrow_raw(self.sh.epoll.fd()) }
+    }
+}
+
+impl CqLoop {
+    /// The completion channel's fd (readable when a CQ event is ready);
+    /// for embedding, watch [`CqLoop::as_raw_fd`] instead.
+    pub fn channel_fd(&self) -> RawFd {
+        self.chan_fd
     }
 }
 
 impl Drop for CqLoop {
     fn drop(&mut self) {
-        // Ack every pending event, then read and ack whatever is still in
-        // the channel (events of CQs armed earlier), so no CQ destroy waits.
-        self.flush_acks();
-        let _ = self.read_events();
-        self.flush_acks();
-        let mut reg = registry().lock().unwrap_or_else(|e| e.into_inner());
-        for e in &self.entries {
-            reg.remove(&(e.cq.as_ptr() as usize));
-        }
-        channels().lock().unwrap_or_else(|e| e.into_inner()).remove(&(self.chan.as_ptr() as usize));
+        // Controls may outlive the loop (a handler may even hold one): tear
+        // the state down now, so every CQ can be destroyed after this, and
+        // make later changes through a control fail.
+        self.sh.alive.store(false, SeqCst);
+        let mut c = self.sh.core.lock().unwrap_or_else(|e| e.into_inner());
+        c.shutdown();
+        drop(c);
+        registry::release_loop(self.sh.id);
     }
 }
 
 /// A loop running on its own thread.
 pub struct LoopThread {
-    ctl: LoopControl,
-    thread: std::thread::JoinHandle<(CqLoop, Result<()>)>,
+    pub(crate) ctl: LoopControl,
+    pub(crate) thread: std::thread::JoinHandle<(CqLoop, Result<()>)>,
 }
 
 impl LoopThread {
@@ -1022,19 +1092,11 @@ impl LoopThread {
     pub fn stop(self) -> Result<CqLoop> {
         self.ctl.stop();
         let (l, r) = self.thread.join().map_err(|_| Error::new("rdmasafe-cq thread panicked", libc::EIO))?;
+        // If a handler had stopped the loop already, `run` consumed that
+        // request and ours is left over: the loop we give back is not
+        // running, so no stop request may linger (the next run would
+        // return at once).
+        l.sh.stop.store(false, SeqCst);
         r.map(|_| l)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn options_are_checked() {
-        assert!(LoopOptions::default().check().is_ok());
-        assert!(LoopOptions { poll_batch: 0, ..Default::default() }.check().is_err());
-        assert!(LoopOptions { poll_batch: 5000, ..Default::default() }.check().is_err());
-        assert!(LoopOptions { ack_batch: 0, ..Default::default() }.check().is_err());
     }
 }

@@ -1,18 +1,46 @@
 //! Completion queue notification, done right: see [`CqLoop`].
 //!
 //! * [`CqLoop`]: one completion channel, many CQs, three modes, batched
-//!   acks to the CQ each event names, re-arm before the final drain, stop
-//!   from anywhere, figures readable at any time ([`LoopStats`]).
+//!   acks to the CQ each event names, re-arm before the final drain, CQs
+//!   added and removed while it runs (from any thread, or from a handler),
+//!   per-CQ options (solicited-only, a per-cycle budget), an fd for the
+//!   app's own epoll, stop from anywhere (a signal handler included),
+//!   figures readable at any time ([`LoopStats`]).
+//! * [`LoopControl`]: what any thread can do to a running loop.
 //! * [`AsyncEvents`]: copies and acks a device's async events at once and
 //!   hands out the copies, each with the CQ / QP / SRQ / port it concerns.
+//!
+//! Files, one idea each: `options` (what can be set), `handle` (the verbs
+//! objects, the only `unsafe` of the loop), `entries` (the CQs of a loop),
+//! `control` (changes from any thread), `event_loop` (the cycle),
+//! `keepalive`, `drain`, `thread`, `registry`, `stats`, `async_events`.
 
 mod async_events;
+mod control;
+mod drain;
+mod entries;
 mod event_loop;
+mod handle;
+mod keepalive;
+mod options;
+mod registry;
 mod stats;
+mod thread;
 
-pub use async_events::{AsyncElement, AsyncEvent, AsyncEventType, AsyncEvents};
-pub use event_loop::{
-    CqLoop, DeadPeer, Handler, Keepalive, LoopControl, LoopOptions, LoopThread, Mode, DRAIN_RECV_WR_ID,
-    DRAIN_SEND_WR_ID,
-};
+pub use async_events::{AsyncElement, AsyncEvent, AsyncEventType, AsyncEvents, AsyncThread};
+pub use control::{LoopControl, Outcome};
+pub use drain::{DRAIN_RECV_WR_ID, DRAIN_SEND_WR_ID};
+pub use event_loop::{CqLoop, LoopThread};
+pub use options::{CqOptions, Keepalive, LoopOptions, Mode};
 pub use stats::{LoopStats, BUCKETS};
+
+/// A CQ's handler: gets each batch of work completions (error completions
+/// included, never dropped) and the loop's control. It runs on the thread
+/// that runs the loop; it may change the loop through the control (changes
+/// take effect when it returns) and must not block on a thread that waits
+/// for this loop.
+pub type Handler = Box<dyn FnMut(&[crate::sys::ibv_wc], &LoopControl) + Send>;
+
+/// Called once when a keepalive declares a QP's peer dead, after the QP was
+/// moved to the error state; gets the QP number.
+pub type DeadPeer = Box<dyn FnMut(u32, &LoopControl) + Send>;

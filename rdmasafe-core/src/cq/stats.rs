@@ -40,6 +40,11 @@ pub(crate) struct Counters {
     pub(crate) keepalive_probes: AtomicU64,
     pub(crate) keepalive_probes_ok: AtomicU64,
     pub(crate) keepalive_dead: AtomicU64,
+    pub(crate) foreign_cq_events: AtomicU64,
+    pub(crate) cqs: AtomicU64,
+    pub(crate) cqs_added: AtomicU64,
+    pub(crate) cqs_removed: AtomicU64,
+    pub(crate) budget_yields: AtomicU64,
     pub(crate) per_wakeup: Histogram,
     pub(crate) cycle_us: Histogram,
 }
@@ -65,6 +70,11 @@ impl Counters {
             keepalive_probes: self.keepalive_probes.load(Relaxed),
             keepalive_probes_ok: self.keepalive_probes_ok.load(Relaxed),
             keepalive_dead: self.keepalive_dead.load(Relaxed),
+            foreign_cq_events: self.foreign_cq_events.load(Relaxed),
+            cqs: self.cqs.load(Relaxed),
+            cqs_added: self.cqs_added.load(Relaxed),
+            cqs_removed: self.cqs_removed.load(Relaxed),
+            budget_yields: self.budget_yields.load(Relaxed),
             completions_per_wakeup: self.per_wakeup.snapshot(),
             cycle_time_us: self.cycle_us.snapshot(),
         }
@@ -104,6 +114,19 @@ pub struct LoopStats {
     pub keepalive_probes_ok: u64,
     /// Peers declared dead by a keepalive.
     pub keepalive_dead: u64,
+    /// CQ events read for CQs that are not in the loop (acked at once, and
+    /// logged once per CQ at warn level): another CQ on this channel whose
+    /// completions nobody handles.
+    pub foreign_cq_events: u64,
+    /// CQs in the loop now.
+    pub cqs: u64,
+    /// CQs added since the loop was created.
+    pub cqs_added: u64,
+    /// CQs removed since the loop was created.
+    pub cqs_removed: u64,
+    /// Times a CQ used up its per-cycle budget with completions left (it
+    /// was polled again in the next cycle).
+    pub budget_yields: u64,
     /// Histogram of completions delivered per wakeup (power-of-two
     /// buckets, see [`BUCKETS`]).
     pub completions_per_wakeup: [u64; BUCKETS],

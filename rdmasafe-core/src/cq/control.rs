@@ -1,0 +1,550 @@
+//! Everything any thread can do to a loop while another thread runs it:
+//! [`LoopControl`], and the protocol that makes membership changes work
+//! from anywhere.
+//!
+//! The loop's state ([`super::event_loop::Core`]) sits behind one mutex,
+//! held by whoever drives the loop: for the whole of `run`, for one
+//! `process_once`, or briefly by a thread that applies a change while
+//! nobody drives. A change (add or remove a CQ or a keepalive, drain a QP)
+//! is a command queued here. Then:
+//!
+//! * from inside one of the loop's handlers (the thread that holds the
+//!   state): queued only; the loop applies it as soon as that handler
+//!   returns, before calling any other handler ([`Outcome::Pending`]);
+//! * from any other thread: queued, the loop is woken (its fd becomes
+//!   readable), and the caller waits until the command is done. If nobody
+//!   drives the loop, the caller takes the state and applies the command
+//!   itself (for a drain: runs the loop until it is done). Every holder of
+//!   the state applies what is queued before it lets go, and looks again
+//!   after it did, so a command can never be left behind.
+//!
+//! So a remove from another thread waits for the cycle in progress: a
+//! handler must never wait for a thread that is removing a CQ of the same
+//! loop (use the `_then` variants there, which never block).
+
+use std::collections::{HashMap, VecDeque};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+use super::event_loop::Core;
+use super::handle::{LiveCq, LiveQp};
+use super::options::{CqOptions, Keepalive, LoopOptions};
+use super::stats::{Counters, LoopStats};
+use super::{registry, DeadPeer, Handler};
+use crate::sys::{self, ibv_cq, ibv_qp, Epoll, TimerFd, WakeFd};
+use crate::verbs::Cq;
+use crate::{Error, Result};
+
+/// How a change requested with [`LoopControl`] went.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Done when the call returned.
+    Done,
+    /// Requested from inside one of the loop's handlers: done as soon as
+    /// that handler returns, before the loop calls any other handler (the
+    /// `_then` variants call back when it is).
+    Pending,
+}
+
+/// A one-shot result a blocked caller waits for.
+#[derive(Default)]
+pub(crate) struct Completion(Mutex<Option<Result<()>>>);
+
+/// What to do when a command is done.
+pub(crate) enum Done {
+    Nothing,
+    Wait(Arc<Completion>),
+    Call(Box<dyn FnOnce(Result<()>) + Send>),
+}
+
+impl Done {
+    pub(crate) fn finish(self, sh: &Shared, r: Result<()>) {
+        match self {
+            Done::Nothing => {
+                if let Err(e) = r {
+                    log::warn!(target: "rdmasafe", "CQ loop: a change requested from a handler failed: {e}");
+                }
+            }
+            Done::Wait(c) => {
+                *c.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+                sh.notify();
+            }
+            Done::Call(f) => f(r),
+        }
+    }
+}
+
+/// A change to the loop, applied by whoever holds its state.
+pub(crate) enum Cmd {
+    AddCq { cq: LiveCq, opts: CqOptions, handler: Handler },
+    RemoveCq { cq: usize, done: Done },
+    AddKeepalive { qp: LiveQp, cfg: Keepalive, on_dead: DeadPeer },
+    RemoveKeepalive { qp_num: u32, done: Done },
+    Drain { qp: LiveQp, srq: bool, timeout: Duration, done: Done },
+}
+
+/// What the loop shares between the thread that drives it and every
+/// other thread.
+pub(crate) struct Shared {
+    pub(crate) id: u64,
+    /// The channel's address and its device context's, fixed for the
+    /// loop's life (to check CQs without taking the state).
+    chan: (usize, usize),
+    pub(crate) opts: LoopOptions,
+    /// False once the `CqLoop` is dropped: changes fail with EINVAL.
+    pub(crate) alive: AtomicBool,
+    /// Set by `CqLoop::try_close`: no run may start any more.
+    pub(crate) closing: AtomicBool,
+    pub(crate) core: Mutex<Core>,
+    /// Someone is in `run` / `process_once` (as opposed to a brief apply).
+    pub(crate) running: AtomicBool,
+    /// `sys::thread_tag` of the thread holding `core`, 0 if none.
+    pub(crate) owner: AtomicU64,
+    cmds: Mutex<VecDeque<Cmd>>,
+    pub(crate) cmds_pending: AtomicBool,
+    changed: Condvar,
+    pub(crate) stop: AtomicBool,
+    pub(crate) wake: WakeFd,
+    pub(crate) wake_set: AtomicBool,
+    pub(crate) epoll: Epoll,
+    pub(crate) timer: TimerFd,
+    pub(crate) counters: Counters,
+    pub(crate) outstanding: AtomicU64,
+    pub(crate) in_handler: AtomicBool,
+    /// The keepalives as the callers see them (qp_num -> send CQ), so add
+    /// and remove answer EBUSY / ENOENT at once.
+    keepalives: Mutex<HashMap<u32, usize>>,
+}
+
+/// Epoll keys of the loop's fds.
+pub(crate) const KEY_CHANNEL: u64 = 0;
+pub(crate) const KEY_WAKE: u64 = 1;
+pub(crate) const KEY_TIMER: u64 = 2;
+
+impl Shared {
+    pub(crate) fn new(id: u64, core: Core, channel_fd: i32, chan: (usize, usize), opts: LoopOptions) -> Result<Shared> {
+        let io = |op: &'static str| move |e: std::io::Error| Error::new(op, e.raw_os_error().unwrap_or(libc::EIO));
+        let wake = WakeFd::new().map_err(io("eventfd"))?;
+        let epoll = Epoll::new().map_err(io("epoll_create1"))?;
+        let timer = TimerFd::new().map_err(io("timerfd_create"))?;
+        epoll.add(channel_fd, KEY_CHANNEL).map_err(io("epoll_ctl"))?;
+        epoll.add(wake.fd(), KEY_WAKE).map_err(io("epoll_ctl"))?;
+        epoll.add(timer.fd(), KEY_TIMER).map_err(io("epoll_ctl"))?;
+        Ok(Shared {
+            id,
+            chan,
+            opts,
+            alive: AtomicBool::new(true),
+            closing: AtomicBool::new(false),
+            core: Mutex::new(core),
+            running: AtomicBool::new(false),
+            owner: AtomicU64::new(0),
+            cmds: Mutex::new(VecDeque::new()),
+            cmds_pending: AtomicBool::new(false),
+            changed: Condvar::new(),
+            stop: AtomicBool::new(false),
+            wake,
+            wake_set: AtomicBool::new(false),
+            epoll,
+            timer,
+            counters: Counters::default(),
+            outstanding: AtomicU64::new(0),
+            in_handler: AtomicBool::new(false),
+            keepalives: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Makes the loop's fd readable (async-signal-safe: an atomic swap and
+    /// at most one write).
+    pub(crate) fn wake(&self) {
+        if !self.wake_set.swap(true, SeqCst) {
+            self.wake.wake();
+        }
+    }
+
+    /// Wakes the callers waiting for a command or for the state.
+    fn notify(&self) {
+        let _q = self.cmds.lock().unwrap_or_else(|e| e.into_inner());
+        self.changed.notify_all();
+    }
+
+    pub(crate) fn take_cmds(&self) -> VecDeque<Cmd> {
+        let mut q = self.cmds.lock().unwrap_or_else(|e| e.into_inner());
+        self.cmds_pending.store(false, SeqCst);
+        std::mem::take(&mut *q)
+    }
+
+    fn push(&self, cmd: Cmd) {
+        let mut q = self.cmds.lock().unwrap_or_else(|e| e.into_inner());
+        q.push_back(cmd);
+        self.cmds_pending.store(true, SeqCst);
+    }
+
+    /// True if the calling thread holds the state (it is inside a handler,
+    /// or applying commands).
+    pub(crate) fn held_here(&self) -> bool {
+        self.owner.load(SeqCst) == sys::thread_tag()
+    }
+
+    pub(crate) fn forget_keepalives_of(&self, qpns: &[u32]) {
+        let mut k = self.keepalives.lock().unwrap_or_else(|e| e.into_inner());
+        for q in qpns {
+            k.remove(q);
+        }
+    }
+}
+
+/// The loop's state, held: applies queued commands on release, and looks
+/// again afterwards, so no command is ever left behind.
+pub(crate) struct Held<'a> {
+    sh: &'a Shared,
+    guard: Option<MutexGuard<'a, Core>>,
+    ctl: LoopControl,
+    /// Held for `run` / `process_once`: `running` is cleared on release,
+    /// also when a handler's panic unwinds through the loop.
+    runner: bool,
+}
+
+impl<'a> Held<'a> {
+    pub(crate) fn new(sh: &'a Shared, guard: MutexGuard<'a, Core>, ctl: LoopControl) -> Held<'a> {
+        sh.owner.store(sys::thread_tag(), SeqCst);
+        Held { sh, guard: Some(guard), ctl, runner: false }
+    }
+
+    /// Marks this hold as the one of a runner (see `runner`).
+    pub(crate) fn as_runner(mut self) -> Held<'a> {
+        self.runner = true;
+        self
+    }
+
+    /// The state and the control, for a cycle.
+    pub(crate) fn parts(&mut self) -> (&mut Core, &LoopControl) {
+        (self.guard.as_mut().expect("held until dropped"), &self.ctl)
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        let sh = self.sh;
+        if self.runner {
+            sh.running.store(false, SeqCst);
+        }
+        loop {
+            if let Some(mut g) = self.guard.take() {
+                g.apply_cmds(&self.ctl);
+                sh.owner.store(0, SeqCst);
+                drop(g);
+            }
+            sh.notify();
+            // A command queued after our last look and before the unlock
+            // would wait for a holder that is gone: look again.
+            if !sh.cmds_pending.load(SeqCst) {
+                return;
+            }
+            match sh.core.try_lock() {
+                Ok(g) => {
+                    sh.owner.store(sys::thread_tag(), SeqCst);
+                    self.guard = Some(g);
+                }
+                // Someone else holds it now and will apply it.
+                Err(_) => return,
+            }
+        }
+    }
+}
+
+/// A handle to a loop usable from any thread, and from inside its
+/// handlers: stop it, change its CQs and keepalives, drain QPs, read its
+/// figures. Cloning is cheap.
+#[derive(Clone)]
+pub struct LoopControl(pub(crate) Arc<Shared>);
+
+impl LoopControl {
+    /// Asks the loop to stop: `run` returns after the current batch, with
+    /// every pending ack flushed. Thread-safe, never blocks, and
+    /// async-signal-safe (an atomic store and one write(2); errno kept).
+    pub fn stop(&self) {
+        self.0.stop.store(true, SeqCst);
+        self.0.wake();
+    }
+
+    /// Tells the watchdog how much work the app has outstanding (0: none).
+    pub fn set_outstanding(&self, n: u64) {
+        self.0.outstanding.store(n, Relaxed);
+    }
+
+    /// The loop's figures now.
+    pub fn stats(&self) -> LoopStats {
+        self.0.counters.snapshot()
+    }
+
+    /// True while one of this loop's handlers is running (on any thread).
+    pub fn in_handler(&self) -> bool {
+        self.0.in_handler.load(SeqCst)
+    }
+
+    /// True while a thread runs the loop (`run` / `process_once`).
+    pub fn is_running(&self) -> bool {
+        self.0.running.load(SeqCst)
+    }
+
+    /// True if the calling thread is the one driving the loop right now
+    /// (it is inside one of the loop's handlers): changes requested here
+    /// are [`Outcome::Pending`].
+    pub fn on_loop_thread(&self) -> bool {
+        self.0.held_here()
+    }
+
+    /// Adds a CQ (kept alive by the loop) with its handler and options. The
+    /// loop arms it and drains what it already holds before its next sleep.
+    /// Errors at once: EINVAL (CQ of another channel or device context),
+    /// EBUSY (the CQ is in a loop already).
+    pub fn add_cq<F>(&self, cq: &Cq, opts: CqOptions, handler: F) -> Result<Outcome>
+    where
+        F: FnMut(&[sys::ibv_wc], &LoopControl) + Send + 'static,
+    {
+        self.add_live(LiveCq::owned(cq), opts, Box::new(handler))
+    }
+
+    /// Like [`LoopControl::add_cq`] for a CQ the app owns (the C API).
+    ///
+    /// # Safety
+    /// `cq` must be a live CQ that stays alive until it is removed from the
+    /// loop (the removal has completed) or the loop is dropped.
+    pub unsafe fn add_raw_cq(&self, cq: NonNull<ibv_cq>, opts: CqOptions, handler: Handler) -> Result<Outcome> {
+        // SAFETY: forwarded contract.
+        self.add_live(unsafe { LiveCq::borrowed(cq) }, opts, handler)
+    }
+
+    fn add_live(&self, cq: LiveCq, opts: CqOptions, handler: Handler) -> Result<Outcome> {
+        let (cq_chan, cq_ctx) = cq.channel_and_context();
+        let (chan, ctx) = self.0.chan;
+        if cq_ctx as usize != ctx {
+            return Err(Error::new("rdmasafe_cq_loop_add_cq: CQ of another device context", libc::EINVAL));
+        }
+        if cq_chan as usize != chan {
+            return Err(Error::new("rdmasafe_cq_loop_add_cq: CQ not bound to this loop's channel", libc::EINVAL));
+        }
+        registry::claim_cq(cq.addr(), self.0.id)
+            .map_err(|_| Error::new("rdmasafe_cq_loop_add_cq: CQ already in a loop", libc::EBUSY))?;
+        self.submit(Cmd::AddCq { cq, opts, handler }, None)
+    }
+
+    /// Removes a CQ: its pending acks are flushed, the events already
+    /// queued for it are read and acked, and its handler is dropped (never
+    /// called again). From another thread this waits for the loop's current
+    /// cycle and returns `Done`: `ibv_destroy_cq` may follow at once (destroy
+    /// the QPs that use it first, so no completion raises a new event). From
+    /// inside a handler it returns `Pending` (see [`Outcome`]). Keepalives
+    /// probing through the CQ stop; drains using it end with ECANCELED.
+    /// ENOENT if the CQ is not in this loop.
+    pub fn remove_cq(&self, cq: &Cq) -> Result<Outcome> {
+        self.remove_raw_cq(cq.raw())
+    }
+
+    /// [`LoopControl::remove_cq`] by address (the C API).
+    pub fn remove_raw_cq(&self, cq: *mut ibv_cq) -> Result<Outcome> {
+        self.check_cq(cq)?;
+        let c = Arc::new(Completion::default());
+        self.submit(Cmd::RemoveCq { cq: cq as usize, done: self.waiter(&c) }, Some(c))
+    }
+
+    /// Removes a CQ without ever blocking; `done` is called (on the loop's
+    /// thread, or on the caller's if the loop is idle) once the removal is
+    /// complete, with the CQ's acks flushed: `ibv_destroy_cq` may be called
+    /// from `done`.
+    pub fn remove_raw_cq_then(&self, cq: *mut ibv_cq, done: Box<dyn FnOnce(Result<()>) + Send>) -> Result<()> {
+        self.check_cq(cq)?;
+        self.submit_async(Cmd::RemoveCq { cq: cq as usize, done: Done::Call(done) })
+    }
+
+    fn check_cq(&self, cq: *mut ibv_cq) -> Result<()> {
+        if registry::cq_in(cq as usize, self.0.id) {
+            Ok(())
+        } else {
+            Err(Error::new("rdmasafe_cq_loop_remove_cq: CQ not in this loop", libc::ENOENT))
+        }
+    }
+
+    /// Registers dead-peer detection for `qp`, an RC QP whose send CQ is in
+    /// this loop. While the loop runs, when the QP has had no successful
+    /// completion for `cfg.period`, rdmasafe posts a probe: a signaled
+    /// zero-length RDMA WRITE (no rkey is checked for zero length; the
+    /// peer's application sees nothing). A probe that has not completed
+    /// within `cfg.bound` means the peer is dead: rdmasafe moves the QP to
+    /// the error state, so everything outstanding flushes to the handler,
+    /// and calls `on_dead` once. A timer decides, not the retry count, so
+    /// this works whatever `retry_cnt` the QP has (with 7, rxe retries
+    /// forever and reports nothing). A probe that fails with an error status
+    /// (e.g. retry exceeded) declares the peer dead at once; a full send
+    /// queue (ENOMEM) delays the probe, up to the bound.
+    ///
+    /// Errors: EINVAL (zero period or bound, send CQ not in this loop),
+    /// EBUSY (the QP already has a keepalive).
+    ///
+    /// # Safety
+    /// `qp` must be live until [`LoopControl::remove_keepalive`] (or the
+    /// removal of its send CQ, or the loop's drop) has completed.
+    pub unsafe fn add_keepalive(&self, qp: NonNull<ibv_qp>, cfg: Keepalive, on_dead: DeadPeer) -> Result<Outcome> {
+        if cfg.period.is_zero() || cfg.bound.is_zero() {
+            return Err(Error::new("rdmasafe keepalive: zero period or bound", libc::EINVAL));
+        }
+        // SAFETY: live QP (caller).
+        let qp = unsafe { LiveQp::new(qp) };
+        let (qpn, send_cq, _) = qp.info();
+        if !registry::cq_in(send_cq, self.0.id) {
+            return Err(Error::new("rdmasafe keepalive: the QP's send CQ is not in this loop", libc::EINVAL));
+        }
+        {
+            let mut k = self.0.keepalives.lock().unwrap_or_else(|e| e.into_inner());
+            if k.contains_key(&qpn) {
+                return Err(Error::new("rdmasafe keepalive: QP already registered", libc::EBUSY));
+            }
+            k.insert(qpn, send_cq);
+        }
+        self.submit(Cmd::AddKeepalive { qp, cfg, on_dead }, None)
+    }
+
+    /// Stops dead-peer detection for the QP with this number (ENOENT if it
+    /// had none). A probe still outstanding is consumed when it completes.
+    pub fn remove_keepalive(&self, qp_num: u32) -> Result<Outcome> {
+        if self.0.keepalives.lock().unwrap_or_else(|e| e.into_inner()).remove(&qp_num).is_none() {
+            return Err(Error::new("rdmasafe keepalive", libc::ENOENT));
+        }
+        let c = Arc::new(Completion::default());
+        self.submit(Cmd::RemoveKeepalive { qp_num, done: self.waiter(&c) }, Some(c))
+    }
+
+    /// Drains a QP before teardown, like the kernel's `ib_drain_qp`: moves
+    /// it to the error state, posts a marker on its send queue
+    /// ([`super::DRAIN_SEND_WR_ID`]) and, unless `srq`, on its receive queue
+    /// ([`super::DRAIN_RECV_WR_ID`]), and the loop delivers everything until
+    /// both markers come back. The markers are the loop's: they never
+    /// reach a handler. Flush completions are in order per queue, so when
+    /// the drain is done every request posted before it has completed, and
+    /// every CQ event the loop read is acked.
+    ///
+    /// From another thread this waits (running the loop itself if nobody
+    /// does) until done or `timeout` (ETIMEDOUT). From inside a handler it
+    /// starts the drain and returns `Pending`: use
+    /// [`LoopControl::drain_qp_then`] to learn when it is done. EINVAL if
+    /// the QP's CQs are not in this loop.
+    ///
+    /// # Safety
+    /// `qp` must be a live QP with a free slot on each queue, alive until
+    /// the drain is done.
+    pub unsafe fn drain_qp(&self, qp: NonNull<ibv_qp>, srq: bool, timeout: Duration) -> Result<Outcome> {
+        // SAFETY: forwarded contract.
+        let qp = unsafe { self.drain_checked(qp, srq)? };
+        let c = Arc::new(Completion::default());
+        self.submit(Cmd::Drain { qp, srq, timeout, done: self.waiter(&c) }, Some(c))
+    }
+
+    /// Starts a drain (see [`LoopControl::drain_qp`]) and never blocks:
+    /// `done` gets its result, on the thread that runs the loop (or on
+    /// the caller's when it finishes at once).
+    ///
+    /// # Safety
+    /// As for [`LoopControl::drain_qp`], until `done` is called.
+    pub unsafe fn drain_qp_then(
+        &self,
+        qp: NonNull<ibv_qp>,
+        srq: bool,
+        timeout: Duration,
+        done: Box<dyn FnOnce(Result<()>) + Send>,
+    ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        let qp = unsafe { self.drain_checked(qp, srq)? };
+        self.submit_async(Cmd::Drain { qp, srq, timeout, done: Done::Call(done) })
+    }
+
+    /// # Safety
+    /// `qp` live.
+    unsafe fn drain_checked(&self, qp: NonNull<ibv_qp>, srq: bool) -> Result<LiveQp> {
+        // SAFETY: live QP (caller).
+        let qp = unsafe { LiveQp::new(qp) };
+        let (_, send_cq, recv_cq) = qp.info();
+        let ours = |cq| registry::cq_in(cq, self.0.id);
+        if !ours(send_cq) || (!srq && !ours(recv_cq)) {
+            return Err(Error::new("rdmasafe drain_qp: QP's CQs not in this loop", libc::EINVAL));
+        }
+        Ok(qp)
+    }
+
+    /// How long an app embedding the loop in its own epoll may sleep before
+    /// calling `process_once` again even if the loop's fd stays quiet:
+    /// `Some(ZERO)` while the loop has work right now (an adaptive loop
+    /// still spinning, a CQ over its budget, a CQ just added), the time to
+    /// its next keepalive / watchdog / drain deadline, `None` if none. The
+    /// fd itself also becomes readable at those deadlines (a timerfd).
+    pub fn next_timeout(&self) -> Option<Duration> {
+        match self.0.core.try_lock() {
+            Ok(c) => c.next_timeout(&self.0),
+            // Being driven right now: call again soon.
+            Err(_) => Some(Duration::ZERO),
+        }
+    }
+
+    fn waiter(&self, c: &Arc<Completion>) -> Done {
+        if self.0.held_here() {
+            Done::Nothing
+        } else {
+            Done::Wait(c.clone())
+        }
+    }
+
+    fn submit_async(&self, cmd: Cmd) -> Result<()> {
+        self.submit(cmd, None).map(|_| ())
+    }
+
+    /// Queues `cmd`; unless called from inside a handler, makes sure it is
+    /// applied (and, with `wait`, done) before returning.
+    fn submit(&self, cmd: Cmd, wait: Option<Arc<Completion>>) -> Result<Outcome> {
+        let sh = &*self.0;
+        if !sh.alive.load(SeqCst) {
+            return Err(Error::new("rdmasafe CQ loop: the loop is gone", libc::EINVAL));
+        }
+        sh.push(cmd);
+        if sh.held_here() {
+            return Ok(Outcome::Pending);
+        }
+        sh.wake();
+        let Some(wait) = wait else {
+            // Nothing to wait for: apply at once if nobody drives the loop
+            // (else whoever does applies it before its next sleep).
+            if let Ok(g) = sh.core.try_lock() {
+                drop(Held::new(sh, g, self.clone()));
+            }
+            return Ok(Outcome::Done);
+        };
+        let mut q = sh.cmds.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            let done = wait.0.lock().unwrap_or_else(|e| e.into_inner()).take();
+            if let Some(r) = done {
+                return r.map(|_| Outcome::Done);
+            }
+            match sh.core.try_lock() {
+                Ok(g) => {
+                    drop(q);
+                    // Nobody drives the loop: apply (and drive, for a drain)
+                    // here, then let go through Held (which looks again).
+                    let mut held = Held::new(sh, g, self.clone());
+                    let (core, ctl) = held.parts();
+                    core.apply_cmds(ctl);
+                    core.drive_until(ctl, &wait);
+                    drop(held);
+                    q = sh.cmds.lock().unwrap_or_else(|e| e.into_inner());
+                }
+                Err(_) => q = sh.changed.wait(q).unwrap_or_else(|e| e.into_inner()),
+            }
+        }
+    }
+}
+
+impl Completion {
+    pub(crate) fn is_done(&self) -> bool {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+    }
+}

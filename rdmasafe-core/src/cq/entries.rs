@@ -1,0 +1,157 @@
+//! The CQs of a loop: a slab with generations (a reference to a removed
+//! CQ's slot can never reach the CQ that reuses it) and an index by CQ
+//! address, so an event finds its CQ in O(1).
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use super::handle::LiveCq;
+use super::options::CqOptions;
+use super::Handler;
+
+/// One multiply instead of SipHash per event: keys are CQ addresses.
+#[derive(Default, Clone, Copy)]
+pub(crate) struct AddrHasher(u64);
+
+impl Hasher for AddrHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ *b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_usize(&mut self, v: usize) {
+        // Allocations are 16-byte aligned: drop the zero bits, then spread.
+        self.0 = ((v as u64) >> 4).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+pub(crate) type AddrMap<V> = HashMap<usize, V, BuildHasherDefault<AddrHasher>>;
+
+/// A slot and the generation of the entry that was put there.
+pub(crate) type Ref = (usize, u64);
+
+pub(crate) struct Entry {
+    pub(crate) cq: LiveCq,
+    /// Taken out while it runs (the loop may change while it does).
+    pub(crate) handler: Option<Handler>,
+    pub(crate) opts: CqOptions,
+    pub(crate) pending_acks: u32,
+    pub(crate) armed: bool,
+    /// In the fired / ready / unarmed lists (at most once each).
+    pub(crate) in_fired: bool,
+    pub(crate) in_ready: bool,
+    pub(crate) in_unarmed: bool,
+    gen: u64,
+}
+
+impl Entry {
+    pub(crate) fn new(cq: LiveCq, opts: CqOptions, handler: Handler) -> Entry {
+        Entry {
+            cq,
+            handler: Some(handler),
+            opts,
+            pending_acks: 0,
+            armed: false,
+            in_fired: false,
+            in_ready: false,
+            in_unarmed: false,
+            gen: 0,
+        }
+    }
+}
+
+#[derive(Default)]
+pub(crate) struct Entries {
+    slots: Vec<Option<Entry>>,
+    free: Vec<usize>,
+    by_cq: AddrMap<usize>,
+    next_gen: u64,
+}
+
+impl Entries {
+    pub(crate) fn len(&self) -> usize {
+        self.by_cq.len()
+    }
+
+    pub(crate) fn insert(&mut self, mut e: Entry) -> Ref {
+        self.next_gen += 1;
+        e.gen = self.next_gen;
+        let key = e.cq.addr();
+        let i = match self.free.pop() {
+            Some(i) => {
+                self.slots[i] = Some(e);
+                i
+            }
+            None => {
+                self.slots.push(Some(e));
+                self.slots.len() - 1
+            }
+        };
+        self.by_cq.insert(key, i);
+        (i, self.next_gen)
+    }
+
+    pub(crate) fn find(&self, cq: usize) -> Option<Ref> {
+        let i = *self.by_cq.get(&cq)?;
+        self.slots[i].as_ref().map(|e| (i, e.gen))
+    }
+
+    pub(crate) fn get(&self, r: Ref) -> Option<&Entry> {
+        self.slots.get(r.0)?.as_ref().filter(|e| e.gen == r.1)
+    }
+
+    pub(crate) fn get_mut(&mut self, r: Ref) -> Option<&mut Entry> {
+        self.slots.get_mut(r.0)?.as_mut().filter(|e| e.gen == r.1)
+    }
+
+    pub(crate) fn remove(&mut self, r: Ref) -> Option<Entry> {
+        self.get(r)?;
+        let e = self.slots[r.0].take()?;
+        self.by_cq.remove(&e.cq.addr());
+        self.free.push(r.0);
+        Some(e)
+    }
+
+    /// Every live entry's reference (polling modes, stop, teardown).
+    pub(crate) fn refs(&self) -> Vec<Ref> {
+        self.slots.iter().enumerate().filter_map(|(i, s)| s.as_ref().map(|e| (i, e.gen))).collect()
+    }
+
+    pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = &mut Entry> {
+        self.slots.iter_mut().flatten()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::verbs::Cq;
+
+    // Entries are only keyed by address here; a real CQ is not needed to
+    // test the slab, so LiveCq values are made from dangling pointers that
+    // are never called.
+    fn fake(addr: usize) -> LiveCq {
+        // SAFETY: the CQ is never polled, armed or acked in these tests.
+        unsafe { LiveCq::borrowed(std::ptr::NonNull::new(addr as *mut _).unwrap()) }
+    }
+
+    #[test]
+    fn a_stale_reference_never_reaches_the_entry_that_reuses_its_slot() {
+        let _ = std::mem::size_of::<Cq>();
+        let mut es = Entries::default();
+        let noop: Handler = Box::new(|_, _| {});
+        let a = es.insert(Entry::new(fake(0x1000), CqOptions::default(), noop));
+        assert!(es.remove(a).is_some());
+        let noop: Handler = Box::new(|_, _| {});
+        let b = es.insert(Entry::new(fake(0x2000), CqOptions::default(), noop));
+        assert_eq!(a.0, b.0, "the slot is reused");
+        assert!(es.get(a).is_none() && es.remove(a).is_none(), "the stale reference is dead");
+        assert!(es.get(b).is_some());
+        assert_eq!(es.find(0x2000), Some(b));
+        assert_eq!(es.find(0x1000), None);
+        assert_eq!(es.len(), 1);
+    }
+}

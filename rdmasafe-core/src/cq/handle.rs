@@ -1,0 +1,197 @@
+//! The verbs objects the loop works on, as small handle types whose one
+//! unsafe constructor states why the object is alive; every method is then
+//! safe. The rest of the loop calls only these (and `sys` for fds), so the
+//! loop's logic holds no `unsafe` of its own.
+
+use std::ptr::NonNull;
+
+use crate::sys::{self, ibv_comp_channel, ibv_context, ibv_cq, ibv_qp, ibv_wc};
+use crate::verbs::{CompChannel, Cq};
+use crate::{Error, Result};
+
+/// A CQ the loop may poll, arm and ack: alive as long as this value.
+pub(crate) struct LiveCq {
+    raw: NonNull<ibv_cq>,
+    /// For CQs from the Rust API: the loop keeps them alive itself.
+    _keep: Option<Cq>,
+}
+
+// SAFETY: libibverbs CQ calls may come from any thread; the handle is a
+// pointer plus an owned keep-alive.
+unsafe impl Send for LiveCq {}
+
+impl LiveCq {
+    /// A CQ the loop keeps alive itself.
+    pub(crate) fn owned(cq: &Cq) -> LiveCq {
+        LiveCq { raw: NonNull::new(cq.raw()).expect("a Cq is never NULL"), _keep: Some(cq.clone()) }
+    }
+
+    /// A CQ the app owns (the C API).
+    ///
+    /// # Safety
+    /// `raw` must be a live CQ that stays alive as long as the returned
+    /// value (the app removes it from the loop before `ibv_destroy_cq`).
+    pub(crate) unsafe fn borrowed(raw: NonNull<ibv_cq>) -> LiveCq {
+        LiveCq { raw, _keep: None }
+    }
+
+    pub(crate) fn addr(&self) -> usize {
+        self.raw.as_ptr() as usize
+    }
+
+    /// The completion channel the CQ was created on, and its context.
+    pub(crate) fn channel_and_context(&self) -> (*mut ibv_comp_channel, *mut ibv_context) {
+        // SAFETY: live CQ (type invariant); plain field reads.
+        unsafe { ((*self.raw.as_ptr()).channel, (*self.raw.as_ptr()).context) }
+    }
+
+    /// `ibv_poll_cq` into `wcs`; the number filled.
+    pub(crate) fn poll(&self, wcs: &mut [ibv_wc]) -> Result<usize> {
+        let n = wcs.len().min(i32::MAX as usize) as i32;
+        // SAFETY: live CQ; wcs has room for n entries.
+        let r = unsafe { sys::ibv_poll_cq(self.raw.as_ptr(), n, wcs.as_mut_ptr()) };
+        if r < 0 {
+            Err(Error::new("ibv_poll_cq", -r))
+        } else {
+            Ok(r as usize)
+        }
+    }
+
+    /// `ibv_req_notify_cq`.
+    pub(crate) fn arm(&self, solicited_only: bool) -> Result<()> {
+        // SAFETY: live CQ.
+        match unsafe { sys::ibv_req_notify_cq(self.raw.as_ptr(), solicited_only as i32) } {
+            0 => Ok(()),
+            r => Err(Error::new("ibv_req_notify_cq", r)),
+        }
+    }
+
+    /// `ibv_ack_cq_events(cq, n)`: `n` events read for this CQ.
+    pub(crate) fn ack(&self, n: u32) {
+        if n > 0 {
+            // SAFETY: live CQ; the caller read n events for it.
+            unsafe { sys::ibv_ack_cq_events(self.raw.as_ptr(), n) };
+        }
+    }
+}
+
+/// One CQ event read from a channel and not acked yet. Its CQ is alive
+/// until it is acked: `ibv_destroy_cq` waits for exactly that ack.
+pub(crate) struct CqEvent(NonNull<ibv_cq>);
+
+impl CqEvent {
+    pub(crate) fn cq_addr(&self) -> usize {
+        self.0.as_ptr() as usize
+    }
+
+    /// Acks the event on its CQ (an event for a CQ the loop does not serve).
+    pub(crate) fn ack(self) {
+        // SAFETY: the CQ lives until this ack (see the type).
+        unsafe { sys::ibv_ack_cq_events(self.0.as_ptr(), 1) };
+    }
+}
+
+/// The completion channel the loop reads: alive as long as this value.
+pub(crate) struct LiveChannel {
+    raw: NonNull<ibv_comp_channel>,
+    _keep: Option<CompChannel>,
+}
+
+// SAFETY: channel calls may come from any thread.
+unsafe impl Send for LiveChannel {}
+// SAFETY: as above; only reads through &self.
+unsafe impl Sync for LiveChannel {}
+
+impl LiveChannel {
+    /// A channel the loop keeps alive itself.
+    pub(crate) fn owned(ch: &CompChannel) -> LiveChannel {
+        LiveChannel { raw: NonNull::new(ch.raw()).expect("a CompChannel is never NULL"), _keep: Some(ch.clone()) }
+    }
+
+    /// A channel the app owns (the C API).
+    ///
+    /// # Safety
+    /// `raw` must be a live completion channel that outlives the value.
+    pub(crate) unsafe fn borrowed(raw: NonNull<ibv_comp_channel>) -> LiveChannel {
+        LiveChannel { raw, _keep: None }
+    }
+
+    pub(crate) fn addr(&self) -> usize {
+        self.raw.as_ptr() as usize
+    }
+
+    pub(crate) fn fd(&self) -> i32 {
+        // SAFETY: live channel; a plain field read.
+        unsafe { (*self.raw.as_ptr()).fd }
+    }
+
+    pub(crate) fn context(&self) -> *mut ibv_context {
+        // SAFETY: live channel; a plain field read.
+        unsafe { (*self.raw.as_ptr()).context }
+    }
+
+    /// Reads one CQ event (the fd is non-blocking): `None` when none is
+    /// ready. EINTR is retried.
+    pub(crate) fn get_event(&self) -> Result<Option<CqEvent>> {
+        loop {
+            let mut cq = std::ptr::null_mut();
+            let mut ctx = std::ptr::null_mut();
+            // SAFETY: live channel; out-pointers valid for the call.
+            if unsafe { sys::ibv_get_cq_event(self.raw.as_ptr(), &mut cq, &mut ctx) } == 0 {
+                return Ok(NonNull::new(cq).map(CqEvent));
+            }
+            let e = Error::last("ibv_get_cq_event");
+            match e.errno() {
+                libc::EAGAIN => return Ok(None),
+                libc::EINTR => continue,
+                _ => return Err(e),
+            }
+        }
+    }
+}
+
+/// A QP the loop posts probes and drain markers on.
+pub(crate) struct LiveQp(NonNull<ibv_qp>);
+
+// SAFETY: QP calls may come from any thread.
+unsafe impl Send for LiveQp {}
+
+impl LiveQp {
+    /// # Safety
+    /// `raw` must be a live QP that stays alive as long as the value (the
+    /// app removes the keepalive / waits for the drain before destroying).
+    pub(crate) unsafe fn new(raw: NonNull<ibv_qp>) -> LiveQp {
+        LiveQp(raw)
+    }
+
+    pub(crate) fn raw(&self) -> *mut ibv_qp {
+        self.0.as_ptr()
+    }
+
+    /// (qp_num, send CQ, receive CQ), as addresses.
+    pub(crate) fn info(&self) -> (u32, usize, usize) {
+        // SAFETY: live QP; plain field reads.
+        unsafe {
+            let q = &*self.0.as_ptr();
+            (q.qp_num, q.send_cq as usize, q.recv_cq as usize)
+        }
+    }
+
+    /// A signaled zero-length RDMA WRITE (a keepalive probe).
+    pub(crate) fn post_probe(&self, wr_id: u64) -> Result<()> {
+        // SAFETY: live QP.
+        unsafe { sys::post_zero_length_write(self.0.as_ptr(), wr_id) }
+    }
+
+    /// Moves the QP to the error state (flushes what is outstanding).
+    pub(crate) fn to_error(&self) -> Result<()> {
+        // SAFETY: live QP.
+        unsafe { sys::qp_to_error(self.0.as_ptr()) }
+    }
+
+    /// Error state plus drain markers (see `sys::qp_to_error_and_post_markers`).
+    pub(crate) fn to_error_with_markers(&self, recv: bool, send_wr_id: u64, recv_wr_id: u64) -> Result<()> {
+        // SAFETY: live QP.
+        unsafe { sys::qp_to_error_and_post_markers(self.0.as_ptr(), recv, send_wr_id, recv_wr_id) }
+    }
+}

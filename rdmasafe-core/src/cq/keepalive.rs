@@ -1,0 +1,173 @@
+//! Dead-peer detection: a zero-length RDMA WRITE after a period of
+//! silence, and a timer, not the QP's retry count, decides.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use super::handle::LiveQp;
+use super::options::Keepalive;
+use super::DeadPeer;
+use crate::sys::{self, ibv_wc, ibv_wc_status};
+
+enum Probe {
+    /// None outstanding.
+    Idle,
+    /// Posted at this time.
+    Sent(Instant),
+    /// The send queue was full (ENOMEM) since this time: retried until
+    /// the bound, not taken for a dead peer.
+    Blocked(Instant),
+}
+
+struct Entry {
+    qp: LiveQp,
+    send_cq: usize,
+    cfg: Keepalive,
+    last_activity: Instant,
+    probe: Probe,
+    dead: bool,
+    on_dead: DeadPeer,
+}
+
+/// The keepalives of one loop, by QP number.
+#[derive(Default)]
+pub(crate) struct Keepalives {
+    by_qpn: HashMap<u32, Entry>,
+    /// Probes still outstanding for keepalives that were removed:
+    /// (qp_num, wr_id). Their completions are consumed like any probe's.
+    orphans: Vec<(u32, u64)>,
+    /// No deadline is earlier than this (a cache: activity only ever moves
+    /// deadlines later, so waking at it is early at worst).
+    next: Option<Instant>,
+}
+
+/// How often a probe blocked by a full send queue is retried.
+fn retry_interval(cfg: &Keepalive) -> Duration {
+    (cfg.period.min(cfg.bound) / 16).clamp(Duration::from_millis(1), Duration::from_millis(50))
+}
+
+impl Keepalives {
+    pub(crate) fn is_empty(&self) -> bool {
+        self.by_qpn.is_empty() && self.orphans.is_empty()
+    }
+
+    pub(crate) fn add(&mut self, qp: LiveQp, cfg: Keepalive, on_dead: DeadPeer, now: Instant) {
+        let (qpn, send_cq, _) = qp.info();
+        let first = sys::deadline_after(now, cfg.period);
+        self.next = Some(self.next.map_or(first, |n| n.min(first)));
+        self.by_qpn
+            .insert(qpn, Entry { qp, send_cq, cfg, last_activity: now, probe: Probe::Idle, dead: false, on_dead });
+    }
+
+    /// Stops detection for `qpn`; false if it had none. A probe still
+    /// outstanding is consumed when it completes.
+    pub(crate) fn remove(&mut self, qpn: u32) -> bool {
+        match self.by_qpn.remove(&qpn) {
+            Some(e) => {
+                if matches!(e.probe, Probe::Sent(_)) {
+                    self.orphans.push((qpn, e.cfg.wr_id));
+                }
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Stops detection for every QP whose send CQ is `cq` (the CQ leaves
+    /// the loop: no probe could be seen completing any more).
+    pub(crate) fn remove_for_cq(&mut self, cq: usize) -> Vec<u32> {
+        let gone: Vec<u32> = self.by_qpn.iter().filter(|(_, e)| e.send_cq == cq).map(|(q, _)| *q).collect();
+        for q in &gone {
+            self.by_qpn.remove(q);
+        }
+        gone
+    }
+
+    /// Notes a completion: activity on its QP, and whether it is a probe
+    /// (consumed: it never reaches the app's handler).
+    pub(crate) fn note(&mut self, wc: &ibv_wc, now: Instant) -> (bool, bool) {
+        let ok = wc.status == ibv_wc_status::IBV_WC_SUCCESS;
+        if let Some(e) = self.by_qpn.get_mut(&wc.qp_num) {
+            if ok {
+                e.last_activity = now;
+            }
+            if wc.wr_id == e.cfg.wr_id && matches!(e.probe, Probe::Sent(_)) {
+                e.probe = Probe::Idle;
+                if !ok && !e.dead {
+                    // Retry exceeded or the like: the timer need not wait.
+                    e.probe = Probe::Sent(now.checked_sub(e.cfg.bound).unwrap_or(now));
+                    self.next = Some(now);
+                }
+                return (true, ok);
+            }
+        } else if let Some(i) = self.orphans.iter().position(|&(q, w)| q == wc.qp_num && w == wc.wr_id) {
+            self.orphans.swap_remove(i);
+            return (true, false);
+        }
+        (false, false)
+    }
+
+    pub(crate) fn next_deadline(&self) -> Option<Instant> {
+        self.next
+    }
+
+    /// Posts due probes, declares dead the peers whose probe is overdue
+    /// (their QP goes to the error state, so outstanding work flushes), and
+    /// recomputes the next deadline. Returns (probes posted, newly dead
+    /// peers' callbacks to run with their QP numbers).
+    pub(crate) fn tick(&mut self, now: Instant) -> (u64, Vec<(u32, *mut sys::ibv_qp)>) {
+        if self.next.map_or(true, |n| now < n) {
+            return (0, Vec::new());
+        }
+        let mut posted = 0;
+        let mut dead = Vec::new();
+        let mut next: Option<Instant> = None;
+        for (qpn, e) in self.by_qpn.iter_mut() {
+            if e.dead {
+                continue;
+            }
+            let bound_from = match e.probe {
+                Probe::Idle if now.saturating_duration_since(e.last_activity) >= e.cfg.period => Some(now),
+                Probe::Blocked(since) => Some(since),
+                _ => None,
+            };
+            if let Some(since) = bound_from {
+                match e.qp.post_probe(e.cfg.wr_id) {
+                    Ok(()) => {
+                        e.probe = Probe::Sent(now);
+                        posted += 1;
+                    }
+                    Err(err) if err.errno() == libc::ENOMEM => e.probe = Probe::Blocked(since),
+                    // The QP cannot take a probe at all (error state, ...).
+                    Err(_) => e.probe = Probe::Sent(now.checked_sub(e.cfg.bound).unwrap_or(now)),
+                }
+            }
+            let overdue = match e.probe {
+                Probe::Sent(t) | Probe::Blocked(t) => now.saturating_duration_since(t) >= e.cfg.bound,
+                Probe::Idle => false,
+            };
+            if overdue {
+                e.dead = true;
+                let _ = e.qp.to_error();
+                log::warn!(target: "rdmasafe", "keepalive: peer of QP {qpn} declared dead");
+                dead.push((*qpn, e.qp.raw()));
+                continue;
+            }
+            let d = match e.probe {
+                Probe::Idle => sys::deadline_after(e.last_activity, e.cfg.period),
+                Probe::Sent(t) => sys::deadline_after(t, e.cfg.bound),
+                Probe::Blocked(t) => {
+                    sys::deadline_after(now, retry_interval(&e.cfg)).min(sys::deadline_after(t, e.cfg.bound))
+                }
+            };
+            next = Some(next.map_or(d, |n| n.min(d)));
+        }
+        self.next = next;
+        (posted, dead)
+    }
+
+    /// The callback of a peer declared dead.
+    pub(crate) fn on_dead(&mut self, qpn: u32) -> Option<&mut DeadPeer> {
+        self.by_qpn.get_mut(&qpn).map(|e| &mut e.on_dead)
+    }
+}

@@ -1,0 +1,110 @@
+//! What a loop and each of its CQs can be told.
+
+use std::time::Duration;
+
+use crate::{Error, Result};
+
+/// How the loop waits for completions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Arm, sleep until notified, re-arm, drain. Lowest CPU use. Per wakeup
+    /// the work is proportional to the CQs that fired, not to how many the
+    /// loop serves.
+    Event,
+    /// Poll every CQ continuously; never arm, never sleep. Lowest latency,
+    /// one core; each cycle polls every CQ (O(CQs served)).
+    BusyPoll,
+    /// Poll every CQ while busy and for `spin` after the last completion,
+    /// then arm and sleep until the next event (polling phase: O(CQs)).
+    Adaptive {
+        /// How long to keep polling after the last completion.
+        spin: Duration,
+    },
+}
+
+/// Options of a loop.
+#[derive(Clone, Copy, Debug)]
+pub struct LoopOptions {
+    /// How to wait.
+    pub mode: Mode,
+    /// The default of [`CqOptions::solicited_only`] for CQs added without
+    /// options of their own.
+    pub solicited_only: bool,
+    /// Work completions per `ibv_poll_cq` call and per handler call (1..=4096).
+    pub poll_batch: usize,
+    /// CQ events counted on a CQ before one `ibv_ack_cq_events` call
+    /// (1..=65536). Pending acks are always flushed before stop, removal
+    /// and drop.
+    pub ack_batch: u32,
+    /// If set: when no event arrived within this time while the app reports
+    /// outstanding work ([`super::LoopControl::set_outstanding`]), poll every
+    /// CQ anyway and count it in [`super::LoopStats::watchdog_polls`].
+    pub watchdog: Option<Duration>,
+}
+
+impl Default for LoopOptions {
+    fn default() -> Self {
+        LoopOptions { mode: Mode::Event, solicited_only: false, poll_batch: 16, ack_batch: 16, watchdog: None }
+    }
+}
+
+impl LoopOptions {
+    pub(crate) fn check(&self) -> Result<()> {
+        let ok = (1..=4096).contains(&self.poll_batch) && (1..=65536).contains(&self.ack_batch);
+        if ok {
+            Ok(())
+        } else {
+            Err(Error::new("rdmasafe_cq_loop options", libc::EINVAL))
+        }
+    }
+
+    /// The options a CQ added without its own gets.
+    pub(crate) fn cq_defaults(&self) -> CqOptions {
+        CqOptions { solicited_only: self.solicited_only, budget: 0 }
+    }
+}
+
+/// Options of one CQ in a loop.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CqOptions {
+    /// Arm this CQ for solicited completions only
+    /// (`ibv_req_notify_cq(cq, 1)`): events come only for completions of
+    /// work requests sent with IBV_SEND_SOLICITED (and errors). A send CQ
+    /// armed so never wakes the loop.
+    pub solicited_only: bool,
+    /// Completions handled per cycle at most (0: no limit). A CQ that still
+    /// has completions after its budget is polled again in the next cycle,
+    /// without waiting for an event, after every other CQ that is ready had
+    /// its turn: one flooding CQ cannot starve the others.
+    pub budget: usize,
+}
+
+/// Dead-peer detection for one RC QP (see [`super::LoopControl::add_keepalive`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Keepalive {
+    /// Probe after the QP has been idle (no successful completion) this long.
+    pub period: Duration,
+    /// Declare the peer dead when a probe has not completed within this.
+    pub bound: Duration,
+    /// The wr_id rdmasafe gives its probes. Probe completions are consumed
+    /// by the loop, never handed to the app's handler, so pick a value the
+    /// app does not use on this QP. rdmasafe keeps at most one probe
+    /// outstanding: it needs one free send-queue slot (when the queue is
+    /// full the probe is retried until the bound, not counted as a death).
+    pub wr_id: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_are_checked() {
+        assert!(LoopOptions::default().check().is_ok());
+        assert!(LoopOptions { poll_batch: 0, ..Default::default() }.check().is_err());
+        assert!(LoopOptions { poll_batch: 5000, ..Default::default() }.check().is_err());
+        assert!(LoopOptions { ack_batch: 0, ..Default::default() }.check().is_err());
+        let o = LoopOptions { solicited_only: true, ..Default::default() };
+        assert_eq!(o.cq_defaults(), CqOptions { solicited_only: true, budget: 0 });
+    }
+}

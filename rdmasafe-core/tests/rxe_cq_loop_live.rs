@@ -1,0 +1,735 @@
+//! The CQ loop as live servers use it, on Soft-RoCE: CQs joining and
+//! leaving while the loop runs (from other threads and from handlers),
+//! per-CQ budget and solicited-only, embedding in the app's own epoll in
+//! every mode with no priming call, signals, keepalive probes that never
+//! strand completions or die of a full send queue, 1,024 CQs on one
+//! channel, a panic in a handler, saturating deadlines, and the fd's flags.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+use std::sync::{mpsc, Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use common::many::many;
+use common::rc::{rc_pair, RcPair, SLOT};
+use rdmasafe_core::cm::{EventChannel, PortSpace, SendOptions};
+use rdmasafe_core::cq::{CqLoop, CqOptions, Keepalive, LoopControl, LoopOptions, Mode, Outcome};
+use rdmasafe_core::sys::{ibv_wc_status, Wait};
+use rdmasafe_core::verbs::{empty_wc, CompChannel, Cq, DeviceContext};
+
+fn device(addr: std::net::IpAddr) -> (DeviceContext, EventChannel) {
+    let ch = EventChannel::new().unwrap();
+    let id = ch.create_id(PortSpace::Tcp).unwrap();
+    id.bind_addr((addr, 0).into()).unwrap();
+    (id.device_context().unwrap(), ch)
+}
+
+/// Polls a CQ that is not in any loop until `n` completions came.
+fn poll_n(cq: &Cq, n: usize) -> Vec<u64> {
+    let start = Instant::now();
+    let mut got = Vec::new();
+    let mut wcs: [_; 16] = std::array::from_fn(|_| empty_wc());
+    while got.len() < n {
+        let k = cq.poll(&mut wcs).unwrap();
+        for w in &wcs[..k] {
+            assert_eq!(w.status, ibv_wc_status::IBV_WC_SUCCESS);
+            got.push(w.wr_id);
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "{} of {n} completions", got.len());
+        if k == 0 {
+            std::thread::yield_now();
+        }
+    }
+    got
+}
+
+/// Sends `n` messages client -> server and waits (on the client's own CQ,
+/// outside any loop) until the server has received all of them: then the
+/// server's CQ holds `n` receive completions nobody has seen.
+fn prefill(p: &RcPair, first: u64, n: u64) {
+    for i in 0..n {
+        p.recv(((first + i) % 16) as usize * SLOT, SLOT as u32, first + i);
+    }
+    for i in 0..n {
+        p.send(0, &[], 8, first + i);
+    }
+    poll_n(&p.client_cq, n as usize);
+}
+
+type Log = Arc<Mutex<Vec<(&'static str, u64)>>>;
+
+fn logger(log: &Log, name: &'static str) -> impl FnMut(&[rdmasafe_core::sys::ibv_wc], &LoopControl) + Send {
+    let log = log.clone();
+    move |wcs, _| log.lock().unwrap().extend(wcs.iter().map(|w| (name, w.wr_id)))
+}
+
+fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(start.elapsed() < Duration::from_secs(120), "{what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// CQs join and leave a running loop from another thread and from inside
+/// handlers; a remove from another thread returns with the CQ out (its
+/// destroy may follow at once), one from its own handler is effective when
+/// that handler returns: it is never called again.
+#[test]
+fn cqs_join_and_leave_a_running_loop() {
+    let bed = common::bed();
+    let _dog = common::watchdog("live membership", Duration::from_secs(300));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let a = Arc::new(rc_pair(bed.addr, &chan, false, 16));
+    let b = Arc::new(rc_pair(bed.addr, &chan, false, 16));
+    let c = Arc::new(rc_pair(bed.addr, &chan, false, 16));
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    let log: Log = Arc::default();
+    lp.add_cq(&a.server_cq, logger(&log, "a")).unwrap();
+    let ctl = lp.control();
+    let t = lp.spawn(None).unwrap();
+
+    // Added from another thread while the loop sleeps: armed and drained.
+    prefill(&b, 100, 3); // already in b's CQ before the add
+    assert_eq!(ctl.add_cq(&b.server_cq, CqOptions::default(), logger(&log, "b")).unwrap(), Outcome::Done);
+    wait_for("b's completions, queued before its add, delivered", || {
+        log.lock().unwrap().iter().filter(|e| e.0 == "b").count() == 3
+    });
+    prefill(&b, 103, 2);
+    wait_for("b's later completions delivered", || log.lock().unwrap().iter().filter(|e| e.0 == "b").count() == 5);
+
+    // Removed from another thread: Done means out, acks flushed.
+    assert_eq!(ctl.remove_cq(&b.server_cq).unwrap(), Outcome::Done);
+    assert_eq!(ctl.stats().cqs, 1);
+    assert_eq!(ctl.remove_cq(&b.server_cq).unwrap_err().errno(), libc::ENOENT, "gone");
+
+    // From inside a handler: a's handler adds c's CQ and removes itself.
+    let (tx, rx) = mpsc::channel();
+    let calls_after = Arc::new(AtomicUsize::new(0));
+    let removed = Arc::new(AtomicBool::new(false));
+    let c2 = c.clone();
+    let (l2, ca, rm) = (log.clone(), calls_after.clone(), removed.clone());
+    let a_cq = a.server_cq.clone();
+    assert_eq!(ctl.remove_cq(&a.server_cq).unwrap(), Outcome::Done);
+    ctl.add_cq(&a.server_cq, CqOptions::default(), move |wcs, ctl: &LoopControl| {
+        if rm.load(SeqCst) {
+            ca.fetch_add(1, SeqCst);
+        }
+        l2.lock().unwrap().extend(wcs.iter().map(|w| ("a", w.wr_id)));
+        if !rm.swap(true, SeqCst) {
+            let r1 = ctl.add_cq(&c2.server_cq, CqOptions::default(), logger(&l2, "c")).unwrap();
+            let r2 = ctl.remove_cq(&a_cq).unwrap();
+            tx.send((r1, r2)).unwrap();
+        }
+    })
+    .unwrap();
+    prefill(&a, 1, 1);
+    let (r1, r2) = rx.recv_timeout(Duration::from_secs(60)).expect("a's handler ran");
+    assert_eq!((r1, r2), (Outcome::Pending, Outcome::Pending), "changes from a handler are pending");
+    prefill(&c, 200, 2);
+    wait_for("c, added from a's handler, delivers", || log.lock().unwrap().iter().filter(|e| e.0 == "c").count() == 2);
+    prefill(&a, 2, 2); // a's CQ is out of the loop now
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(calls_after.load(SeqCst), 0, "a CQ removed from its own handler is never handed another batch");
+    let s = ctl.stats();
+    assert_eq!((s.cqs, s.cqs_added, s.cqs_removed), (1, 4, 3));
+    let lp = t.stop().unwrap();
+    assert_eq!(lp.stats().unacked_now, 0);
+    drop(lp);
+    drop((a, b, c)); // every ibv_destroy_cq returns (watchdog)
+}
+
+/// One flooding CQ cannot starve the others: A holds 64 completions, B
+/// one; with a budget of 8 on A, B's completion comes after at most 8 of
+/// A's, and A's rest follows in later cycles without another event.
+#[test]
+fn a_budget_keeps_a_flooding_cq_from_starving_the_others() {
+    let bed = common::bed();
+    let _dog = common::watchdog("budget", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let a = rc_pair(bed.addr, &chan, false, 128);
+    let b = rc_pair(bed.addr, &chan, false, 16);
+    prefill(&a, 0, 64);
+    prefill(&b, 1000, 1);
+    let lp = CqLoop::new(&chan, LoopOptions { poll_batch: 4, ..Default::default() }).unwrap();
+    let log: Log = Arc::default();
+    lp.add_cq_with(&a.server_cq, CqOptions { budget: 8, ..Default::default() }, logger(&log, "a")).unwrap();
+    lp.add_cq(&b.server_cq, logger(&log, "b")).unwrap();
+    let mut n = 0;
+    while n < 65 {
+        n += lp.process_once(Wait::For(Duration::from_secs(30))).unwrap();
+    }
+    let log = log.lock().unwrap();
+    let b_at = log.iter().position(|e| e.0 == "b").expect("b delivered");
+    println!("budget 8: b's completion came after {b_at} of a's; stats {:?}", lp.stats());
+    assert!(b_at <= 8, "b waited for {b_at} of a's completions (budget 8)");
+    let a_ids: Vec<u64> = log.iter().filter(|e| e.0 == "a").map(|e| e.1).collect();
+    assert_eq!(a_ids, (0..64).collect::<Vec<_>>(), "all of a's, once, in order");
+    assert!(lp.stats().budget_yields >= 7);
+}
+
+/// solicited_only is per CQ: a CQ armed for solicited completions does not
+/// wake the loop for an unsolicited message, and does for a solicited one
+/// (then both are delivered); another CQ on the channel is unaffected.
+#[test]
+fn solicited_only_is_a_per_cq_option() {
+    let bed = common::bed();
+    let _dog = common::watchdog("solicited", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = rc_pair(bed.addr, &chan, false, 16);
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    let log: Log = Arc::default();
+    lp.add_cq_with(&p.server_cq, CqOptions { solicited_only: true, ..Default::default() }, logger(&log, "s")).unwrap();
+    lp.process_once(Wait::None).unwrap(); // armed (solicited only), nothing there yet
+    p.recv(0, SLOT as u32, 1);
+    p.recv(SLOT, SLOT as u32, 2);
+    p.send(0, &[], 8, 1);
+    poll_n(&p.client_cq, 1); // received by the server
+    assert_eq!(lp.process_once(Wait::For(Duration::from_millis(300))).unwrap(), 0);
+    assert_eq!(lp.stats().cq_events, 0, "an unsolicited completion raises no event on a solicited-only CQ");
+    {
+        let c = p.client.lock().unwrap();
+        let so = SendOptions { solicited: true, ..Default::default() };
+        c.id.post_send_with(&c.mr, 0, 8, 2, so).unwrap();
+    }
+    let mut n = 0;
+    while n < 2 {
+        n += lp.process_once(Wait::For(Duration::from_secs(30))).unwrap();
+    }
+    assert_eq!(*log.lock().unwrap(), [("s", 1), ("s", 2)]);
+    assert_eq!(lp.stats().cq_events, 1);
+}
+
+/// The app's own epoll drives the loop in every mode, with no priming call:
+/// the loop's fd is readable whenever the loop has work, and an adaptive
+/// loop that finished a burst still wakes the app for the next message.
+#[test]
+fn driven_from_the_apps_epoll_in_every_mode() {
+    let bed = common::bed();
+    let _dog = common::watchdog("epoll in every mode", Duration::from_secs(300));
+    for mode in [Mode::Event, Mode::BusyPoll, Mode::Adaptive { spin: Duration::from_micros(300) }] {
+        let (ctx, _keep) = device(bed.addr);
+        let chan = CompChannel::new(&ctx).unwrap();
+        let p = Arc::new(rc_pair(bed.addr, &chan, false, 64));
+        let lp = CqLoop::new(&chan, LoopOptions { mode, ..Default::default() }).unwrap();
+        let got = Arc::new(AtomicUsize::new(0));
+        let g = got.clone();
+        lp.add_cq(&p.server_cq, move |w, _| {
+            g.fetch_add(w.len(), SeqCst);
+        })
+        .unwrap();
+        let ep = Epoll::new(lp.as_raw_fd());
+        let mut wakeups = 0;
+        // A burst, sent while the app sleeps in epoll_wait.
+        let p2 = p.clone();
+        let sender = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            for i in 0..40u64 {
+                p2.recv((i % 16) as usize * SLOT, SLOT as u32, i);
+            }
+            for i in 0..40u64 {
+                p2.send(0, &[], 8, i);
+            }
+            poll_n(&p2.client_cq, 40);
+        });
+        while got.load(SeqCst) < 40 {
+            assert!(ep.wait(30_000), "{mode:?}: the loop's fd became readable");
+            wakeups += 1;
+            lp.process_once(Wait::None).unwrap();
+        }
+        sender.join().unwrap();
+        // The burst is over (an adaptive loop is still spinning): one more
+        // message, 100 ms later, must wake the app again.
+        let p3 = p.clone();
+        let late = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            p3.recv(0, SLOT as u32, 99);
+            p3.send(0, &[], 8, 99);
+        });
+        while got.load(SeqCst) < 41 {
+            assert!(ep.wait(30_000), "{mode:?}: the late message woke the app");
+            wakeups += 1;
+            lp.process_once(Wait::None).unwrap();
+        }
+        late.join().unwrap();
+        poll_n(&p.client_cq, 1);
+        println!("{mode:?}: 41 completions in {wakeups} epoll wakeups");
+        drop(lp);
+    }
+}
+
+/// A CQ added while the app sleeps in epoll_wait on the loop's fd wakes it,
+/// and the completions the CQ already held are delivered.
+#[test]
+fn a_cq_added_while_the_app_sleeps_in_epoll_wakes_it() {
+    let bed = common::bed();
+    let _dog = common::watchdog("add wakes epoll", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = rc_pair(bed.addr, &chan, false, 16);
+    prefill(&p, 0, 3);
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    lp.process_once(Wait::None).unwrap(); // an idle loop, fd quiet
+    let ep = Epoll::new(lp.as_raw_fd());
+    assert!(!ep.wait(0), "an idle loop's fd is not readable");
+    let ctl = lp.control();
+    let log: Log = Arc::default();
+    let cq = p.server_cq.clone();
+    let l2 = log.clone();
+    let adder = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(100));
+        ctl.add_cq(&cq, CqOptions::default(), logger(&l2, "p")).unwrap();
+    });
+    assert!(ep.wait(30_000), "the add made the loop's fd readable");
+    adder.join().unwrap();
+    let mut n = 0;
+    while n < 3 {
+        n += lp.process_once(Wait::None).unwrap();
+        if n < 3 {
+            assert!(ep.wait(30_000));
+        }
+    }
+    assert_eq!(log.lock().unwrap().len(), 3);
+}
+
+/// A CQ on the loop's channel that is not in the loop: its event is acked
+/// (so its destroy returns), counted, and logged once; an event of a CQ
+/// whose add is applied before the read is credited to it.
+#[test]
+fn foreign_events_are_counted_and_logged_once() {
+    static LOGGED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    struct Capture;
+    impl log::Log for Capture {
+        fn enabled(&self, _: &log::Metadata<'_>) -> bool {
+            true
+        }
+        fn log(&self, r: &log::Record<'_>) {
+            if r.level() <= log::Level::Warn {
+                LOGGED.lock().unwrap().push(r.args().to_string());
+            }
+        }
+        fn flush(&self) {}
+    }
+    static CAPTURE: Capture = Capture;
+    let _ = log::set_logger(&CAPTURE);
+    log::set_max_level(log::LevelFilter::Warn);
+
+    let bed = common::bed();
+    let _dog = common::watchdog("foreign events", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = rc_pair(bed.addr, &chan, false, 16);
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    // The app arms a CQ of the channel itself and never adds it.
+    for round in 0..2u64 {
+        p.server_cq.req_notify(false).unwrap();
+        prefill(&p, round, 1);
+        let before = lp.stats().foreign_cq_events;
+        wait_for("the foreign CQ's event is read", || {
+            lp.process_once(Wait::For(Duration::from_millis(100))).unwrap();
+            lp.stats().foreign_cq_events > before
+        });
+    }
+    assert_eq!(lp.stats().foreign_cq_events, 2);
+    assert_eq!(lp.stats().unacked_now, 0, "foreign events are acked at once");
+    let warned = LOGGED.lock().unwrap().iter().filter(|m| m.contains("not in the loop")).count();
+    assert_eq!(warned, 1, "logged once per CQ");
+    // Armed by the app, event queued, then added: credited, not foreign.
+    p.server_cq.req_notify(false).unwrap();
+    prefill(&p, 5, 1);
+    let log: Log = Arc::default();
+    lp.add_cq(&p.server_cq, logger(&log, "p")).unwrap();
+    let mut n = 0;
+    while n < 3 {
+        n += lp.process_once(Wait::For(Duration::from_secs(30))).unwrap();
+    }
+    assert_eq!(lp.stats().foreign_cq_events, 2, "the event after the add is the CQ's own");
+    drop(lp);
+    drop(p); // the server CQ's destroy returns: every event was acked
+}
+
+extern "C" fn on_usr1(_: libc::c_int) {
+    if let Some(c) = STOP_FROM_SIGNAL.get() {
+        if STOP_ARMED.load(SeqCst) {
+            c.stop();
+        }
+    }
+}
+static STOP_FROM_SIGNAL: OnceLock<LoopControl> = OnceLock::new();
+static STOP_ARMED: AtomicBool = AtomicBool::new(false);
+
+fn install_usr1() {
+    // SAFETY: a plain sigaction without SA_RESTART; the handler only does
+    // async-signal-safe things (an atomic load, LoopControl::stop).
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_usr1 as *const () as usize;
+        libc::sigemptyset(&mut sa.sa_mask);
+        sa.sa_flags = 0;
+        assert_eq!(libc::sigaction(libc::SIGUSR1, &sa, std::ptr::null_mut()), 0);
+    }
+}
+
+/// A signal ends a process_once wait with EINTR (as the CM calls and
+/// ibv_get_cq_event do), does not end run (a profiler's signals are
+/// harmless), and a signal handler may stop the loop.
+#[test]
+fn signals_interrupt_process_once_not_run_and_may_stop_it() {
+    let bed = common::bed();
+    let _dog = common::watchdog("signals", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = rc_pair(bed.addr, &chan, false, 16);
+    let lp = Arc::new(CqLoop::new(&chan, LoopOptions::default()).unwrap());
+    let got = Arc::new(AtomicUsize::new(0));
+    let g = got.clone();
+    lp.add_cq(&p.server_cq, move |w, _| {
+        g.fetch_add(w.len(), SeqCst);
+    })
+    .unwrap();
+    install_usr1();
+    let _ = STOP_FROM_SIGNAL.set(lp.control());
+    lp.process_once(Wait::None).unwrap(); // the add's wakeup: the loop is idle from here
+    let (tx, rx) = mpsc::channel();
+    let l2 = lp.clone();
+    let t = std::thread::spawn(move || {
+        // SAFETY: pthread_self has no preconditions.
+        tx.send(unsafe { libc::pthread_self() }).unwrap();
+        l2.process_once(Wait::Forever)
+    });
+    let tid = rx.recv().unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    // SAFETY: the thread is alive until joined below.
+    unsafe { libc::pthread_kill(tid, libc::SIGUSR1) };
+    let r = t.join().unwrap();
+    assert_eq!(r.unwrap_err().errno(), libc::EINTR, "process_once: EINTR");
+
+    let l3 = lp.clone();
+    let (tx, rx) = mpsc::channel();
+    let t = std::thread::spawn(move || {
+        // SAFETY: as above.
+        tx.send(unsafe { libc::pthread_self() }).unwrap();
+        l3.run()
+    });
+    let tid = rx.recv().unwrap();
+    for _ in 0..5 {
+        std::thread::sleep(Duration::from_millis(20));
+        // SAFETY: the thread runs until stopped below.
+        unsafe { libc::pthread_kill(tid, libc::SIGUSR1) };
+    }
+    prefill(&p, 0, 1);
+    wait_for("run still delivers after 5 signals", || got.load(SeqCst) == 1);
+    STOP_ARMED.store(true, SeqCst);
+    // SAFETY: as above.
+    unsafe { libc::pthread_kill(tid, libc::SIGUSR1) };
+    t.join().unwrap().expect("stopped by the signal handler");
+    STOP_ARMED.store(false, SeqCst);
+}
+
+/// The keepalive takes its probes out of a batch without ending the drain
+/// early: sends posted right behind a probe are all delivered without
+/// waiting for another probe (before the fix, a batch that held a probe
+/// stranded the rest of the CQ until the next keepalive period).
+#[test]
+fn completions_behind_a_keepalive_probe_are_not_stranded() {
+    let bed = common::bed();
+    let _dog = common::watchdog("keepalive drain", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = rc_pair(bed.addr, &chan, true, 64);
+    let lp = CqLoop::new(&chan, LoopOptions { poll_batch: 4, ..Default::default() }).unwrap();
+    let sends = Arc::new(AtomicUsize::new(0));
+    let s2 = sends.clone();
+    lp.add_cq(&p.client_cq, move |w, _| {
+        s2.fetch_add(w.iter().filter(|w| w.wr_id < 1000).count(), SeqCst);
+    })
+    .unwrap();
+    let srv: Log = Arc::default();
+    lp.add_cq(&p.server_cq, logger(&srv, "srv")).unwrap();
+    for i in 0..20u64 {
+        p.recv((i % 16) as usize * SLOT, SLOT as u32, 500 + i);
+    }
+    let qp = p.client.lock().unwrap().id.raw_qp().unwrap();
+    let cfg = Keepalive { period: Duration::from_millis(1500), bound: Duration::from_secs(60), wr_id: 7777 };
+    // SAFETY: the QP lives (in `p`) longer than the loop.
+    unsafe { lp.add_keepalive(qp, cfg, Box::new(|_, _| {})) }.unwrap();
+    // Wait for the first probe (the QP is idle), then post right behind it.
+    wait_for("a probe is posted", || {
+        lp.process_once(Wait::For(Duration::from_millis(100))).unwrap();
+        lp.stats().keepalive_probes >= 1
+    });
+    for i in 0..20u64 {
+        p.send(0, &[], 8, i);
+    }
+    wait_for("all 20 sends delivered", || {
+        lp.process_once(Wait::For(Duration::from_millis(100))).unwrap();
+        sends.load(SeqCst) == 20
+    });
+    let s = lp.stats();
+    println!(
+        "keepalive drain: 20 sends delivered with {} probe(s) posted, {} ok",
+        s.keepalive_probes, s.keepalive_probes_ok
+    );
+    assert_eq!(s.keepalive_probes, 1, "no second probe (1.5 s of idleness) was needed to flush the sends");
+    assert_eq!(s.keepalive_dead, 0);
+}
+
+/// A full send queue (ENOMEM) delays a probe up to the bound; it is not a
+/// dead peer. The peer stops posting receives (RNR, retried forever), the
+/// QP's send queue fills, then the peer posts receives again.
+#[test]
+fn a_probe_blocked_by_a_full_send_queue_is_retried_not_a_death() {
+    let bed = common::bed();
+    let _dog = common::watchdog("keepalive ENOMEM", Duration::from_secs(180));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = rc_pair(bed.addr, &chan, true, 4);
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    let sent: Log = Arc::default();
+    lp.add_cq(&p.client_cq, logger(&sent, "c")).unwrap();
+    lp.add_cq(&p.server_cq, |_, _| {}).unwrap();
+    // Sends and no receive at the peer: RNR, retried forever (7), until
+    // the send queue is full (rxe may round its depth up: post until ENOMEM).
+    let mut posted = 0u64;
+    loop {
+        let c = p.client.lock().unwrap();
+        match c.id.post_send(&c.mr, 0, 8, posted) {
+            Ok(()) => posted += 1,
+            Err(e) => {
+                assert_eq!(e.errno(), libc::ENOMEM, "a full send queue");
+                break;
+            }
+        }
+        assert!(posted < 10_000);
+    }
+    let qp = p.client.lock().unwrap().id.raw_qp().unwrap();
+    let dead = Arc::new(AtomicBool::new(false));
+    let d2 = dead.clone();
+    let cfg = Keepalive { period: Duration::from_millis(100), bound: Duration::from_secs(30), wr_id: 8888 };
+    // SAFETY: the QP lives (in `p`) longer than the loop.
+    unsafe { lp.add_keepalive(qp, cfg, Box::new(move |_, _| d2.store(true, SeqCst))) }.unwrap();
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_millis(800) {
+        lp.process_once(Wait::For(Duration::from_millis(50))).unwrap();
+    }
+    assert!(!dead.load(SeqCst), "a full send queue is not a dead peer");
+    assert_eq!(lp.stats().keepalive_probes, 0, "no probe fitted in the full queue");
+    for i in 0..posted {
+        p.recv((i % 4) as usize * SLOT, SLOT as u32, 100 + i);
+    }
+    wait_for("the sends complete and a probe succeeds", || {
+        lp.process_once(Wait::For(Duration::from_millis(50))).unwrap();
+        lp.stats().keepalive_probes_ok >= 1
+    });
+    assert!(!dead.load(SeqCst));
+    assert_eq!(lp.stats().keepalive_dead, 0);
+    assert_eq!(sent.lock().unwrap().len() as u64, posted, "the sends, and no probe, reached the handler");
+}
+
+/// 1,024 CQs on one channel (512 connections, one CQ per QP) under traffic
+/// in each mode: every completion delivered exactly once.
+#[test]
+fn a_thousand_cqs_under_traffic_in_each_mode() {
+    let bed = common::bed();
+    let _dog = common::watchdog("1024 CQs", Duration::from_secs(900));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let conns = 512;
+    let m = Arc::new(many(bed.addr, &chan, conns, 4));
+    assert_eq!(m.cqs.len(), 1024);
+    for (round, mode) in
+        [Mode::Event, Mode::BusyPoll, Mode::Adaptive { spin: Duration::from_micros(200) }].into_iter().enumerate()
+    {
+        let lp = CqLoop::new(&chan, LoopOptions { mode, ..Default::default() }).unwrap();
+        let seen: Arc<Mutex<BTreeMap<(usize, u64), u32>>> = Arc::default();
+        let total = Arc::new(AtomicUsize::new(0));
+        let want = conns * 2 * 2; // 2 messages: 2 send + 2 receive completions per connection
+        for (i, cq) in m.cqs.iter().enumerate() {
+            let (s, t) = (seen.clone(), total.clone());
+            lp.add_cq(cq, move |wcs, ctl| {
+                let mut s = s.lock().unwrap();
+                for w in wcs {
+                    assert_eq!(w.status, ibv_wc_status::IBV_WC_SUCCESS);
+                    *s.entry((i, w.wr_id)).or_default() += 1;
+                }
+                if t.fetch_add(wcs.len(), SeqCst) + wcs.len() == want {
+                    ctl.stop();
+                }
+            })
+            .unwrap();
+        }
+        let base = round as u64 * 10;
+        for c in 0..conns {
+            m.recv(c, 0, base);
+            m.recv(c, 1, base + 1);
+        }
+        let ctl = lp.control();
+        let t = lp.spawn(None).unwrap();
+        for c in 0..conns {
+            m.send(c, 0, base);
+            m.send(c, 1, base + 1);
+        }
+        let lp = t.stop_after(&ctl, || total.load(SeqCst) >= want);
+        let seen = seen.lock().unwrap();
+        assert_eq!(total.load(SeqCst), want, "{mode:?}: completions");
+        assert_eq!(seen.len(), want, "{mode:?}: distinct (CQ, wr_id)");
+        assert!(seen.values().all(|n| *n == 1), "{mode:?}: each exactly once");
+        let s = lp.stats();
+        println!(
+            "{mode:?}: 1024 CQs, {want} completions, {} wakeups, {} CQ events, {} arms",
+            s.wakeups, s.cq_events, s.arm_calls
+        );
+        assert_eq!(s.unacked_now, 0);
+        drop(lp);
+    }
+}
+
+/// A panicking handler: the panic reaches whoever runs the loop, and the
+/// loop stays usable (no stale runner mark, the handler still there).
+#[test]
+fn a_panic_in_a_handler_leaves_the_loop_usable() {
+    let bed = common::bed();
+    let _dog = common::watchdog("panic", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = rc_pair(bed.addr, &chan, false, 16);
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c2 = calls.clone();
+    lp.add_cq(&p.server_cq, move |w, _| {
+        if c2.fetch_add(1, SeqCst) == 0 {
+            panic!("first batch: {} completions", w.len());
+        }
+    })
+    .unwrap();
+    prefill(&p, 0, 1);
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        for _ in 0..100 {
+            lp.process_once(Wait::For(Duration::from_millis(300))).unwrap();
+        }
+    }));
+    assert!(r.is_err(), "the panic reached the caller");
+    assert!(!lp.control().in_handler());
+    prefill(&p, 1, 1);
+    let mut n = 0;
+    while n == 0 {
+        n = lp.process_once(Wait::For(Duration::from_secs(30))).expect("no EBUSY / EDEADLK after the panic");
+    }
+    assert_eq!(calls.load(SeqCst), 2, "the handler is still in place");
+}
+
+/// Deadlines that would overflow `Instant` saturate: a wait of
+/// `Duration::MAX`, a keepalive period of `Duration::MAX`. And the channel
+/// fd gets its own flags back when the loop goes.
+#[test]
+fn huge_timeouts_saturate_and_the_fd_flags_are_restored() {
+    let bed = common::bed();
+    let _dog = common::watchdog("saturating", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let fd = chan.as_raw_fd();
+    let before = rdmasafe_core::sys::fd_flags(fd).unwrap();
+    assert_eq!(before & libc::O_NONBLOCK, 0, "a new channel blocks");
+    let p = rc_pair(bed.addr, &chan, true, 16);
+    let lp = Arc::new(CqLoop::new(&chan, LoopOptions::default()).unwrap());
+    lp.add_cq(&p.server_cq, |_, _| {}).unwrap();
+    let qp = p.client.lock().unwrap().id.raw_qp().unwrap();
+    let huge = Keepalive { period: Duration::MAX, bound: Duration::MAX, wr_id: 1 };
+    lp.add_cq(&p.client_cq, |_, _| {}).unwrap();
+    // SAFETY: the QP lives longer than the loop.
+    unsafe { lp.add_keepalive(qp, huge, Box::new(|_, _| {})) }.unwrap();
+    let ctl = lp.control();
+    let stopper = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(200));
+        ctl.stop();
+    });
+    assert_eq!(lp.process_once(Wait::For(Duration::MAX)).unwrap(), 0, "a stop ends a Duration::MAX wait");
+    stopper.join().unwrap();
+    assert_ne!(rdmasafe_core::sys::fd_flags(fd).unwrap() & libc::O_NONBLOCK, 0, "the loop made it non-blocking");
+    drop(lp);
+    assert_eq!(rdmasafe_core::sys::fd_flags(fd).unwrap(), before, "flags restored when the loop goes");
+}
+
+/// epoll on one fd, for the embedding tests.
+struct Epoll(i32);
+
+impl Epoll {
+    fn new(fd: i32) -> Epoll {
+        // SAFETY: plain epoll calls on fds that live for the test.
+        unsafe {
+            let ep = libc::epoll_create1(libc::EPOLL_CLOEXEC);
+            assert!(ep >= 0);
+            let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: 1 };
+            assert_eq!(libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, fd, &mut ev), 0);
+            Epoll(ep)
+        }
+    }
+
+    /// True if the fd became readable within `ms`.
+    fn wait(&self, ms: i32) -> bool {
+        let mut out = [libc::epoll_event { events: 0, u64: 0 }; 1];
+        loop {
+            // SAFETY: room for one event.
+            let n = unsafe { libc::epoll_wait(self.0, out.as_mut_ptr(), 1, ms) };
+            if n >= 0 {
+                return n == 1;
+            }
+            assert_eq!(std::io::Error::last_os_error().raw_os_error(), Some(libc::EINTR));
+        }
+    }
+}
+
+impl Drop for Epoll {
+    fn drop(&mut self) {
+        // SAFETY: our fd.
+        unsafe { libc::close(self.0) };
+    }
+}
+
+trait StopAfter {
+    fn stop_after(self, ctl: &LoopControl, done: impl FnMut() -> bool) -> CqLoop;
+}
+
+impl StopAfter for rdmasafe_core::cq::LoopThread {
+    /// Waits until `done` (the handlers also stop the loop when it is), then
+    /// stops the thread and gives the loop back.
+    fn stop_after(self, ctl: &LoopControl, done: impl FnMut() -> bool) -> CqLoop {
+        wait_for("the traffic was delivered", done);
+        ctl.stop();
+        self.stop().unwrap()
+    }
+}
+
+/// A handler stops the loop thread; `LoopThread::stop` then must not leave
+/// its own stop request behind: the loop it gives back runs normally (it
+/// used to return from the next `run` at once).
+#[test]
+fn a_loop_given_back_by_its_thread_runs_again() {
+    let bed = common::bed();
+    let _dog = common::watchdog("stale stop", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = rc_pair(bed.addr, &chan, false, 16);
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    let got = Arc::new(AtomicUsize::new(0));
+    let g = got.clone();
+    lp.add_cq(&p.server_cq, move |w, ctl| {
+        g.fetch_add(w.len(), SeqCst);
+        ctl.stop();
+    })
+    .unwrap();
+    let t = lp.spawn(None).unwrap();
+    prefill(&p, 0, 1);
+    let ctl = t.control();
+    wait_for("the handler stopped the loop and run returned", || got.load(SeqCst) == 1 && !ctl.is_running());
+    let lp = t.stop().unwrap();
+    prefill(&p, 1, 1);
+    lp.run().unwrap(); // returns when the handler stops it again
+    assert_eq!(got.load(SeqCst), 2, "the second run delivered before it returned");
+}
