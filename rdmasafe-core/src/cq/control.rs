@@ -214,7 +214,7 @@ impl<'a> Held<'a> {
     }
 
     /// Marks this hold as the one of a runner (see `runner`).
-    pub(crate) fn as_runner(mut self) -> Held<'a> {
+    pub(crate) fn into_runner(mut self) -> Held<'a> {
         self.runner = true;
         self
     }

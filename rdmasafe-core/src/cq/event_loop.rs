@@ -881,7 +881,7 @@ impl CqLoop {
             sh.running.store(false, SeqCst);
             return Err(Error::new("rdmasafe_cq_loop_run: the loop is being destroyed", libc::EINVAL));
         }
-        Ok(Held::new(sh, g, self.control()).as_runner())
+        Ok(Held::new(sh, g, self.control()).into_runner())
     }
 
     /// True while a thread runs the loop (`run` / `process_once`).
