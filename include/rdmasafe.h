@@ -11,7 +11,21 @@
  *  - Every other function returns 0 (or a non-negative value) on success and
  *    a negative errno (-EINVAL, ...) on failure; errno is not used.
  *  - No function aborts or unwinds on bad input: each checks its arguments
- *    and returns the error documented next to it.
+ *    and returns the error documented next to it. A loop handle is looked
+ *    up on every call: one of a destroyed loop gets -EINVAL, never a newer
+ *    loop that happens to have the same address.
+ *
+ * Threads: every function is thread-safe unless its comment says
+ * otherwise. A CQ loop is run by one thread at a time; any thread (and the
+ * loop's own callbacks) may add and remove its CQs, keepalives and drains
+ * while it runs. rdmasafe_cq_loop_stop is async-signal-safe; nothing else
+ * is. Callbacks must return normally: no longjmp out of them, and in C++
+ * no exception may leave them (declare them noexcept).
+ *
+ * Fork: a child forked while other threads may be inside rdmasafe
+ * (rdmasafe's own CM ack thread included, once CM events were copied) may
+ * only call async-signal-safe functions, exec or _exit. rdmasafe installs
+ * no pthread_atfork handlers.
  *
  * Struct sizes: every struct rdmasafe reads or fills starts with
  * `uint32_t size`, which the caller sets to sizeof the struct as this header
