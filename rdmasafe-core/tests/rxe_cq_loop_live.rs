@@ -733,3 +733,86 @@ fn a_loop_given_back_by_its_thread_runs_again() {
     lp.run().unwrap(); // returns when the handler stops it again
     assert_eq!(got.load(SeqCst), 2, "the second run delivered before it returned");
 }
+
+/// `CompChannel::get_event` given a list without the CQ the event names:
+/// it acks that event before failing (so the CQ's destroy cannot hang, the
+/// UCX #1039 bug) and the error names the CQ.
+#[test]
+fn get_event_for_a_cq_not_passed_acks_it_and_names_it() {
+    let bed = common::bed();
+    let _dog = common::watchdog("foreign get_event: destroy after the error", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = rc_pair(bed.addr, &chan, false, 4);
+    let other = Cq::new(&ctx, 4, Some(&chan)).unwrap();
+    p.server_cq.req_notify(false).unwrap();
+    prefill(&p, 1, 1);
+    let e = chan.get_event(&[&other], Wait::For(Duration::from_secs(60))).map(|_| ()).unwrap_err();
+    assert_eq!(e.errno(), libc::EPROTO, "{e}");
+    assert_eq!(e.object(), Some(p.server_cq.raw() as usize), "the error names the CQ the event was for: {e}");
+    assert_eq!(other.unacked(), 0, "nothing counted on the CQ that was passed");
+    assert_eq!(p.server_cq.unacked(), 0, "acked at once, not left for the CQ's drop");
+    // The completion itself is still there, and the channel keeps working
+    // for the CQs that are passed.
+    assert_eq!(poll_n(&p.server_cq, 1), vec![1]);
+    p.server_cq.req_notify(false).unwrap();
+    prefill(&p, 2, 1);
+    let got = chan.get_event(&[&other, &p.server_cq], Wait::For(Duration::from_secs(60))).unwrap();
+    assert_eq!(got.raw(), p.server_cq.raw());
+    assert_eq!(p.server_cq.unacked(), 1);
+    drop(other);
+    drop(p); // ibv_destroy_cq returns: every event read was acked (watchdog)
+}
+
+/// A handler starts a drain of its own QP (`drain_qp_then`): it is pending,
+/// the posted receives come back flushed through the handler, the loop's
+/// markers never do, and the done callback gets Ok once both are back.
+#[test]
+fn a_handler_drains_its_qp_without_blocking() {
+    let bed = common::bed();
+    let _dog = common::watchdog("drain from a handler", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = Arc::new(rc_pair(bed.addr, &chan, false, 16));
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    let seen: Arc<Mutex<Vec<(u64, u32)>>> = Arc::default();
+    let (tx, rx) = mpsc::channel();
+    let (p2, seen2) = (p.clone(), seen.clone());
+    let started = Arc::new(AtomicBool::new(false));
+    let st2 = started.clone();
+    lp.add_cq(&p.server_cq, move |wcs, ctl: &LoopControl| {
+        seen2.lock().unwrap().extend(wcs.iter().map(|w| (w.wr_id, w.status)));
+        if !st2.swap(true, SeqCst) {
+            let tx = tx.clone();
+            // SAFETY: the QP lives in `p`, which outlives the loop's run.
+            let r = unsafe {
+                ctl.drain_qp_then(
+                    p2.server_qp(),
+                    false,
+                    Duration::from_secs(30),
+                    Box::new(move |r| tx.send(r).unwrap()),
+                )
+            };
+            r.unwrap();
+        }
+    })
+    .unwrap();
+    let ctl = lp.control();
+    let t = lp.spawn(None).unwrap();
+    // One message, and 5 more receives left posted for the drain to flush.
+    prefill(&p, 1, 1);
+    for i in 0..5 {
+        p.recv((2 + i) * SLOT, SLOT as u32, 100 + i as u64);
+    }
+    let r = rx.recv_timeout(Duration::from_secs(60)).expect("the drain's done callback ran");
+    assert!(r.is_ok(), "drain from a handler: {r:?}");
+    let seen = seen.lock().unwrap().clone();
+    assert!(seen.iter().all(|w| w.0 < u64::MAX - 1), "a drain marker reached the handler: {seen:?}");
+    let flushed: Vec<u64> = seen.iter().filter(|w| w.1 == ibv_wc_status::IBV_WC_WR_FLUSH_ERR).map(|w| w.0).collect();
+    assert_eq!(flushed, vec![100, 101, 102, 103, 104], "the posted receives, flushed in order, before done: {seen:?}");
+    assert_eq!(seen[0], (1, ibv_wc_status::IBV_WC_SUCCESS));
+    let lp = t.stop().unwrap();
+    assert_eq!(lp.stats().unacked_now, 0);
+    let _ = ctl;
+    drop(lp);
+}

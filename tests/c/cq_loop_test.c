@@ -888,6 +888,10 @@ static struct ibv_mr *mr;
 static uint8_t *membuf;
 static struct ibv_comp_channel *comp;
 static struct ibv_cq *spare_cq; /* on `comp`, never in a loop (probes) */
+/* on `comp` too: added and removed by the main thread while another runs
+ * the loop (not spare_cq, which the in-callback probes may still hold:
+ * their add and remove are applied when that callback returns) */
+static struct ibv_cq *spare_cq2;
 static struct rdmasafe_cq_loop *cur_loop;
 static int cb_phase = STREAM, cur_mode, stop_when_done;
 static uint64_t window = SEND_WINDOW; /* sends in flight per QP now */
@@ -1195,8 +1199,9 @@ static int connect_pair(struct ibv_context *ctx, uint16_t port)
 	s->scq = ibv_create_cq(ctx, CQE, &cbctx[2], comp, 0);
 	s->rcq = ibv_create_cq(ctx, CQE, &cbctx[3], comp, 0);
 	spare_cq = ibv_create_cq(ctx, 16, NULL, comp, 0);
-	if (!CHECK(c->scq && c->rcq && s->scq && s->rcq && spare_cq,
-		   "4 CQs (send and receive of both sides) and a spare one, all on that channel"))
+	spare_cq2 = ibv_create_cq(ctx, 16, NULL, comp, 0);
+	if (!CHECK(c->scq && c->rcq && s->scq && s->rcq && spare_cq && spare_cq2,
+		   "4 CQs (send and receive of both sides) and two spare ones, all on that channel"))
 		return -1;
 	cbctx[0] = (struct cbctx){ c, 1 };
 	cbctx[1] = (struct cbctx){ c, 0 };
@@ -1341,9 +1346,9 @@ static void stream_mode(int mode, uint64_t n, uint64_t win, int threaded, int fi
 		/* the callback waits for the gate: a remove now would wait for
 		 * it (the rule: a callback must not wait for a remover) */
 		atomic_store(&gate_open, 1);
-		CHECK_RC(rdmasafe_cq_loop_add_cq(l, spare_cq, noop_cb, NULL), 0, "add_cq while another thread runs the loop");
-		CHECK_RC(rdmasafe_cq_loop_remove_cq(l, spare_cq), 0, "remove_cq while another thread runs the loop (returns when it is out)");
-		CHECK_RC(rdmasafe_cq_loop_remove_cq(l, spare_cq), -ENOENT, "remove_cq of it again");
+		CHECK_RC(rdmasafe_cq_loop_add_cq(l, spare_cq2, noop_cb, NULL), 0, "add_cq while another thread runs the loop");
+		CHECK_RC(rdmasafe_cq_loop_remove_cq(l, spare_cq2), 0, "remove_cq while another thread runs the loop (returns when it is out)");
+		CHECK_RC(rdmasafe_cq_loop_remove_cq(l, spare_cq2), -ENOENT, "remove_cq of it again");
 	}
 	/* stop from this thread while traffic flows */
 	do {
@@ -1695,7 +1700,7 @@ int main(int argc, char **argv)
 	{
 		int destroyed = 0, want = 0;
 		double t0 = now_ms();
-		struct ibv_cq *cqs[] = { sides[0].scq, sides[0].rcq, sides[1].scq, sides[1].rcq, spare_cq };
+		struct ibv_cq *cqs[] = { sides[0].scq, sides[0].rcq, sides[1].scq, sides[1].rcq, spare_cq, spare_cq2 };
 		for (size_t i = 0; i < sizeof cqs / sizeof cqs[0]; i++) {
 			if (!cqs[i])
 				continue;
@@ -1703,7 +1708,7 @@ int main(int argc, char **argv)
 			if (ibv_destroy_cq(cqs[i]) == 0)
 				destroyed++;
 		}
-		CHECK(want == 5 && destroyed == want,
+		CHECK(want == 6 && destroyed == want,
 		      "ibv_destroy_cq returned 0 for all %d CQs of the channel after the loops were destroyed (%.1f ms)",
 		      destroyed, now_ms() - t0);
 	}
