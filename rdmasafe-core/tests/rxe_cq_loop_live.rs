@@ -816,3 +816,44 @@ fn a_handler_drains_its_qp_without_blocking() {
     let _ = ctl;
     drop(lp);
 }
+
+/// Removing the CQ a keepalive probes through removes the keepalive with it
+/// (the fault suite once found a keepalive that outlived its CQ declare a
+/// healthy peer dead after its bound): no death follows, the QP stays
+/// usable, and the keepalive is gone (ENOENT).
+#[test]
+fn removing_its_cq_ends_a_keepalive_without_a_false_death() {
+    let bed = common::bed();
+    let _dog = common::watchdog("keepalive and its CQ", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = rc_pair(bed.addr, &chan, false, 16);
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    lp.add_cq(&p.server_cq, |_, _| {}).unwrap();
+    let qp = p.server_qp();
+    // SAFETY: the QP lives in `p`, which outlives the loop.
+    let qpn = unsafe { (*qp.as_ptr()).qp_num };
+    let cfg = Keepalive { period: Duration::from_millis(30), bound: Duration::from_millis(200), wr_id: 0xfeed };
+    // SAFETY: as above.
+    unsafe { lp.add_keepalive(qp, cfg, Box::new(|_, _| panic!("a healthy peer declared dead"))) }.unwrap();
+    let ctl = lp.control();
+    let t = lp.spawn(None).unwrap();
+    wait_for("two probes answered", || ctl.stats().keepalive_probes_ok >= 2);
+    assert_eq!(ctl.remove_cq(&p.server_cq).unwrap(), Outcome::Done);
+    assert_eq!(ctl.remove_keepalive(qpn).unwrap_err().errno(), libc::ENOENT, "the keepalive left with its CQ");
+    // Well past period + bound: nothing may be declared dead now.
+    std::thread::sleep(Duration::from_millis(600));
+    let s = ctl.stats();
+    assert_eq!(s.keepalive_dead, 0, "{s:?}");
+    // The QP was not moved to error: a message still completes with success.
+    prefill(&p, 1, 1);
+    let mut got = Vec::new();
+    wait_for("the message after the removal", || {
+        let mut wcs: [_; 4] = std::array::from_fn(|_| empty_wc());
+        let k = p.server_cq.poll(&mut wcs).unwrap();
+        got.extend(wcs[..k].iter().filter(|w| w.wr_id != 0xfeed).map(|w| (w.wr_id, w.status)));
+        !got.is_empty()
+    });
+    assert_eq!(got, vec![(1, ibv_wc_status::IBV_WC_SUCCESS)]);
+    drop(t.stop().unwrap());
+}
