@@ -3,8 +3,9 @@
 use std::os::raw::{c_char, c_int, c_void};
 
 use rdmasafe_core::cq::{AsyncElement, AsyncEventType, AsyncEvents};
-use rdmasafe_core::sys::{ibv_context, Wait};
+use rdmasafe_core::sys::ibv_context;
 use rdmasafe_core::verbs::DeviceContext;
+use rdmasafe_core::Wait;
 
 use crate::guard;
 

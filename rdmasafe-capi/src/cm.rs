@@ -7,7 +7,8 @@ use std::ptr::NonNull;
 use std::time::Duration;
 
 use rdmasafe_core::cm::{self, ChannelRef, CmEvent, EventType};
-use rdmasafe_core::sys::{rdma_cm_event, rdma_event_channel, Wait};
+use rdmasafe_core::sys::{rdma_cm_event, rdma_event_channel};
+use rdmasafe_core::Wait;
 
 use crate::{guard, guard_errno};
 

@@ -13,7 +13,8 @@ use std::ptr::NonNull;
 use std::time::Duration;
 
 use rdmasafe_core::cq::{self, CqLoop, CqOptions, Keepalive, LoopControl, LoopOptions, Mode, Outcome};
-use rdmasafe_core::sys::{ibv_comp_channel, ibv_cq, ibv_qp, ibv_wc, Wait};
+use rdmasafe_core::sys::{ibv_comp_channel, ibv_cq, ibv_qp, ibv_wc};
+use rdmasafe_core::Wait;
 
 use crate::handles::{Entered, Table};
 use crate::{guard, guard_signal_safe};
@@ -327,8 +328,9 @@ fn add(
         Err(e) => return e,
     };
     let c = CCallback { f, ctx };
-    let handler: cq::Handler = Box::new(move |wcs: &[ibv_wc], _ctl: &LoopControl| {
+    let handler: cq::Handler = Box::new(move |wcs: &[cq::Wc], _ctl: &LoopControl| {
         let c = &c;
+        let wcs = cq::Wc::as_raw_slice(wcs);
         // SAFETY: the app's callback, called as documented.
         unsafe { (c.f)(c.ctx, wcs.as_ptr(), wcs.len() as c_int) }
     });

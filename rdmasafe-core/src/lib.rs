@@ -19,8 +19,11 @@ pub mod cq;
 pub mod error;
 pub mod sys;
 pub mod verbs;
+mod wait;
+mod wc;
 
 pub use error::{Error, Result};
+pub use wait::Wait;
 
 /// The README's code blocks, compiled as doc tests so they stay true.
 #[cfg(doctest)]

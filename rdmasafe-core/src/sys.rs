@@ -29,12 +29,12 @@ pub use rdma_sys::{
     ibv_dealloc_pd, ibv_dereg_mr, ibv_destroy_comp_channel, ibv_destroy_cq, ibv_device, ibv_free_device_list,
     ibv_get_cq_event, ibv_get_device_list, ibv_get_device_name, ibv_mr, ibv_pd, ibv_poll_cq, ibv_post_recv,
     ibv_post_send, ibv_qp, ibv_qp_init_attr, ibv_qp_type, ibv_recv_wr, ibv_reg_mr, ibv_req_notify_cq, ibv_send_flags,
-    ibv_send_wr, ibv_sge, ibv_wc, ibv_wc_opcode, ibv_wc_status, ibv_wr_opcode, param_t, rdma_accept, rdma_ack_cm_event,
-    rdma_bind_addr, rdma_cm_event, rdma_cm_event_type, rdma_cm_id, rdma_conn_param, rdma_connect,
-    rdma_create_event_channel, rdma_create_id, rdma_create_qp, rdma_destroy_event_channel, rdma_destroy_id,
-    rdma_destroy_qp, rdma_disconnect, rdma_event_channel, rdma_free_devices, rdma_get_cm_event, rdma_get_devices,
-    rdma_get_src_port, rdma_listen, rdma_migrate_id, rdma_port_space, rdma_reject, rdma_resolve_addr,
-    rdma_resolve_route, rdma_ud_param,
+    ibv_send_wr, ibv_sge, ibv_wc, ibv_wc_flags, ibv_wc_opcode, ibv_wc_status, ibv_wc_status_str, ibv_wr_opcode,
+    param_t, rdma_accept, rdma_ack_cm_event, rdma_bind_addr, rdma_cm_event, rdma_cm_event_type, rdma_cm_id,
+    rdma_conn_param, rdma_connect, rdma_create_event_channel, rdma_create_id, rdma_create_qp,
+    rdma_destroy_event_channel, rdma_destroy_id, rdma_destroy_qp, rdma_disconnect, rdma_event_channel,
+    rdma_free_devices, rdma_get_cm_event, rdma_get_devices, rdma_get_src_port, rdma_listen, rdma_migrate_id,
+    rdma_port_space, rdma_reject, rdma_resolve_addr, rdma_resolve_route, rdma_ud_param,
 };
 
 /// `RDMA_MAX_PRIVATE_DATA` from librdmacm: the largest private data any CM
@@ -153,27 +153,7 @@ pub fn set_nonblocking(fd: c_int) -> std::io::Result<()> {
     Ok(())
 }
 
-/// How long a wait may last.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Wait {
-    /// Do not wait at all.
-    None,
-    /// Wait at most this long.
-    For(Duration),
-    /// Wait until ready.
-    Forever,
-}
-
-impl Wait {
-    /// Maps the C convention (`< 0` forever, `0` no wait, `> 0` milliseconds).
-    pub fn from_millis(ms: i64) -> Wait {
-        match ms {
-            m if m < 0 => Wait::Forever,
-            0 => Wait::None,
-            m => Wait::For(Duration::from_millis(m as u64)),
-        }
-    }
-}
+pub use crate::wait::Wait;
 
 /// Waits until one of `fds` is readable, for at most `wait`.
 /// Returns the readiness of each fd (`true` = readable or error/hangup), all

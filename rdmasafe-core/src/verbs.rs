@@ -8,7 +8,9 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-use crate::sys::{self, ibv_comp_channel, ibv_context, ibv_cq, ibv_mr, ibv_pd, ibv_wc, Wait};
+use crate::sys::{self, ibv_comp_channel, ibv_context, ibv_cq, ibv_mr, ibv_pd};
+pub use crate::wc::{Wc, WcOpcode, WcStatus};
+use crate::Wait;
 use crate::{Error, Result};
 
 /// Names of the RDMA devices present (`ibv_get_device_list`).
@@ -463,7 +465,8 @@ impl Cq {
     }
 
     /// `ibv_poll_cq` into `wcs`; returns how many entries were filled.
-    pub fn poll(&self, wcs: &mut [ibv_wc]) -> Result<usize> {
+    pub fn poll(&self, wcs: &mut [Wc]) -> Result<usize> {
+        let wcs = Wc::as_raw_slice_mut(wcs);
         let n = wcs.len().min(i32::MAX as usize) as i32;
         // SAFETY: live CQ; wcs has room for n entries.
         let r = unsafe { sys::ibv_poll_cq(self.raw(), n, wcs.as_mut_ptr()) };
@@ -491,8 +494,8 @@ impl Cq {
     }
 }
 
-/// An all-zero work completion, for filling arrays before polling.
-pub fn empty_wc() -> ibv_wc {
-    // SAFETY: ibv_wc is plain data; zero is valid.
-    unsafe { std::mem::zeroed() }
+/// An all-zero work completion, for filling arrays before polling
+/// (the same as [`Wc::zeroed`]).
+pub fn empty_wc() -> Wc {
+    Wc::zeroed()
 }

@@ -19,8 +19,8 @@ use std::time::Duration;
 use common::cm::{add_qp_on, pattern, STEP};
 use rdmasafe_core::cm::{self, CmEvent, CmId, ConnectParams, Dispatcher, EventChannel, EventType as E, IdToken};
 use rdmasafe_core::cm::{PortSpace, WorkQueue};
-use rdmasafe_core::sys::Wait;
 use rdmasafe_core::verbs::{Cq, Pd};
+use rdmasafe_core::Wait;
 
 const N: usize = 500;
 

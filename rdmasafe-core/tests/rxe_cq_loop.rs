@@ -12,8 +12,9 @@ use std::time::Duration;
 use common::rc::{rc_pair, RcPair, SLOT};
 use rdmasafe_core::cm::{EventChannel, PortSpace};
 use rdmasafe_core::cq::{CqLoop, LoopOptions, LoopStats, Mode, DRAIN_RECV_WR_ID, DRAIN_SEND_WR_ID};
-use rdmasafe_core::sys::{ibv_wc_opcode, ibv_wc_status, Wait};
 use rdmasafe_core::verbs::{empty_wc, CompChannel, Cq, DeviceContext};
+use rdmasafe_core::verbs::{WcOpcode, WcStatus};
+use rdmasafe_core::Wait;
 
 const DEPTH: u32 = 128;
 const WINDOW: u64 = 32;
@@ -92,16 +93,16 @@ fn add_stream_held(
     lp.add_cq(&p.server_cq, move |wcs, ctl| {
         let mut f = ff.lock().unwrap();
         for wc in wcs {
-            assert_eq!(wc.status, ibv_wc_status::IBV_WC_SUCCESS, "recv status");
-            assert_eq!(wc.opcode, ibv_wc_opcode::IBV_WC_RECV);
-            assert_eq!(wc.wr_id, f.next_recv, "receive completions exactly once, in order");
-            let slot = (wc.wr_id % DEPTH as u64) as usize * SLOT;
+            assert_eq!(wc.status(), WcStatus::SUCCESS, "recv status");
+            assert_eq!(wc.opcode(), WcOpcode::RECV);
+            assert_eq!(wc.wr_id(), f.next_recv, "receive completions exactly once, in order");
+            let slot = (wc.wr_id() % DEPTH as u64) as usize * SLOT;
             let mut seq = [0u8; 8];
             pp.read_server(slot, &mut seq);
-            assert_eq!(u64::from_le_bytes(seq), wc.wr_id, "payload carries its sequence number");
+            assert_eq!(u64::from_le_bytes(seq), wc.wr_id(), "payload carries its sequence number");
             f.next_recv += 1;
-            if wc.wr_id + (DEPTH as u64) < n {
-                pp.recv(slot, SLOT as u32, wc.wr_id + DEPTH as u64);
+            if wc.wr_id() + (DEPTH as u64) < n {
+                pp.recv(slot, SLOT as u32, wc.wr_id() + DEPTH as u64);
             }
             if f.next_recv == n && dd.fetch_add(1, SeqCst) + 1 == flows_total {
                 ctl.stop();
@@ -113,9 +114,9 @@ fn add_stream_held(
     lp.add_cq(&p.client_cq, move |wcs, ctl| {
         let mut f = ff.lock().unwrap();
         for wc in wcs {
-            assert_eq!(wc.status, ibv_wc_status::IBV_WC_SUCCESS, "send status");
-            assert_eq!(wc.opcode, ibv_wc_opcode::IBV_WC_SEND);
-            assert_eq!(wc.wr_id, f.next_send_done, "send completions exactly once, in order");
+            assert_eq!(wc.status(), WcStatus::SUCCESS, "send status");
+            assert_eq!(wc.opcode(), WcOpcode::SEND);
+            assert_eq!(wc.wr_id(), f.next_send_done, "send completions exactly once, in order");
             f.next_send_done += 1;
             if f.posted < n && f.posted < hh.limit.load(SeqCst) {
                 post_send_seq(&pp, f.posted);
@@ -209,7 +210,7 @@ fn completion_in_the_window_before_sleep_is_delivered() {
         let (got_tx, got_rx) = mpsc::channel();
         lp.add_cq(&p.server_cq, move |wcs, ctl| {
             for wc in wcs {
-                got_tx.send(wc.wr_id).unwrap();
+                got_tx.send(wc.wr_id()).unwrap();
             }
             ctl.stop();
         })
@@ -234,7 +235,7 @@ fn completion_in_the_window_before_sleep_is_delivered() {
         while p.client_cq.poll(&mut wcs).unwrap() == 0 {
             std::thread::yield_now();
         }
-        assert_eq!(wcs[0].status, ibv_wc_status::IBV_WC_SUCCESS, "the receive landed");
+        assert_eq!(wcs[0].status(), WcStatus::SUCCESS, "the receive landed");
         go_tx.send(()).unwrap();
         let wr = got_rx.recv_timeout(Duration::from_secs(60)).expect("the loop did not sleep on the completion");
         assert_eq!(wr, 7);
@@ -293,10 +294,10 @@ fn drain_qp_flushes_everything_and_the_marker_comes_last() {
         p.recv(0, SLOT as u32, i);
     }
     let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
-    let seen: Arc<Mutex<Vec<(u64, u32, u32)>>> = Arc::default();
+    let seen: Arc<Mutex<Vec<(u64, WcStatus, WcOpcode)>>> = Arc::default();
     let s2 = seen.clone();
     lp.add_cq(&p.server_cq, move |wcs, _| {
-        s2.lock().unwrap().extend(wcs.iter().map(|w| (w.wr_id, w.status, w.opcode)));
+        s2.lock().unwrap().extend(wcs.iter().map(|w| (w.wr_id(), w.status(), w.opcode())));
     })
     .unwrap();
     lp.add_cq(&p.client_cq, |_, _| {}).unwrap();
@@ -308,7 +309,7 @@ fn drain_qp_flushes_everything_and_the_marker_comes_last() {
     // A flush completion's opcode is undefined (rxe reports 0): tell the
     // queues apart by wr_id.
     let ids: Vec<u64> = seen.iter().map(|w| w.0).collect();
-    assert!(seen.iter().all(|w| w.1 == ibv_wc_status::IBV_WC_WR_FLUSH_ERR), "all flush errors, all delivered");
+    assert!(seen.iter().all(|w| w.1 == WcStatus::WR_FLUSH_ERR), "all flush errors, all delivered");
     assert_eq!(ids, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], "receives in order, exactly once");
     assert!(
         !ids.contains(&DRAIN_SEND_WR_ID) && !ids.contains(&DRAIN_RECV_WR_ID),

@@ -17,8 +17,9 @@ use common::many::many;
 use common::rc::{rc_pair, RcPair, SLOT};
 use rdmasafe_core::cm::{EventChannel, PortSpace, SendOptions};
 use rdmasafe_core::cq::{CqLoop, CqOptions, Keepalive, LoopControl, LoopOptions, Mode, Outcome};
-use rdmasafe_core::sys::{ibv_wc_status, Wait};
+use rdmasafe_core::verbs::WcStatus;
 use rdmasafe_core::verbs::{empty_wc, CompChannel, Cq, DeviceContext};
+use rdmasafe_core::Wait;
 
 fn device(addr: std::net::IpAddr) -> (DeviceContext, EventChannel) {
     let ch = EventChannel::new().unwrap();
@@ -35,8 +36,8 @@ fn poll_n(cq: &Cq, n: usize) -> Vec<u64> {
     while got.len() < n {
         let k = cq.poll(&mut wcs).unwrap();
         for w in &wcs[..k] {
-            assert_eq!(w.status, ibv_wc_status::IBV_WC_SUCCESS);
-            got.push(w.wr_id);
+            assert_eq!(w.status(), WcStatus::SUCCESS);
+            got.push(w.wr_id());
         }
         assert!(start.elapsed() < Duration::from_secs(60), "{} of {n} completions", got.len());
         if k == 0 {
@@ -61,9 +62,9 @@ fn prefill(p: &RcPair, first: u64, n: u64) {
 
 type Log = Arc<Mutex<Vec<(&'static str, u64)>>>;
 
-fn logger(log: &Log, name: &'static str) -> impl FnMut(&[rdmasafe_core::sys::ibv_wc], &LoopControl) + Send {
+fn logger(log: &Log, name: &'static str) -> impl FnMut(&[rdmasafe_core::verbs::Wc], &LoopControl) + Send {
     let log = log.clone();
-    move |wcs, _| log.lock().unwrap().extend(wcs.iter().map(|w| (name, w.wr_id)))
+    move |wcs, _| log.lock().unwrap().extend(wcs.iter().map(|w| (name, w.wr_id())))
 }
 
 fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
@@ -119,7 +120,7 @@ fn cqs_join_and_leave_a_running_loop() {
         if rm.load(SeqCst) {
             ca.fetch_add(1, SeqCst);
         }
-        l2.lock().unwrap().extend(wcs.iter().map(|w| ("a", w.wr_id)));
+        l2.lock().unwrap().extend(wcs.iter().map(|w| ("a", w.wr_id())));
         if !rm.swap(true, SeqCst) {
             let r1 = ctl.add_cq(&c2.server_cq, CqOptions::default(), logger(&l2, "c")).unwrap();
             let r2 = ctl.remove_cq(&a_cq).unwrap();
@@ -447,7 +448,7 @@ fn completions_behind_a_keepalive_probe_are_not_stranded() {
     let sends = Arc::new(AtomicUsize::new(0));
     let s2 = sends.clone();
     lp.add_cq(&p.client_cq, move |w, _| {
-        s2.fetch_add(w.iter().filter(|w| w.wr_id < 1000).count(), SeqCst);
+        s2.fetch_add(w.iter().filter(|w| w.wr_id() < 1000).count(), SeqCst);
     })
     .unwrap();
     let srv: Log = Arc::default();
@@ -555,8 +556,8 @@ fn a_thousand_cqs_under_traffic_in_each_mode() {
             lp.add_cq(cq, move |wcs, ctl| {
                 let mut s = s.lock().unwrap();
                 for w in wcs {
-                    assert_eq!(w.status, ibv_wc_status::IBV_WC_SUCCESS);
-                    *s.entry((i, w.wr_id)).or_default() += 1;
+                    assert_eq!(w.status(), WcStatus::SUCCESS);
+                    *s.entry((i, w.wr_id())).or_default() += 1;
                 }
                 if t.fetch_add(wcs.len(), SeqCst) + wcs.len() == want {
                     ctl.stop();
@@ -775,13 +776,13 @@ fn a_handler_drains_its_qp_without_blocking() {
     let chan = CompChannel::new(&ctx).unwrap();
     let p = Arc::new(rc_pair(bed.addr, &chan, false, 16));
     let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
-    let seen: Arc<Mutex<Vec<(u64, u32)>>> = Arc::default();
+    let seen: Arc<Mutex<Vec<(u64, WcStatus)>>> = Arc::default();
     let (tx, rx) = mpsc::channel();
     let (p2, seen2) = (p.clone(), seen.clone());
     let started = Arc::new(AtomicBool::new(false));
     let st2 = started.clone();
     lp.add_cq(&p.server_cq, move |wcs, ctl: &LoopControl| {
-        seen2.lock().unwrap().extend(wcs.iter().map(|w| (w.wr_id, w.status)));
+        seen2.lock().unwrap().extend(wcs.iter().map(|w| (w.wr_id(), w.status())));
         if !st2.swap(true, SeqCst) {
             let tx = tx.clone();
             // SAFETY: the QP lives in `p`, which outlives the loop's run.
@@ -808,9 +809,9 @@ fn a_handler_drains_its_qp_without_blocking() {
     assert!(r.is_ok(), "drain from a handler: {r:?}");
     let seen = seen.lock().unwrap().clone();
     assert!(seen.iter().all(|w| w.0 < u64::MAX - 1), "a drain marker reached the handler: {seen:?}");
-    let flushed: Vec<u64> = seen.iter().filter(|w| w.1 == ibv_wc_status::IBV_WC_WR_FLUSH_ERR).map(|w| w.0).collect();
+    let flushed: Vec<u64> = seen.iter().filter(|w| w.1 == WcStatus::WR_FLUSH_ERR).map(|w| w.0).collect();
     assert_eq!(flushed, vec![100, 101, 102, 103, 104], "the posted receives, flushed in order, before done: {seen:?}");
-    assert_eq!(seen[0], (1, ibv_wc_status::IBV_WC_SUCCESS));
+    assert_eq!(seen[0], (1, WcStatus::SUCCESS));
     let lp = t.stop().unwrap();
     assert_eq!(lp.stats().unacked_now, 0);
     let _ = ctl;
@@ -851,9 +852,9 @@ fn removing_its_cq_ends_a_keepalive_without_a_false_death() {
     wait_for("the message after the removal", || {
         let mut wcs: [_; 4] = std::array::from_fn(|_| empty_wc());
         let k = p.server_cq.poll(&mut wcs).unwrap();
-        got.extend(wcs[..k].iter().filter(|w| w.wr_id != 0xfeed).map(|w| (w.wr_id, w.status)));
+        got.extend(wcs[..k].iter().filter(|w| w.wr_id() != 0xfeed).map(|w| (w.wr_id(), w.status())));
         !got.is_empty()
     });
-    assert_eq!(got, vec![(1, ibv_wc_status::IBV_WC_SUCCESS)]);
+    assert_eq!(got, vec![(1, WcStatus::SUCCESS)]);
     drop(t.stop().unwrap());
 }

@@ -14,8 +14,9 @@ use rdmasafe_core::cm::{EventChannel, PortSpace};
 use rdmasafe_core::cq::{
     AsyncElement, AsyncEventType, AsyncEvents, CqLoop, LoopOptions, DRAIN_RECV_WR_ID, DRAIN_SEND_WR_ID,
 };
-use rdmasafe_core::sys::{ibv_wc_status, Wait};
+use rdmasafe_core::verbs::WcStatus;
 use rdmasafe_core::verbs::{empty_wc, CompChannel};
+use rdmasafe_core::Wait;
 
 #[test]
 fn cq_overrun_reaches_the_app() {
@@ -46,7 +47,7 @@ fn cq_overrun_reaches_the_app() {
     let start = Instant::now();
     while (client_status.len() as u64) < sends && start.elapsed() < Duration::from_secs(60) {
         let n = p.client_cq.poll(&mut wcs).unwrap();
-        client_status.extend(wcs[..n].iter().map(|w| w.status));
+        client_status.extend(wcs[..n].iter().map(|w| w.status()));
         if n == 0 {
             std::thread::sleep(Duration::from_millis(2));
         }
@@ -68,15 +69,15 @@ fn cq_overrun_reaches_the_app() {
     // The loop delivers what the CQ holds, then the flush errors after the
     // QP goes to error; the drain's markers stay the loop's own.
     let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
-    let got: Arc<Mutex<Vec<(u64, u32)>>> = Arc::default();
+    let got: Arc<Mutex<Vec<(u64, WcStatus)>>> = Arc::default();
     let g = got.clone();
-    lp.add_cq(&p.server_cq, move |w, _| g.lock().unwrap().extend(w.iter().map(|w| (w.wr_id, w.status)))).unwrap();
+    lp.add_cq(&p.server_cq, move |w, _| g.lock().unwrap().extend(w.iter().map(|w| (w.wr_id(), w.status())))).unwrap();
     lp.process_once(Wait::None).unwrap();
     // SAFETY: the server QP is live.
     let drained = unsafe { lp.drain_qp(p.server_qp(), false, Duration::from_secs(30)) };
     let got = got.lock().unwrap();
-    let ok = got.iter().filter(|w| w.1 == ibv_wc_status::IBV_WC_SUCCESS).count();
-    let flushed = got.iter().filter(|w| w.1 == ibv_wc_status::IBV_WC_WR_FLUSH_ERR).count();
+    let ok = got.iter().filter(|w| w.1 == WcStatus::SUCCESS).count();
+    let flushed = got.iter().filter(|w| w.1 == WcStatus::WR_FLUSH_ERR).count();
     println!("loop delivered {} completions: {ok} successful, {flushed} flush errors; drain: {drained:?}", got.len());
     assert!(ok > 0 && ok <= cqe as usize + 1, "the CQ held at most its size");
     drained.expect("drain completes after an overrun");
@@ -89,8 +90,8 @@ fn cq_overrun_reaches_the_app() {
     drop(p);
 }
 
-fn dedup(v: &[u32]) -> Vec<(u32, usize)> {
-    let mut out: Vec<(u32, usize)> = Vec::new();
+fn dedup(v: &[WcStatus]) -> Vec<(WcStatus, usize)> {
+    let mut out: Vec<(WcStatus, usize)> = Vec::new();
     for s in v {
         match out.last_mut() {
             Some((x, n)) if x == s => *n += 1,

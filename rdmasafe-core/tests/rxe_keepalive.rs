@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use common::cm::{expect, params, resolved};
 use rdmasafe_core::cm::{ConnectParams, EventChannel, EventType as E, PortSpace, QpCaps};
 use rdmasafe_core::cq::{CqLoop, Keepalive, LoopOptions};
-use rdmasafe_core::sys::ibv_wc_status;
+use rdmasafe_core::verbs::WcStatus;
 use rdmasafe_core::verbs::{CompChannel, Cq, Mr, Pd};
 
 fn wait_listen(port: u16) {
@@ -72,9 +72,9 @@ fn keepalive_detects_a_killed_idle_peer_with_infinite_retries() {
     expect(&ch, E::ESTABLISHED);
 
     let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
-    let seen: Arc<Mutex<Vec<(u64, u32)>>> = Arc::default();
+    let seen: Arc<Mutex<Vec<(u64, WcStatus)>>> = Arc::default();
     let s2 = seen.clone();
-    lp.add_cq(&cq, move |w, _| s2.lock().unwrap().extend(w.iter().map(|w| (w.wr_id, w.status)))).unwrap();
+    lp.add_cq(&cq, move |w, _| s2.lock().unwrap().extend(w.iter().map(|w| (w.wr_id(), w.status())))).unwrap();
     let dead_qpn = Arc::new(AtomicU32::new(0));
     let d2 = dead_qpn.clone();
     let cfg = Keepalive { period: Duration::from_millis(200), bound: Duration::from_secs(2), wr_id: u64::MAX - 7 };
@@ -106,7 +106,7 @@ fn keepalive_detects_a_killed_idle_peer_with_infinite_retries() {
     }
     let detected = killed_at.elapsed();
     // The loop keeps running: the flushes of the QP now in error arrive.
-    while !seen.lock().unwrap().contains(&(0x77, ibv_wc_status::IBV_WC_WR_FLUSH_ERR)) {
+    while !seen.lock().unwrap().contains(&(0x77, WcStatus::WR_FLUSH_ERR)) {
         assert!(killed_at.elapsed() < Duration::from_secs(120), "no flush after the QP went to error");
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -123,7 +123,7 @@ fn keepalive_detects_a_killed_idle_peer_with_infinite_retries() {
     // load: `detected` is reported, the 120 s limit above turns a keepalive
     // that never fires into a failure.
     assert!(
-        seen.lock().unwrap().contains(&(0x77, ibv_wc_status::IBV_WC_WR_FLUSH_ERR)),
+        seen.lock().unwrap().contains(&(0x77, WcStatus::WR_FLUSH_ERR)),
         "the outstanding receive flushed to the handler"
     );
     assert_eq!(s.keepalive_dead, 1);

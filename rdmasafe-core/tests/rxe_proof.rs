@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::proof::{self, HELLO, PAYLOAD, WELCOME};
 use rdmasafe_core::cm::EventType as E;
-use rdmasafe_core::sys::ibv_wc_opcode;
+use rdmasafe_core::verbs::WcOpcode;
 
 #[test]
 fn connect_send_recv_disconnect_on_rxe() {
@@ -39,7 +39,7 @@ fn connect_send_recv_disconnect_on_rxe() {
     assert!(t.established_data[WELCOME.len()..].iter().all(|b| *b == 0), "reply padding");
 
     assert_eq!(t.received, PAYLOAD, "payload bytes");
-    assert_eq!(t.recv_opcode, ibv_wc_opcode::IBV_WC_RECV);
+    assert_eq!(t.recv_opcode, WcOpcode::RECV);
     assert_eq!(t.cq_events_acked, 1, "exactly one CQ event, acked");
     assert_eq!(t.copies_outstanding_at_end, 0, "every event copy freed");
 }

@@ -162,7 +162,7 @@ fn strip_comments(line: &str) -> String {
         let block = rest.find("/*");
         let slash = rest.find("//");
         match (block, slash) {
-            (Some(b), s) if s.map_or(true, |s| b < s) => {
+            (Some(b), s) if s.is_none_or(|s| b < s) => {
                 out.push_str(&rest[..b]);
                 match rest[b + 2..].find("*/") {
                     Some(e) => rest = &rest[b + 2 + e + 2..],

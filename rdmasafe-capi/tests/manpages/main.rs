@@ -268,7 +268,7 @@ fn every_export_has_a_page() {
             None => problems.push(format!("{name}: exported but include/rdmasafe.h does not declare it")),
         }
         for sec in ["DESCRIPTION", "RETURN VALUE", "NOTES", "SEE ALSO"] {
-            if section(&s, sec).map_or(true, |l| l.iter().all(|x| x.trim().is_empty())) {
+            if section(&s, sec).is_none_or(|l| l.iter().all(|x| x.trim().is_empty())) {
                 problems.push(format!("{name}: its page has no {sec}"));
             }
         }

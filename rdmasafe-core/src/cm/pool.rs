@@ -470,7 +470,7 @@ impl Reaper {
         let mut q = self.q.lock().unwrap_or_else(|e| e.into_inner());
         // The thread sleeps until the earliest deadline: wake it only when
         // this one comes first (a shorter deadline set meanwhile).
-        let earlier = q.peek().map_or(true, |Reverse((d, _, _))| deadline_ms < *d);
+        let earlier = q.peek().is_none_or(|Reverse((d, _, _))| deadline_ms < *d);
         q.push(Reverse((deadline_ms, idx, gen)));
         drop(q);
         if earlier {

@@ -35,6 +35,7 @@ use super::stats::{Counters, LoopStats};
 use super::{registry, DeadPeer, Handler};
 use crate::sys::{self, ibv_cq, ibv_qp, Epoll, TimerFd, WakeFd};
 use crate::verbs::Cq;
+use crate::wc::Wc;
 use crate::{Error, Result};
 
 /// How a change requested with [`LoopControl`] went.
@@ -303,7 +304,7 @@ impl LoopControl {
     /// EBUSY (the CQ is in a loop already).
     pub fn add_cq<F>(&self, cq: &Cq, opts: CqOptions, handler: F) -> Result<Outcome>
     where
-        F: FnMut(&[sys::ibv_wc], &LoopControl) + Send + 'static,
+        F: FnMut(&[Wc], &LoopControl) + Send + 'static,
     {
         self.add_live(LiveCq::owned(cq), opts, Box::new(handler))
     }

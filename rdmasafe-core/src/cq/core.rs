@@ -16,8 +16,8 @@ use super::handle::{LiveChannel, LiveCq};
 use super::keepalive::Keepalives;
 use super::options::LoopOptions;
 use super::registry;
-use crate::sys::{self, ibv_wc};
-use crate::verbs::empty_wc;
+use crate::sys;
+use crate::wc::Wc;
 use crate::{Error, Result};
 
 /// The loop's state; held by whoever drives the loop (see
@@ -36,7 +36,7 @@ pub(crate) struct Core {
     pub(super) ready: VecDeque<Ref>,
     /// How many CQs are armed and have not fired since.
     pub(super) armed: usize,
-    pub(super) wcs: Vec<ibv_wc>,
+    pub(super) wcs: Vec<Wc>,
     /// Adaptive mode: `Some(time of last activity)` while polling.
     pub(super) polling_since: Option<Instant>,
     pub(super) keepalives: Keepalives,
@@ -72,7 +72,7 @@ impl Core {
             fired: Vec::new(),
             ready: VecDeque::new(),
             armed: 0,
-            wcs: (0..opts.poll_batch).map(|_| empty_wc()).collect(),
+            wcs: (0..opts.poll_batch).map(|_| Wc::zeroed()).collect(),
             polling_since: None,
             keepalives: Keepalives::default(),
             drains: Drains::default(),
@@ -308,7 +308,7 @@ impl Core {
     pub(super) fn call_handler(&mut self, ctl: &LoopControl, r: Ref, n: usize) {
         let sh = &*ctl.0;
         let batch = &self.wcs[..n];
-        let errors = batch.iter().filter(|w| w.status != sys::ibv_wc_status::IBV_WC_SUCCESS).count();
+        let errors = batch.iter().filter(|w| !w.is_success()).count();
         let c = &sh.counters;
         c.completions.fetch_add(n as u64, Relaxed);
         c.error_completions.fetch_add(errors as u64, Relaxed);

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use super::control::Done;
 use super::handle::LiveQp;
-use crate::sys::ibv_wc;
+use crate::wc::Wc;
 
 /// wr_id of the send-queue marker posted by a drain.
 pub const DRAIN_SEND_WR_ID: u64 = u64::MAX;
@@ -55,17 +55,18 @@ impl Drains {
     }
 
     /// True (consumed) if `wc` is a marker of a drain in progress.
-    pub(crate) fn note(&mut self, wc: &ibv_wc) -> bool {
-        if wc.wr_id != DRAIN_SEND_WR_ID && wc.wr_id != DRAIN_RECV_WR_ID {
+    pub(crate) fn note(&mut self, wc: &Wc) -> bool {
+        let id = wc.wr_id();
+        if id != DRAIN_SEND_WR_ID && id != DRAIN_RECV_WR_ID {
             return false;
         }
         for w in &mut self.0 {
-            if w.qp_num == wc.qp_num {
-                if wc.wr_id == DRAIN_SEND_WR_ID && !w.send_seen {
+            if w.qp_num == wc.qp_num() {
+                if id == DRAIN_SEND_WR_ID && !w.send_seen {
                     w.send_seen = true;
                     return true;
                 }
-                if wc.wr_id == DRAIN_RECV_WR_ID && !w.recv_seen {
+                if id == DRAIN_RECV_WR_ID && !w.recv_seen {
                     w.recv_seen = true;
                     return true;
                 }

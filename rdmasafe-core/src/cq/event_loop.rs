@@ -38,8 +38,10 @@ use super::handle::LiveChannel;
 use super::options::{CqOptions, LoopOptions};
 use super::stats::LoopStats;
 use super::{registry, Handler};
-use crate::sys::{self, ibv_comp_channel, ibv_cq, ibv_wc, Wait};
+use crate::sys::{self, ibv_comp_channel, ibv_cq};
 use crate::verbs::{CompChannel, Cq};
+use crate::wc::Wc;
+use crate::Wait;
 use crate::{Error, Result};
 
 /// The loop; see the module docs. Thread-safe: it may be run by one thread
@@ -99,7 +101,7 @@ impl CqLoop {
     /// default options; see [`LoopControl::add_cq`].
     pub fn add_cq<F>(&self, cq: &Cq, handler: F) -> Result<()>
     where
-        F: FnMut(&[ibv_wc], &LoopControl) + Send + 'static,
+        F: FnMut(&[Wc], &LoopControl) + Send + 'static,
     {
         let opts = self.default_cq_options();
         self.control().add_cq(cq, opts, handler).map(|_| ())
@@ -108,7 +110,7 @@ impl CqLoop {
     /// Adds a CQ with its own options; see [`LoopControl::add_cq`].
     pub fn add_cq_with<F>(&self, cq: &Cq, opts: CqOptions, handler: F) -> Result<()>
     where
-        F: FnMut(&[ibv_wc], &LoopControl) + Send + 'static,
+        F: FnMut(&[Wc], &LoopControl) + Send + 'static,
     {
         self.control().add_cq(cq, opts, handler).map(|_| ())
     }

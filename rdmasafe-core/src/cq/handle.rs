@@ -5,8 +5,9 @@
 
 use std::ptr::NonNull;
 
-use crate::sys::{self, ibv_comp_channel, ibv_context, ibv_cq, ibv_qp, ibv_wc};
+use crate::sys::{self, ibv_comp_channel, ibv_context, ibv_cq, ibv_qp};
 use crate::verbs::{CompChannel, Cq};
+use crate::wc::Wc;
 use crate::{Error, Result};
 
 /// A CQ the loop may poll, arm and ack: alive as long as this value.
@@ -46,7 +47,8 @@ impl LiveCq {
     }
 
     /// `ibv_poll_cq` into `wcs`; the number filled.
-    pub(crate) fn poll(&self, wcs: &mut [ibv_wc]) -> Result<usize> {
+    pub(crate) fn poll(&self, wcs: &mut [Wc]) -> Result<usize> {
+        let wcs = Wc::as_raw_slice_mut(wcs);
         let n = wcs.len().min(i32::MAX as usize) as i32;
         // SAFETY: live CQ; wcs has room for n entries.
         let r = unsafe { sys::ibv_poll_cq(self.raw.as_ptr(), n, wcs.as_mut_ptr()) };

@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 use super::handle::LiveQp;
 use super::options::Keepalive;
 use super::DeadPeer;
-use crate::sys::{self, ibv_wc, ibv_wc_status};
+use crate::sys;
+use crate::wc::Wc;
 
 enum Probe {
     /// None outstanding.
@@ -85,13 +86,13 @@ impl Keepalives {
 
     /// Notes a completion: activity on its QP, and whether it is a probe
     /// (consumed: it never reaches the app's handler).
-    pub(crate) fn note(&mut self, wc: &ibv_wc, now: Instant) -> (bool, bool) {
-        let ok = wc.status == ibv_wc_status::IBV_WC_SUCCESS;
-        if let Some(e) = self.by_qpn.get_mut(&wc.qp_num) {
+    pub(crate) fn note(&mut self, wc: &Wc, now: Instant) -> (bool, bool) {
+        let ok = wc.is_success();
+        if let Some(e) = self.by_qpn.get_mut(&wc.qp_num()) {
             if ok {
                 e.last_activity = now;
             }
-            if wc.wr_id == e.cfg.wr_id && matches!(e.probe, Probe::Sent(_)) {
+            if wc.wr_id() == e.cfg.wr_id && matches!(e.probe, Probe::Sent(_)) {
                 e.probe = Probe::Idle;
                 if !ok && !e.dead {
                     // Retry exceeded or the like: the timer need not wait.
@@ -100,7 +101,7 @@ impl Keepalives {
                 }
                 return (true, ok);
             }
-        } else if let Some(i) = self.orphans.iter().position(|&(q, w)| q == wc.qp_num && w == wc.wr_id) {
+        } else if let Some(i) = self.orphans.iter().position(|&(q, w)| q == wc.qp_num() && w == wc.wr_id()) {
             self.orphans.swap_remove(i);
             return (true, false);
         }
@@ -116,7 +117,7 @@ impl Keepalives {
     /// recomputes the next deadline. Returns (probes posted, newly dead
     /// peers' callbacks to run with their QP numbers).
     pub(crate) fn tick(&mut self, now: Instant) -> (u64, Vec<(u32, *mut sys::ibv_qp)>) {
-        if self.next.map_or(true, |n| now < n) {
+        if self.next.is_none_or(|n| now < n) {
             return (0, Vec::new());
         }
         let mut posted = 0;

@@ -32,6 +32,7 @@ mod stats;
 mod thread;
 mod timers;
 
+pub use crate::wc::{Wc, WcOpcode, WcStatus};
 pub use async_events::{AsyncElement, AsyncEvent, AsyncEventType, AsyncEvents, AsyncThread};
 pub use control::{LoopControl, Outcome};
 pub use drain::{DRAIN_RECV_WR_ID, DRAIN_SEND_WR_ID};
@@ -44,7 +45,7 @@ pub use stats::{LoopStats, BUCKETS};
 /// that runs the loop; it may change the loop through the control (changes
 /// take effect when it returns) and must not block on a thread that waits
 /// for this loop.
-pub type Handler = Box<dyn FnMut(&[crate::sys::ibv_wc], &LoopControl) + Send>;
+pub type Handler = Box<dyn FnMut(&[Wc], &LoopControl) + Send>;
 
 /// Called once when a keepalive declares a QP's peer dead, after the QP was
 /// moved to the error state; gets the QP number.

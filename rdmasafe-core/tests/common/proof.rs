@@ -11,9 +11,10 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 use rdmasafe_core::cm::{CmEvent, ConnectParams, EventChannel, EventType, PortSpace, QpCaps};
-use rdmasafe_core::sys::{ibv_wc_opcode, ibv_wc_status, Wait};
 use rdmasafe_core::verbs::{self, CompChannel, Cq, Mr, Pd};
+use rdmasafe_core::verbs::{WcOpcode, WcStatus};
 use rdmasafe_core::Result;
+use rdmasafe_core::Wait;
 
 pub const HELLO: &[u8] = b"hello from the client: rdmasafe proof";
 pub const WELCOME: &[u8] = b"welcome from the server, conn #1";
@@ -32,7 +33,7 @@ pub struct Transcript {
     pub established_data: Vec<u8>,
     /// The received message, `byte_len` bytes.
     pub received: Vec<u8>,
-    pub recv_opcode: u32,
+    pub recv_opcode: WcOpcode,
     pub cq_events_acked: u32,
     pub copies_outstanding_at_end: u64,
 }
@@ -115,10 +116,10 @@ pub fn run(addr: IpAddr, verbose: bool) -> Result<Transcript> {
     let n = scq.poll(&mut wcs)?;
     assert!(n >= 1, "a CQ event means a completion is there to poll");
     let wc = &wcs[0];
-    assert_eq!(wc.status, ibv_wc_status::IBV_WC_SUCCESS, "receive completion status");
-    assert_eq!(wc.wr_id, 0x5e);
-    t.recv_opcode = wc.opcode;
-    let mut buf = vec![0u8; wc.byte_len as usize];
+    assert_eq!(wc.status(), WcStatus::SUCCESS, "receive completion status");
+    assert_eq!(wc.wr_id(), 0x5e);
+    t.recv_opcode = wc.opcode();
+    let mut buf = vec![0u8; wc.byte_len() as usize];
     smr.read(0, &mut buf)?;
     t.received = buf;
     if verbose {
@@ -128,8 +129,8 @@ pub fn run(addr: IpAddr, verbose: bool) -> Result<Transcript> {
     let mut spins = 0u64;
     loop {
         if ccq.poll(&mut wcs)? > 0 {
-            assert_eq!(wcs[0].status, ibv_wc_status::IBV_WC_SUCCESS, "send completion status");
-            assert_eq!(wcs[0].opcode, ibv_wc_opcode::IBV_WC_SEND);
+            assert_eq!(wcs[0].status(), WcStatus::SUCCESS, "send completion status");
+            assert_eq!(wcs[0].opcode(), WcOpcode::SEND);
             break;
         }
         spins += 1;
