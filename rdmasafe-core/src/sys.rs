@@ -34,7 +34,7 @@ pub use rdma_sys::{
     rdma_conn_param, rdma_connect, rdma_create_event_channel, rdma_create_id, rdma_create_qp,
     rdma_destroy_event_channel, rdma_destroy_id, rdma_destroy_qp, rdma_disconnect, rdma_event_channel,
     rdma_free_devices, rdma_get_cm_event, rdma_get_devices, rdma_get_src_port, rdma_listen, rdma_migrate_id,
-    rdma_port_space, rdma_reject, rdma_resolve_addr, rdma_resolve_route, rdma_ud_param,
+    rdma_port_space, rdma_reject, rdma_resolve_addr, rdma_resolve_route, rdma_t, rdma_ud_param,
 };
 
 /// `RDMA_MAX_PRIVATE_DATA` from librdmacm: the largest private data any CM
