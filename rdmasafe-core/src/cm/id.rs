@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::channel::{ChannelInner, EventChannel};
+use crate::cq::handle::{LiveQp, QpLife};
 use crate::sys::{self, ibv_qp_type, rdma_cm_id, rdma_conn_param, rdma_port_space};
 use crate::verbs::{Cq, DeviceContext, Mr, MrInner, Pd, RemoteMr};
 use crate::{Error, Result};
@@ -227,6 +228,9 @@ unsafe fn post_one(qp: *mut sys::ibv_qp, p: Post) -> Result<()> {
 /// work request was ever posted with (the device may touch their memory
 /// until the QP is destroyed).
 struct QpParts {
+    /// Cleared before the QP is destroyed (a loop's keepalive or drain on
+    /// it checks).
+    life: Arc<QpLife>,
     _pd: Pd,
     _send_cq: Cq,
     _recv_cq: Cq,
@@ -405,6 +409,7 @@ impl CmId {
         // SAFETY: live id, live pd and CQs (kept alive below), valid attr.
         cvt("rdma_create_qp", unsafe { sys::rdma_create_qp(self.raw(), pd.raw(), &mut attr) })?;
         self.qp = Some(QpParts {
+            life: Arc::new(QpLife::new_alive()),
             _pd: pd.clone(),
             _send_cq: send_cq.clone(),
             _recv_cq: recv_cq.clone(),
@@ -418,6 +423,16 @@ impl CmId {
         self.qp.as_ref()?;
         // SAFETY: the QP exists while self.qp is Some.
         Some(unsafe { (*(*self.raw.as_ptr()).qp).qp_num })
+    }
+
+    /// The QP for a CQ loop's keepalive or drain, with its life token.
+    pub(crate) fn live_qp(&self) -> Option<LiveQp> {
+        let parts = self.qp.as_ref()?;
+        let raw = self.raw_qp()?;
+        // SAFETY: the QP is live now, and `end()` is called before
+        // rdma_destroy_qp (Drop), so the loop's uses under the token are
+        // always on a live QP.
+        Some(unsafe { LiveQp::with_life(raw, parts.life.clone()) })
     }
 
     /// The raw QP, if one was created (owned by this id).
@@ -617,7 +632,10 @@ impl Drop for CmId {
         // a removed device's context may close with the last id), then the
         // id. Events of rdmasafe channels were acked when copied, so
         // rdma_destroy_id waits on nothing of rdmasafe's.
-        if self.qp.is_some() {
+        if let Some(parts) = &self.qp {
+            // No loop may touch the QP from here on (waits for a probe or
+            // drain marker being posted right now).
+            parts.life.end();
             // SAFETY: the QP was created on this live id.
             unsafe { sys::rdma_destroy_qp(self.raw()) };
         }

@@ -41,7 +41,10 @@ impl Drains {
         deadline: Instant,
         done: Done,
     ) -> std::result::Result<(), (Done, crate::Error)> {
-        let (qp_num, send_cq, recv_cq) = qp.info();
+        let (qp_num, send_cq, recv_cq) = match qp.info() {
+            Ok(i) => i,
+            Err(e) => return Err((done, e)),
+        };
         if let Err(e) = qp.to_error_with_markers(!srq, DRAIN_SEND_WR_ID, DRAIN_RECV_WR_ID) {
             return Err((done, e));
         }

@@ -75,8 +75,9 @@ impl Core {
         let mut n = 0;
         if let Some(now) = now {
             if !self.keepalives.is_empty() {
-                let (posted, dead) = self.keepalives.tick(now);
+                let (posted, dead, destroyed) = self.keepalives.tick(now);
                 sh.counters.keepalive_probes.fetch_add(posted, Relaxed);
+                sh.forget_keepalives_of(&destroyed);
                 for (qpn, _qp) in dead {
                     sh.counters.keepalive_dead.fetch_add(1, Relaxed);
                     if let Some(f) = self.keepalives.on_dead(qpn) {
