@@ -1,6 +1,10 @@
 //! The raw layer: every librdmacm / libibverbs / libc item rdmasafe uses is
 //! reached through this module, and nothing outside it declares FFI.
 //!
+//! **Unstable**: public for rdmasafe's own C library and tests, not part of
+//! the crate's semver-stable API. Applications use the safe types, and
+//! their documented raw getters where interop needs a pointer.
+//!
 //! Bindings come from the `rdma-sys` crate (bindgen over Debian's rdma-core
 //! headers, plus hand-written Rust versions of verbs.h's static inline
 //! functions such as `ibv_poll_cq`). Where rdma-sys gets something wrong for
