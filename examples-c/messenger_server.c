@@ -8,7 +8,9 @@
  *  - The main thread handles the CM: poll() on the CM channel fd
  *    (O_NONBLOCK), then rdmasafe_get_events in batches without waiting.
  *    Every CM event is an rdmasafe copy, freed with rdmasafe_event_free as
- *    soon as it is handled.
+ *    soon as it is handled; a connection that ended is torn down after the
+ *    batch's copies are freed (rdma_destroy_id waits while a copy of one of
+ *    its events is held, as with librdmacm).
  *
  *  - The CQ loop thread runs one rdmasafe_cq_loop (event mode) for the
  *    server's lifetime: rdmasafe_cq_loop_run, from the start (the listener
@@ -81,7 +83,7 @@ struct conn {
 	/* The main thread's alone. */
 	struct ibv_cq *cq;       /* this connection's, in the loop from accept to teardown */
 	struct ibv_mr *rx_mr, *tx_mr;
-	const char *how;         /* how it ended */
+	const char *how;         /* set when it ended: torn down after the event batch */
 	/* Written by the main thread (under `lock`) before the CQ joins the
 	 * loop, read by the callback: constant while the CQ is in the loop. */
 	struct rdma_cm_id *id;
@@ -110,6 +112,8 @@ static volatile sig_atomic_t stop_signal;
 static uint32_t accepted, served, failed, refused, finished, expected;
 static unsigned long cm_events, cm_calls, cm_largest;
 static uint32_t cqs_added, cqs_removed, qps_drained, removed_while_running, teardown_errors;
+static struct conn *ending[MAX_CONNS];
+static int nending;
 
 /* The loop and its thread. */
 static struct rdmasafe_cq_loop *loop;
@@ -312,6 +316,16 @@ static int stop_loop(struct rdmasafe_cq_loop_stats *st)
 
 /* --------------------------------------------------------- the main thread */
 
+/* The connection is over: marked now, torn down once the CM event batch
+ * that said so is freed (finish_ended). */
+static void end_conn(struct conn *c, const char *how)
+{
+	if (!c->how) {
+		c->how = how;
+		ending[nending++] = c;
+	}
+}
+
 /* Tears a connection down while the loop runs. */
 static void finish(struct conn *c)
 {
@@ -385,11 +399,12 @@ static void finish(struct conn *c)
 	finished++;
 }
 
-/* The connection is over: tear it down. */
-static void end_conn(struct conn *c, const char *how)
+/* Tears down the connections that ended in the batch just freed. */
+static void finish_ended(void)
 {
-	c->how = how;
-	finish(c);
+	for (int i = 0; i < nending; i++)
+		finish(ending[i]);
+	nending = 0;
 }
 
 /* The connection's verbs resources, its CQ added to the running loop last.
@@ -517,6 +532,8 @@ static void on_cm_event(struct rdma_cm_event *ev)
 {
 	struct conn *c = ev->id && ev->id != listener ? ev->id->context : NULL;
 
+	if (c && c->how)
+		return; /* ended in this batch already */
 	switch (ev->event) {
 	case RDMA_CM_EVENT_CONNECT_REQUEST:
 		on_connect_request(ev);
@@ -563,7 +580,9 @@ static void on_cm_event(struct rdma_cm_event *ev)
 	}
 }
 
-/* Drains the CM channel in batches; returns -1 on a real error. */
+/* Drains the CM channel in batches: handles each event, frees the batch's
+ * copies, then tears down the connections that ended (rdma_destroy_id of
+ * an id would wait while a copy of its event is held). -1 on a real error. */
 static int drain_cm(void)
 {
 	struct rdma_cm_event *evs[BATCH];
@@ -580,11 +599,12 @@ static int drain_cm(void)
 		cm_events += n;
 		if ((unsigned long)n > cm_largest)
 			cm_largest = n;
-		for (int i = 0; i < n; i++) {
+		for (int i = 0; i < n; i++)
 			on_cm_event(evs[i]);
+		for (int i = 0; i < n; i++)
 			if (rdmasafe_event_free(evs[i]))
 				printf("server: rdmasafe_event_free: %s\n", msgr_errname(errno));
-		}
+		finish_ended();
 	}
 }
 
@@ -625,13 +645,12 @@ static void shutdown_all(void)
 		if (drain_cm())
 			break;
 	}
-	for (int i = 0; i < MAX_CONNS; i++) {
-		pthread_mutex_lock(&lock);
-		int left = conns[i].state != FREE;
-		pthread_mutex_unlock(&lock);
-		if (left)
+	pthread_mutex_lock(&lock);
+	for (int i = 0; i < MAX_CONNS; i++)
+		if (conns[i].state != FREE)
 			end_conn(&conns[i], "destroyed at shutdown without DISCONNECTED");
-	}
+	pthread_mutex_unlock(&lock);
+	finish_ended(); /* no CM event copy is held here */
 }
 
 static void usage(const char *argv0)
@@ -729,9 +748,10 @@ int main(int argc, char **argv)
 	       cm_events, cm_calls, cm_largest, (unsigned long long)st.cq_events);
 	printf("server: done: %" PRIu32 " served, %" PRIu32 " failed, %" PRIu32 " refused, %s\n",
 	       served, failed, refused, stop_signal ? "stopped by signal" : "all expected clients finished");
-	printf("server: counters copied=%llu freed=%llu outstanding=%llu slots_allocated=%llu\n",
+	printf("server: counters copied=%llu freed=%llu outstanding=%llu slots_allocated=%llu acked_at_deadline=%llu\n",
 	       (unsigned long long)cnt.copied, (unsigned long long)cnt.freed,
-	       (unsigned long long)cnt.outstanding, (unsigned long long)cnt.slots_allocated);
+	       (unsigned long long)cnt.outstanding, (unsigned long long)cnt.slots_allocated,
+	       (unsigned long long)cnt.acked_at_deadline);
 	pthread_mutex_lock(&lock);
 	seen = cb;
 	pthread_mutex_unlock(&lock);

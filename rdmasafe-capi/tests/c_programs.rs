@@ -316,7 +316,9 @@ fn check_messenger(c: &mut Checks, runs: &BTreeMap<String, Block>) {
 /// The messenger server's CQ loop: one loop on its own thread for the
 /// server's life; each session's CQ added to it while it ran and removed
 /// (QP drained and destroyed first) while it still ran; the loop's figures
-/// at the end against what the server's callback saw.
+/// at the end against what the server's callback saw. Also: no CM copy was
+/// held past its ack deadline (the server tears a connection down after
+/// the batch's copies are freed, so no rdma_destroy_id waited for one).
 fn check_messenger_loop(c: &mut Checks, label: &str, server: &Block, sessions: &BTreeSet<String>) {
     let n = sessions.len() as f64;
     c.that(
@@ -337,6 +339,7 @@ fn check_messenger_loop(c: &mut Checks, label: &str, server: &Block, sessions: &
             c.that(calls.is_some_and(|k| k >= 1), format!("{label}: session {s}: callback calls: {removed:?}"));
         }
     }
+    c.that(server.has(" acked_at_deadline=0"), format!("{label}: a CM event copy was held past its ack deadline"));
     let figures = server.line("server: CQ loop figures ");
     let seen = server.line("server: CQ loop seen by the server ");
     if !c.that(figures.is_some() && seen.is_some(), format!("{label}: no CQ loop figures / server's view")) {
