@@ -340,9 +340,10 @@ static void finish(struct conn *c)
 
 	/* The only safe order, never under `lock` (these wait for the loop's
 	 * current cycle): drain the QP (error state; every completion of it
-	 * delivered to the callback, the drain's markers too, and the CQ events
-	 * acked), destroy it (no QP can raise an event on the CQ any more), then
-	 * take the CQ out of the loop and destroy it. */
+	 * delivered to the callback, the CQ events acked; the drain's own
+	 * markers are the loop's and never reach the callback), destroy it (no
+	 * QP can raise an event on the CQ any more), then take the CQ out of
+	 * the loop and destroy it. */
 	r = rdmasafe_cq_loop_drain_qp(loop, id->qp, 0, DRAIN_MS);
 	if (r) {
 		printf("server: session %#" PRIx64 ": rdmasafe_cq_loop_drain_qp: %s\n", c->session, msgr_errname(-r));
