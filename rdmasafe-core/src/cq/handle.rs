@@ -244,8 +244,18 @@ impl LiveQp {
     }
 
     /// Error state plus drain markers (see `sys::qp_to_error_and_post_markers`).
-    pub(crate) fn to_error_with_markers(&self, recv: bool, send_wr_id: u64, recv_wr_id: u64) -> Result<()> {
+    /// The error carries whether the receive marker was posted (it will
+    /// still arrive, as a flush, and must be consumed).
+    pub(crate) fn to_error_with_markers(
+        &self,
+        recv: bool,
+        send_wr_id: u64,
+        recv_wr_id: u64,
+    ) -> std::result::Result<(), (crate::Error, bool)> {
         // SAFETY: live QP (checked by `with`).
-        self.with(|q| unsafe { sys::qp_to_error_and_post_markers(q, recv, send_wr_id, recv_wr_id) })
+        match self.with(|q| Ok(unsafe { sys::qp_to_error_and_post_markers(q, recv, send_wr_id, recv_wr_id) })) {
+            Ok(r) => r,
+            Err(e) => Err((e, false)),
+        }
     }
 }

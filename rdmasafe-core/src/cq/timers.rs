@@ -70,7 +70,7 @@ impl Core {
     /// watchdog: whatever is due now.
     pub(super) fn tick(&mut self, ctl: &LoopControl, honor_stop: bool) -> Result<usize> {
         let sh = &*ctl.0;
-        let timed = !self.keepalives.is_empty() || !self.drains.is_empty() || self.watchdog_since(sh).is_some();
+        let timed = !self.keepalives.is_empty() || self.drains.in_progress() || self.watchdog_since(sh).is_some();
         let now = timed.then(Instant::now);
         let mut n = 0;
         if let Some(now) = now {
@@ -93,7 +93,7 @@ impl Core {
                 }
             }
         }
-        if !self.drains.is_empty() {
+        if self.drains.in_progress() {
             let finished = self.drains.take_finished(now);
             if !finished.is_empty() {
                 // A drain precedes teardown: leave no ack pending.
