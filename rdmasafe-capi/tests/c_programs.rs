@@ -318,6 +318,7 @@ fn check_messenger(c: &mut Checks, runs: &BTreeMap<String, Block>) {
         client.has("client 300: 2 of 2 connections OK;") && client.has(" outstanding=0 "),
         "SIGTERM client: summary / counters",
     );
+    c.that(client.has(" acked_at_deadline=0"), "SIGTERM client: a CM event copy was held past its ack deadline");
 }
 
 /// The messenger server's CQ loop: one loop on its own thread for the
