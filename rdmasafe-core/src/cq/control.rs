@@ -78,11 +78,35 @@ impl Done {
 
 /// A change to the loop, applied by whoever holds its state.
 pub(crate) enum Cmd {
-    AddCq { cq: LiveCq, opts: CqOptions, handler: Handler },
-    RemoveCq { cq: usize, done: Done },
-    AddKeepalive { qp: LiveQp, cfg: Keepalive, on_dead: DeadPeer },
-    RemoveKeepalive { qp_num: u32, done: Done },
-    Drain { qp: LiveQp, srq: bool, timeout: Duration, done: Done },
+    AddCq {
+        cq: LiveCq,
+        opts: CqOptions,
+        handler: Handler,
+    },
+    RemoveCq {
+        cq: usize,
+        done: Done,
+    },
+    /// `send_cq`/`cqs` are read when the call is made: the QP itself is
+    /// touched only once its CQs are found in the loop.
+    AddKeepalive {
+        qp: LiveQp,
+        qpn: u32,
+        send_cq: usize,
+        cfg: Keepalive,
+        on_dead: DeadPeer,
+    },
+    RemoveKeepalive {
+        qp_num: u32,
+        done: Done,
+    },
+    Drain {
+        qp: LiveQp,
+        cqs: (usize, usize),
+        srq: bool,
+        timeout: Duration,
+        done: Done,
+    },
 }
 
 /// What the loop shares between the thread that drives it and every
@@ -165,7 +189,7 @@ impl Shared {
     }
 
     /// Wakes the callers waiting for a command or for the state.
-    fn notify(&self) {
+    pub(crate) fn notify(&self) {
         let _q = self.cmds.lock().unwrap_or_else(|e| e.into_inner());
         self.changed.notify_all();
     }
@@ -329,7 +353,13 @@ impl LoopControl {
         }
         registry::claim_cq(cq.addr(), self.0.id)
             .map_err(|_| Error::new("rdmasafe_cq_loop_add_cq: CQ already in a loop", libc::EBUSY))?;
-        self.submit(Cmd::AddCq { cq, opts, handler }, None)
+        let addr = cq.addr();
+        let r = self.submit(Cmd::AddCq { cq, opts, handler }, None);
+        if r.is_err() {
+            // The loop is gone (its drop released its claims before this one).
+            registry::release_cq(addr, self.0.id);
+        }
+        r
     }
 
     /// Removes a CQ: its pending acks are flushed, the events already
@@ -404,7 +434,7 @@ impl LoopControl {
             }
             k.insert(qpn, send_cq);
         }
-        self.submit(Cmd::AddKeepalive { qp, cfg, on_dead }, None)
+        self.submit(Cmd::AddKeepalive { qp, qpn, send_cq, cfg, on_dead }, None)
     }
 
     /// Stops dead-peer detection for the QP with this number (ENOENT if it
@@ -437,9 +467,9 @@ impl LoopControl {
     /// the drain is done.
     pub unsafe fn drain_qp(&self, qp: NonNull<ibv_qp>, srq: bool, timeout: Duration) -> Result<Outcome> {
         // SAFETY: forwarded contract.
-        let qp = unsafe { self.drain_checked(qp, srq)? };
+        let (qp, cqs) = unsafe { self.drain_checked(qp, srq)? };
         let c = Arc::new(Completion::default());
-        self.submit(Cmd::Drain { qp, srq, timeout, done: self.waiter(&c) }, Some(c))
+        self.submit(Cmd::Drain { qp, cqs, srq, timeout, done: self.waiter(&c) }, Some(c))
     }
 
     /// Starts a drain (see [`LoopControl::drain_qp`]) and never blocks:
@@ -456,13 +486,13 @@ impl LoopControl {
         done: Box<dyn FnOnce(Result<()>) + Send>,
     ) -> Result<()> {
         // SAFETY: forwarded contract.
-        let qp = unsafe { self.drain_checked(qp, srq)? };
-        self.submit_async(Cmd::Drain { qp, srq, timeout, done: Done::Call(done) })
+        let (qp, cqs) = unsafe { self.drain_checked(qp, srq)? };
+        self.submit_async(Cmd::Drain { qp, cqs, srq, timeout, done: Done::Call(done) })
     }
 
     /// # Safety
     /// `qp` live.
-    unsafe fn drain_checked(&self, qp: NonNull<ibv_qp>, srq: bool) -> Result<LiveQp> {
+    unsafe fn drain_checked(&self, qp: NonNull<ibv_qp>, srq: bool) -> Result<(LiveQp, (usize, usize))> {
         // SAFETY: live QP (caller).
         let qp = unsafe { LiveQp::new(qp) };
         let (_, send_cq, recv_cq) = qp.info();
@@ -470,7 +500,7 @@ impl LoopControl {
         if !ours(send_cq) || (!srq && !ours(recv_cq)) {
             return Err(Error::new("rdmasafe drain_qp: QP's CQs not in this loop", libc::EINVAL));
         }
-        Ok(qp)
+        Ok((qp, (send_cq, recv_cq)))
     }
 
     /// How long an app embedding the loop in its own epoll may sleep before
@@ -532,6 +562,12 @@ impl LoopControl {
                     // here, then let go through Held (which looks again).
                     let mut held = Held::new(sh, g, self.clone());
                     let (core, ctl) = held.parts();
+                    if core.shut {
+                        // The loop was dropped after this call queued its
+                        // change: nothing will ever apply it.
+                        drop(held);
+                        return Err(Error::new("rdmasafe CQ loop: the loop is gone", libc::ECANCELED));
+                    }
                     core.apply_cmds(ctl);
                     core.drive_until(ctl, &wait);
                     drop(held);
@@ -544,6 +580,11 @@ impl LoopControl {
 }
 
 impl Completion {
+    /// Records the result (the waiter is woken by `Shared::notify`).
+    pub(crate) fn set(&self, r: Result<()>) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+    }
+
     pub(crate) fn is_done(&self) -> bool {
         self.0.lock().unwrap_or_else(|e| e.into_inner()).is_some()
     }
