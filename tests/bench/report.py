@@ -48,6 +48,8 @@ class Data:
         self.syscalls = {}
         self.callgrind = {}
         self.callgrind_top = {}
+        self.scale = defaultdict(list)  # case -> cq_scale window records
+        self.dumps = defaultdict(dict)  # case -> {dump label: callgrind record}
         for r in recs:
             k = r.get("kind")
             case, rep = r.get("case"), r.get("rep")
@@ -60,6 +62,10 @@ class Data:
             elif k == "callgrind":
                 self.callgrind[case] = r.get("ir")
                 self.callgrind_top[case] = r.get("top", [])
+            elif k == "scale":
+                self.scale[case].append(r)
+            elif k == "callgrind_dump":
+                self.dumps[case][r.get("label")] = r
             elif k is None:
                 self.by[(case, r.get("role", "client"))][rep] = r
 
@@ -134,6 +140,51 @@ def table(header, rows):
 
 
 # --------------------------------------------------------------------------
+# CQ loop scale (cq_scale): per N, the difference of two window lengths
+
+
+def scale_figures(d, case):
+    """{N: {"runs": [...]}} for a cq_scale case: per run, with windows of
+    L1 < L2 round trips, instructions / completion = (I(L2) - I(L1)) /
+    (completions(L2) - completions(L1)), the same per wakeup and per
+    ibv_poll_cq call, and per function (own instructions)."""
+    by = defaultdict(lambda: defaultdict(dict))  # N -> run -> {len: record}
+    for r in d.scale.get(case, []):
+        by[r["ncq"]][r["run"]][r["len"]] = r
+    dumps = d.dumps.get(case, {})
+    out = {}
+    for n in sorted(by):
+        runs = []
+        for run in sorted(by[n]):
+            lens = by[n][run]
+            if len(lens) < 2:
+                continue
+            l1, l2 = sorted(lens)[0], sorted(lens)[-1]
+            a, b = lens[l1], lens[l2]
+            da, db = dumps.get(a.get("dump")), dumps.get(b.get("dump"))
+            dc = b["completions"] - a["completions"]
+            if not da or not db or dc <= 0:
+                continue
+            di = db["ir"] - da["ir"]
+            dw = b["wakeups"] - a["wakeups"]
+            dp = b["poll_calls"] - a["poll_calls"]
+            fa = {name: ir for ir, name in da.get("top", [])}
+            fb = {name: ir for ir, name in db.get("top", [])}
+            funcs = {f: (fb.get(f, 0) - fa.get(f, 0)) / dc for f in set(fa) | set(fb)}
+            runs.append({"run": run, "l1": l1, "l2": l2, "dc": dc, "per_c": di / dc,
+                         "per_wakeup": di / dw if dw > 0 else None, "wakeups_per_c": dw / dc,
+                         "polls_per_c": dp / dc, "per_poll": di / dp if dp > 0 else None,
+                         "funcs": funcs, "idle_hits": b.get("idle_hits", 0)})
+        if runs:
+            out[n] = {"runs": runs, "per_c": med([r["per_c"] for r in runs])}
+    return out
+
+
+def scale_funcs(fig, n):
+    """per-completion own instructions per function at N, median over runs"""
+    runs = fig.get(n, {}).get("runs", [])
+    names = set().union(*(r["funcs"] for r in runs)) if runs else set()
+    return {f: med([r["funcs"].get(f, 0.0) for r in runs]) for f in names}
 
 
 def build(d, png_name):
@@ -328,6 +379,14 @@ def build(d, png_name):
                          f"1 per {fnum(1 / med(v.values()))} events (the last call flushes the remainder at stop)",
                          verdict(all(ok.values()))])
             break
+    scale_ev = scale_figures(d, f"scale_{rs}_event")
+    if scale_ev:
+        xs = {n: f["per_c"] for n, f in scale_ev.items()}
+        lo, hi = min(xs.values()), max(xs.values())
+        rows.append([f"CQ loop event mode, {', '.join(f'{n:,}' for n in xs)} CQs on one channel, one active: "
+                     "instructions per completion within 10% of each other (callgrind)",
+                     "; ".join(f"N={n:,}: {fnum(x)}" for n, x in xs.items()) + f" (max / min {hi / lo:.3f})",
+                     verdict(hi / lo <= 1.10)])
     w(table(["target", "measured", "verdict"], rows))
     w("")
 
@@ -421,6 +480,8 @@ def build(d, png_name):
     w(table(["loop", "wakeups / message", "completions / wakeup", "CQ events / message",
              "ack calls / CQ event", "arm calls / message", "empty wakeups"], rows))
     w("")
+
+    scale_section(d, w, quick)
 
     w("### Loop under load (stream of small sends, 64 bytes, at most 64 outstanding)")
     w("")
@@ -626,6 +687,12 @@ def build(d, png_name):
       "window (after the warm-up). Stock tools: `ibv_rc_pingpong -e` reports a mean per iteration "
       "(one round trip); `ib_send_lat` reports one-way times (half a round trip), doubled here; their "
       "CPU (from `wait4`) covers the whole process including device open and connection set-up.")
+    w("- CQ loop scale: `cq_scale.c` (one RC ping-pong connection whose client loop holds N CQs on one "
+      "completion channel, N - 1 of them idle; one client process grows its loop through every N and "
+      "dumps callgrind's counts once per measured window, `CALLGRIND_DUMP_STATS_AT`; per-function counts "
+      "are read from the dump files themselves, since `callgrind_annotate` 3.19 counts a call in progress "
+      "across a dump as its caller's own cost). `ibv_poll_cq` calls are counted by a wrapper the program "
+      "installs in the device context's `poll_cq`.")
     w("- Counts: see section 1. Instructions are user-space only (valgrind does not see the kernel); "
       "under busy polling they grow with waiting time, so only event mode is counted.")
     w("- CM storm columns: steps timed by the client for all N ids at once (create ids; resolve all "
@@ -661,6 +728,81 @@ def build(d, png_name):
     w(f"`{png_name}`: round-trip latency distributions (all repeats pooled) per loop and mode.")
     w("")
     return L
+
+
+def scale_section(d, w, quick):
+    rs, raw = "rdmasafe", "raw"
+    ev = {v: scale_figures(d, f"scale_{v}_event") for v in (rs, raw)}
+    busy = {v: scale_figures(d, f"scale_{v}_busy") for v in (rs, raw)}
+    if not ev[rs] and not ev[raw]:
+        return
+    w("### CQ loop scale (cq_scale: N CQs on one completion channel, one active)")
+    w("")
+    any_fig = ev[rs] or ev[raw]
+    r0 = next(iter(next(iter(any_fig.values()))["runs"]))
+    nruns = max(len(f["runs"]) for f in any_fig.values())
+    w("The client's loop holds N CQs created on one completion channel; one carries an RC ping-pong "
+      "(its QP's sends and receives), the N - 1 others are idle (armed, never fire). Sends are "
+      "unsignaled but every 64th, so a round trip is one completion (plus one send completion every 64), "
+      "and each completion about one wakeup (see the wakeups column). User-space instructions of the "
+      "client (callgrind) are counted in windows of L1 and L2 round trips after a warm-up, and "
+      f"instructions per completion are (I(L2) - I(L1)) / (completions(L2) - completions(L1)) "
+      f"(L1 = {r0['l1']}, L2 = {r0['l2']}, {nruns} run(s) of each pair; median over runs), so creating, "
+      "adding and arming the N CQs, and whatever a window costs once, are not counted. One process "
+      "grows its loop through every N in turn.")
+    w("")
+    ns = sorted(set(ev[rs]) | set(ev[raw]))
+    base = {v: ev[v].get(ns[0], {}).get("per_c") if ev[v] else None for v in (rs, raw)}
+    rows = []
+    for n in ns:
+        row = [f"{n:,}"]
+        for v in (rs, raw):
+            f = ev[v].get(n)
+            if not f:
+                row += ["n/a", "n/a", "n/a"]
+                continue
+            row += [mmm([r["per_c"] for r in f["runs"]]),
+                    f"{f['per_c'] / base[v]:.3f}" if base[v] else "n/a",
+                    mmm([r["wakeups_per_c"] for r in f["runs"]])]
+        rows.append(row)
+    w(table(["N (CQs on the channel)", "rdmasafe event: instructions / completion", "ratio to N=1",
+             "wakeups / completion", "hand-written event loop: instructions / completion", "ratio to N=1",
+             "wakeups / completion"], rows))
+    w("")
+    fig = ev[rs]
+    if fig and len(fig) >= 2:
+        lo_n, hi_n = min(fig), max(fig)
+        f_lo, f_hi = scale_funcs(fig, lo_n), scale_funcs(fig, hi_n)
+        diff = sorted(((f_hi.get(f, 0) - f_lo.get(f, 0), f) for f in set(f_lo) | set(f_hi)),
+                      key=lambda t: -abs(t[0]))
+        items = [f"`{f[:70]}` {fnum(f_lo.get(f, 0))} -> {fnum(f_hi.get(f, 0))}" for dlt, f in diff[:8] if abs(dlt) >= 2]
+        if items:
+            w(f"rdmasafe event mode, the functions whose own instructions per completion differ most "
+              f"between N = {lo_n:,} and N = {hi_n:,} (callgrind, same difference of window lengths; "
+              "hex names are functions of the stripped rdma-core libraries): " + "; ".join(items) + ".")
+            w("")
+    if busy[rs] or busy[raw]:
+        w("Busy-poll mode (documented as O(registered): every cycle polls every CQ). Instructions per "
+          "completion here depend on how long the loop spins between completions (timing: under valgrind a "
+          "sweep over many CQs is slower than a round trip), so the figures that do not depend on timing "
+          "are the instructions per `ibv_poll_cq` call and per sweep over the N CQs:")
+        w("")
+        rows = []
+        for v, label in ((rs, "rdmasafe busy-poll"), (raw, "hand-written busy-poll")):
+            for n, f in busy[v].items():
+                runs = f["runs"]
+                per_poll = [r["per_poll"] for r in runs if r["per_poll"]]
+                rows.append([label, f"{n:,}", mmm([r["per_c"] for r in runs]) + " (time-dependent)",
+                             mmm([r["polls_per_c"] for r in runs]), mmm(per_poll),
+                             mmm([x * n for x in per_poll])])
+        w(table(["loop", "N", "instructions / completion", "ibv_poll_cq calls / completion",
+                 "instructions / poll call", "instructions / sweep of N CQs"], rows))
+        w("")
+    hits = sum(r["idle_hits"] for v in (rs, raw) for f in list(ev[v].values()) + list(busy[v].values())
+               for r in f["runs"])
+    if hits:
+        w(f"**Idle CQs delivered {hits} completions: the run is wrong.**")
+        w("")
 
 
 def plot(d, png):
