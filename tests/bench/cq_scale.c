@@ -102,6 +102,16 @@ struct app {
 };
 
 static struct app app;
+static uint64_t t_start;
+
+/* progress on stderr, with the time since start */
+#define SAY(...)                                                                                           \
+	do {                                                                                               \
+		fprintf(stderr, "[cq_scale %s +%.3f s] ", app.server ? "server" : "client",                \
+			(now_ns() - t_start) / 1e9);                                                       \
+		fprintf(stderr, __VA_ARGS__);                                                              \
+		fputc('\n', stderr);                                                                       \
+	} while (0)
 
 /* ---- ibv_poll_cq calls, counted by a wrapper around the device's poll_cq
  * (ibv_poll_cq is an inline call through cq->context->ops, for libibverbs
@@ -544,6 +554,7 @@ static void phase(struct app *a, uint64_t len, int run)
 	char label[128];
 	snprintf(label, sizeof label, "n=%d len=%llu run=%d", a->ncq, (unsigned long long)len, run);
 	CALLGRIND_DUMP_STATS_AT(label);
+	SAY("window %s: %llu completions", label, (unsigned long long)a->win_completions);
 	struct jline j;
 	j_begin(&j);
 	j_str(&j, "kind", "scale");
@@ -622,6 +633,7 @@ int main(int argc, char **argv)
 		p = *end == ',' ? end + 1 : end;
 	}
 	alarm((unsigned)secs);
+	t_start = now_ns();
 	a->cqs = calloc(MAX_N, sizeof(*a->cqs));
 	if (!a->cqs)
 		DIE("calloc");
@@ -629,6 +641,7 @@ int main(int argc, char **argv)
 		a->mode = M_EVENT;
 	connect_both(a, addr, port);
 	loop_setup(a);
+	SAY("connected");
 
 	if (a->server) {
 		while (!a->done)
@@ -637,6 +650,7 @@ int main(int argc, char **argv)
 		a->warm = warm;
 		for (int k = 0; k < nn && !a->failed; k++) {
 			grow(a, ns[k]);
+			SAY("%d CQs on the channel", a->ncq);
 			for (int r = 1; r <= runs && !a->failed; r++) {
 				phase(a, m, r);
 				if (!a->failed)
@@ -659,5 +673,6 @@ int main(int argc, char **argv)
 	j_u64(&j, "idle_hits", (uint64_t)a->idle_hits);
 	j_end(&j);
 	teardown(a);
+	SAY("done");
 	return a->failed || a->idle_hits ? 1 : 0;
 }
