@@ -35,7 +35,8 @@
  *
  * Teardown: each rank disconnects its connection to rank+1 and answers
  * the disconnect from rank-1, drains both QPs through the loop
- * (rdmasafe_cq_loop_drain_qp: flushed receives and markers), destroys the
+ * (rdmasafe_cq_loop_drain_qp: the flushed receives reach the callback, the
+ * loop's own marker requests never do), destroys the
  * loop, the QPs and the CQs (SIGALRM watchdog), and checks that no CM event
  * copy is outstanding. Exit status 0 only if all of it went as expected.
  */
@@ -67,6 +68,7 @@
 #define CQE 64
 #define STEP_MS 10000 /* how long connection setup may take */
 
+/* The wr_ids of rdmasafe's drain markers: they must never reach a callback. */
 #define DRAIN_SEND_WR_ID UINT64_MAX
 #define DRAIN_RECV_WR_ID (UINT64_MAX - 1)
 
@@ -229,9 +231,7 @@ static void maybe_stop(void)
 static void drain_wc(const struct ibv_wc *wc, int from_prev)
 {
 	if (wc->wr_id == DRAIN_SEND_WR_ID || wc->wr_id == DRAIN_RECV_WR_ID) {
-		if (wc->status != IBV_WC_WR_FLUSH_ERR)
-			fail("drain marker %s with status %s", wc->wr_id == DRAIN_SEND_WR_ID ? "send" : "recv",
-			     ibv_wc_status_str(wc->status));
+		/* counted, and the drain check below fails on any */
 		if (from_prev)
 			markers_prev++;
 		else
@@ -544,11 +544,11 @@ static void drain_ring(void)
 		fail("rdmasafe_cq_loop_drain_qp (next): %s", strerror(-r));
 	if ((r = rdmasafe_cq_loop_drain_qp(loop, prev_id->qp, 0, 5000)))
 		fail("rdmasafe_cq_loop_drain_qp (prev): %s", strerror(-r));
-	if (markers_next != 2 || markers_prev != 2 || flushed_recvs != pending || flushed_sends != 0)
-		fail("drain: markers %" PRIu64 " + %" PRIu64 " (want 2 + 2), flushed receives %" PRIu64 " (want %" PRIu64
-		     "), flushed sends %" PRIu64,
+	if (markers_next != 0 || markers_prev != 0 || flushed_recvs != pending || flushed_sends != 0)
+		fail("drain: markers delivered %" PRIu64 " + %" PRIu64 " (want 0 + 0: the loop's own), flushed receives %" PRIu64
+		     " (want %" PRIu64 "), flushed sends %" PRIu64,
 		     markers_next, markers_prev, flushed_recvs, pending, flushed_sends);
-	printf("mpi_ring rank=%d: drained: next QP 2 markers, prev QP %" PRIu64 " flushed receives and 2 markers\n", rank,
+	printf("mpi_ring rank=%d: drained: prev QP %" PRIu64 " flushed receives, no marker reached the callback\n", rank,
 	       flushed_recvs);
 	r = rdmasafe_cq_loop_destroy(loop);
 	loop = NULL;

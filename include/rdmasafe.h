@@ -11,7 +11,21 @@
  *  - Every other function returns 0 (or a non-negative value) on success and
  *    a negative errno (-EINVAL, ...) on failure; errno is not used.
  *  - No function aborts or unwinds on bad input: each checks its arguments
- *    and returns the error documented next to it.
+ *    and returns the error documented next to it. A loop handle is looked
+ *    up on every call: one of a destroyed loop gets -EINVAL, never a newer
+ *    loop that happens to have the same address.
+ *
+ * Threads: every function is thread-safe unless its comment says
+ * otherwise. A CQ loop is run by one thread at a time; any thread (and the
+ * loop's own callbacks) may add and remove its CQs, keepalives and drains
+ * while it runs. rdmasafe_cq_loop_stop is async-signal-safe; nothing else
+ * is. Callbacks must return normally: no longjmp out of them, and in C++
+ * no exception may leave them (declare them noexcept).
+ *
+ * Fork: a child forked while other threads may be inside rdmasafe
+ * (rdmasafe's own CM ack thread included, once CM events were copied) may
+ * only call async-signal-safe functions, exec or _exit. rdmasafe installs
+ * no pthread_atfork handlers.
  *
  * Struct sizes: every struct rdmasafe reads or fills starts with
  * `uint32_t size`, which the caller sets to sizeof the struct as this header
@@ -395,11 +409,14 @@ struct rdmasafe_cq_loop_stats {
    */
   uint64_t foreign_cq_events;
   /**
-   * CQs in the loop now.
+   * CQs in the loop now. An add (or remove) made from another thread
+   * is queued and counted here, and in `cqs_added` / `cqs_removed`, once
+   * the loop applied it (its next cycle; a remove from another thread
+   * has been applied when it returns).
    */
   uint64_t cqs;
   /**
-   * CQs added since the loop was created.
+   * CQs added since the loop was created (applied adds).
    */
   uint64_t cqs_added;
   /**
@@ -691,7 +708,9 @@ int rdmasafe_cq_loop_create(struct ibv_comp_channel *channel,
  * destroyed before it has left the loop (`rdmasafe_cq_loop_remove_cq`,
  * `rdmasafe_cq_loop_destroy_cq`, or the loop destroyed):
  * `ibv_destroy_cq` waits for acks only the loop can give, and the loop
- * would poll freed memory.
+ * would poll freed memory. The add is queued: it is applied at the loop's
+ * next cycle (then `cqs` and `cqs_added` of the figures count it), or at
+ * once when the loop is idle.
  *
  * Returns 0 (or RDMASAFE_PENDING from inside a callback), -EINVAL (NULL
  * argument, unknown loop, CQ not bound to this loop's channel or of

@@ -170,8 +170,10 @@ static void handle_wc(const struct ibv_wc *wc)
 
 /* guide:callback begin */
 /* A batch of one CQ's completions (wc[] is valid during the call only), on
- * the thread that runs the loop. It may post work requests and stop the
- * loop; it must not add or remove CQs or destroy the loop. */
+ * the thread that runs the loop. It may post work requests, stop the loop,
+ * and add or remove CQs (applied when it returns); it must not run or
+ * destroy the loop (-EDEADLK), block on a thread that waits for the loop,
+ * or longjmp / throw out. */
 static void on_wc(void *ctx, const struct ibv_wc *wc, int n)
 {
 	struct cq_info *ci = ctx;

@@ -141,9 +141,13 @@ pub fn event_copy_case(data: &[u8]) {
 /// Pointers that the contract says must be valid when non-NULL (channels,
 /// contexts) are only ever NULL here; handle-like pointers (events, loops)
 /// are arbitrary, since rdmasafe looks them up before touching them.
+unsafe extern "C" fn fuzz_never_done(_: *mut c_void, _: *mut c_void, _: c_int) {
+    panic!("a rejected call must not call its done callback");
+}
+
 pub fn c_args_case(data: &[u8]) {
     let mut b = Bytes(data);
-    let which = b.u8() % 14;
+    let which = b.u8() % 17;
     let (i, j) = (b.i32(), b.i32());
     let wild = (b.u64() as usize | 1) as *mut u8; // never NULL, never handed out
     let einval_errno = |r: c_int| {
@@ -205,6 +209,32 @@ pub fn c_args_case(data: &[u8]) {
             12 => {
                 let mut a = std::mem::zeroed();
                 assert_eq!(rdmasafe_async_get(std::ptr::null_mut(), &mut a, i), -libc::EINVAL);
+            }
+            13 => {
+                let mut t: c_int = 77;
+                assert_eq!(rdmasafe_cq_loop_next_timeout_ms(wild.cast(), &mut t), -libc::EINVAL);
+                assert_eq!(t, 77, "a failed call writes nothing");
+            }
+            14 => {
+                // Whatever the CQ and callback, an unknown loop is rejected
+                // before either is looked at, and nothing is called back.
+                assert_eq!(
+                    rdmasafe_cq_loop_remove_cq_async(wild.cast(), wild.cast(), None, wild.cast()),
+                    -libc::EINVAL
+                );
+                assert_eq!(
+                    rdmasafe_cq_loop_remove_cq_async(wild.cast(), wild.cast(), Some(fuzz_never_done), wild.cast()),
+                    -libc::EINVAL
+                );
+                assert_eq!(rdmasafe_cq_loop_destroy_cq(wild.cast(), wild.cast()), -libc::EINVAL);
+                assert_eq!(rdmasafe_cq_loop_remove_cq(wild.cast(), wild.cast()), -libc::EINVAL);
+            }
+            15 => {
+                assert_eq!(
+                    rdmasafe_cq_loop_drain_qp_async(wild.cast(), wild.cast(), i, j, Some(fuzz_never_done), wild.cast()),
+                    -libc::EINVAL
+                );
+                assert_eq!(rdmasafe_cq_loop_drain_qp(wild.cast(), wild.cast(), i, j), -libc::EINVAL);
             }
             _ => {
                 let mut s = rdmasafe_cq_loop_stats {

@@ -20,6 +20,20 @@ fn minus1_einval(r: c_int) -> bool {
     r == -1 && errno() == libc::EINVAL
 }
 
+/// Must never be called: every row that passes it fails before any work.
+unsafe extern "C" fn never_done(_: *mut std::os::raw::c_void, _: *mut std::os::raw::c_void, _: c_int) {
+    panic!("a rejected call must not call its done callback");
+}
+
+/// Bytes aligned like the C structs they stand for.
+#[repr(C, align(8))]
+struct AlignedBytes<const N: usize>([u8; N]);
+impl<const N: usize> AlignedBytes<N> {
+    fn as_ptr(&self) -> *const u8 {
+        self.0.as_ptr()
+    }
+}
+
 #[test]
 fn every_export_rejects_bad_input_with_its_documented_error() {
     let mut wild_mem = [0u64; 32]; // never handed out by rdmasafe
@@ -35,6 +49,15 @@ fn every_export_rejects_bad_input_with_its_documented_error() {
     let opts =
         rdmasafe_cq_loop_options { size: std::mem::size_of::<rdmasafe_cq_loop_options>() as u32, ..Default::default() };
     let bad_mode = rdmasafe_cq_loop_options { mode: 7, ..Default::default() };
+    let cq_opts = rdmasafe_cq_options { size: std::mem::size_of::<rdmasafe_cq_options>() as u32, ..Default::default() };
+    let unsized_cq_opts = rdmasafe_cq_options::default();
+    // A newer caller's struct: 8 more bytes, one of them set.
+    let mut big_cq_opts = [0u8; std::mem::size_of::<rdmasafe_cq_options>() + 8];
+    let big_len = big_cq_opts.len() as u32;
+    big_cq_opts[..4].copy_from_slice(&big_len.to_ne_bytes());
+    *big_cq_opts.last_mut().unwrap() = 1;
+    let big_cq_opts = AlignedBytes(big_cq_opts);
+    let mut timeout_out: c_int = 77;
     // SAFETY: zeroed plain C struct.
     let mut aev: rdmasafe_async_event = unsafe { std::mem::zeroed() };
     aev.size = std::mem::size_of::<rdmasafe_async_event>() as u32;
@@ -109,6 +132,71 @@ fn every_export_rejects_bad_input_with_its_documented_error() {
                 "rdmasafe_cq_loop_add_cq",
                 "unknown loop",
                 rdmasafe_cq_loop_add_cq(wild.cast(), wild.cast(), None, null_mut()) == -libc::EINVAL,
+            ),
+            (
+                "rdmasafe_cq_loop_add_cq_ex",
+                "unknown loop",
+                rdmasafe_cq_loop_add_cq_ex(wild.cast(), wild.cast(), &cq_opts, None, null_mut()) == -libc::EINVAL,
+            ),
+            (
+                "rdmasafe_cq_loop_add_cq_ex",
+                "options size 0",
+                rdmasafe_cq_loop_add_cq_ex(wild.cast(), wild.cast(), &unsized_cq_opts, None, null_mut())
+                    == -libc::EINVAL,
+            ),
+            (
+                "rdmasafe_cq_loop_add_cq_ex",
+                "unknown option set (E2BIG)",
+                rdmasafe_cq_loop_add_cq_ex(wild.cast(), wild.cast(), big_cq_opts.as_ptr().cast(), None, null_mut())
+                    == -libc::E2BIG,
+            ),
+            (
+                "rdmasafe_cq_loop_remove_cq_async",
+                "NULL done",
+                rdmasafe_cq_loop_remove_cq_async(wild.cast(), wild.cast(), None, null_mut()) == -libc::EINVAL,
+            ),
+            (
+                "rdmasafe_cq_loop_remove_cq_async",
+                "unknown loop",
+                rdmasafe_cq_loop_remove_cq_async(wild.cast(), wild.cast(), Some(never_done), null_mut())
+                    == -libc::EINVAL,
+            ),
+            (
+                "rdmasafe_cq_loop_destroy_cq",
+                "NULL CQ",
+                rdmasafe_cq_loop_destroy_cq(wild.cast(), null_mut()) == -libc::EINVAL,
+            ),
+            (
+                "rdmasafe_cq_loop_destroy_cq",
+                "unknown loop",
+                rdmasafe_cq_loop_destroy_cq(wild.cast(), wild.cast()) == -libc::EINVAL,
+            ),
+            (
+                "rdmasafe_cq_loop_next_timeout_ms",
+                "NULL out",
+                rdmasafe_cq_loop_next_timeout_ms(wild.cast(), null_mut()) == -libc::EINVAL,
+            ),
+            (
+                "rdmasafe_cq_loop_next_timeout_ms",
+                "unknown loop",
+                rdmasafe_cq_loop_next_timeout_ms(wild.cast(), &mut timeout_out) == -libc::EINVAL && timeout_out == 77,
+            ),
+            (
+                "rdmasafe_cq_loop_drain_qp_async",
+                "NULL done",
+                rdmasafe_cq_loop_drain_qp_async(wild.cast(), wild.cast(), 0, 10, None, null_mut()) == -libc::EINVAL,
+            ),
+            (
+                "rdmasafe_cq_loop_drain_qp_async",
+                "timeout 0",
+                rdmasafe_cq_loop_drain_qp_async(wild.cast(), wild.cast(), 0, 0, Some(never_done), null_mut())
+                    == -libc::EINVAL,
+            ),
+            (
+                "rdmasafe_cq_loop_drain_qp_async",
+                "unknown loop",
+                rdmasafe_cq_loop_drain_qp_async(wild.cast(), wild.cast(), 0, 10, Some(never_done), null_mut())
+                    == -libc::EINVAL,
             ),
             (
                 "rdmasafe_cq_loop_remove_cq",

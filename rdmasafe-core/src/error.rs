@@ -12,6 +12,7 @@ use std::fmt;
 pub struct Error {
     op: &'static str,
     errno: i32,
+    object: usize,
 }
 
 /// `Result` with [`Error`].
@@ -20,7 +21,19 @@ pub type Result<T> = std::result::Result<T, Error>;
 impl Error {
     /// An error for `op` with the given positive errno value.
     pub fn new(op: &'static str, errno: i32) -> Self {
-        Error { op, errno }
+        Error { op, errno, object: 0 }
+    }
+
+    /// The same error, naming the verbs object (its address) it concerns.
+    pub fn about<T>(self, object: *const T) -> Self {
+        Error { object: object as usize, ..self }
+    }
+
+    /// The address of the verbs object the error concerns, if it names one
+    /// (e.g. the CQ of an event [`crate::verbs::CompChannel::get_event`]
+    /// was not given).
+    pub fn object(&self) -> Option<usize> {
+        (self.object != 0).then_some(self.object)
     }
 
     /// An error for `op` carrying the calling thread's current `errno`.
@@ -54,7 +67,11 @@ impl Error {
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let text = std::io::Error::from_raw_os_error(self.errno);
-        write!(f, "{}: {} (errno {})", self.op, text, self.errno)
+        write!(f, "{}: {} (errno {})", self.op, text, self.errno)?;
+        if let Some(o) = self.object() {
+            write!(f, " [object {o:#x}]")?;
+        }
+        Ok(())
     }
 }
 
@@ -87,5 +104,9 @@ mod tests {
         assert!(Error::new("x", libc::ETIMEDOUT).is_timeout());
         let io: std::io::Error = e.into();
         assert_eq!(io.raw_os_error(), Some(libc::EINVAL));
+        assert_eq!(e.object(), None);
+        let named = e.about(0x1234 as *const u8);
+        assert_eq!(named.object(), Some(0x1234));
+        assert!(named.to_string().ends_with("(errno 22) [object 0x1234]"), "{named}");
     }
 }

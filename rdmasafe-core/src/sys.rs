@@ -477,12 +477,15 @@ pub unsafe fn post_zero_length_write(qp: *mut ibv_qp, wr_id: u64) -> crate::Resu
 ///
 /// # Safety
 /// `qp` must be a live QP.
+///
+/// On failure, also says whether the receive marker had been posted (it
+/// will still come back, flushed).
 pub unsafe fn qp_to_error_and_post_markers(
     qp: *mut ibv_qp,
     recv: bool,
     send_wr_id: u64,
     recv_wr_id: u64,
-) -> crate::Result<()> {
+) -> Result<(), (crate::Error, bool)> {
     use crate::Error;
     // SAFETY (whole block): qp is live; the attr and WR structs are plain
     // data, zero-initialised, valid for the calls.
@@ -493,10 +496,10 @@ pub unsafe fn qp_to_error_and_post_markers(
             let mut bad = std::ptr::null_mut();
             let r = ibv_post_recv(qp, &mut wr, &mut bad);
             if r != 0 {
-                return Err(Error::new("ibv_post_recv(drain marker)", r));
+                return Err((Error::new("ibv_post_recv(drain marker)", r), false));
             }
         }
-        qp_to_error(qp)?;
+        qp_to_error(qp).map_err(|e| (e, recv))?;
         let mut wr: ibv_send_wr = std::mem::zeroed();
         wr.wr_id = send_wr_id;
         wr.opcode = ibv_wr_opcode::IBV_WR_SEND;
@@ -504,7 +507,7 @@ pub unsafe fn qp_to_error_and_post_markers(
         let mut bad = std::ptr::null_mut();
         let r = ibv_post_send(qp, &mut wr, &mut bad);
         if r != 0 {
-            return Err(Error::new("ibv_post_send(drain marker)", r));
+            return Err((Error::new("ibv_post_send(drain marker)", r), recv));
         }
     }
     Ok(())

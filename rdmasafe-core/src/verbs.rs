@@ -366,8 +366,8 @@ impl CompChannel {
     /// for, counting it on that CQ as unacked (acked by [`Cq::ack_events`]
     /// or at the latest when the CQ is dropped). An event for a CQ not in
     /// `cqs` is acked at once (so that CQ's destroy cannot hang), logged
-    /// with the CQ's address, and returned as an error (EPROTO): pass every
-    /// CQ bound to this channel.
+    /// with the CQ's address, and returned as an error (EPROTO) that names
+    /// the CQ ([`Error::object`]): pass every CQ bound to this channel.
     pub fn get_event<'c>(&self, cqs: &[&'c Cq], wait: Wait) -> Result<&'c Cq> {
         if wait != Wait::Forever {
             let [ready] = sys::poll_readable([self.as_raw_fd()], wait)
@@ -387,7 +387,7 @@ impl CompChannel {
             // until this ack (its destroy waits for it).
             unsafe { sys::ibv_ack_cq_events(cq, 1) };
             log::warn!(target: "rdmasafe", "CompChannel::get_event: an event for CQ {cq:p}, not among the CQs passed: acked");
-            return Err(Error::new("ibv_get_cq_event: event for a CQ not passed", libc::EPROTO));
+            return Err(Error::new("ibv_get_cq_event: event for a CQ not passed (acked)", libc::EPROTO).about(cq));
         };
         found.0.unacked.fetch_add(1, Ordering::Relaxed);
         Ok(found)

@@ -733,3 +733,175 @@ fn a_loop_given_back_by_its_thread_runs_again() {
     lp.run().unwrap(); // returns when the handler stops it again
     assert_eq!(got.load(SeqCst), 2, "the second run delivered before it returned");
 }
+
+/// `CompChannel::get_event` given a list without the CQ the event names:
+/// it acks that event before failing (so the CQ's destroy cannot hang, the
+/// UCX #1039 bug) and the error names the CQ.
+#[test]
+fn get_event_for_a_cq_not_passed_acks_it_and_names_it() {
+    let bed = common::bed();
+    let _dog = common::watchdog("foreign get_event: destroy after the error", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = rc_pair(bed.addr, &chan, false, 4);
+    let other = Cq::new(&ctx, 4, Some(&chan)).unwrap();
+    p.server_cq.req_notify(false).unwrap();
+    prefill(&p, 1, 1);
+    let e = chan.get_event(&[&other], Wait::For(Duration::from_secs(60))).map(|_| ()).unwrap_err();
+    assert_eq!(e.errno(), libc::EPROTO, "{e}");
+    assert_eq!(e.object(), Some(p.server_cq.raw() as usize), "the error names the CQ the event was for: {e}");
+    assert_eq!(other.unacked(), 0, "nothing counted on the CQ that was passed");
+    assert_eq!(p.server_cq.unacked(), 0, "acked at once, not left for the CQ's drop");
+    // The completion itself is still there, and the channel keeps working
+    // for the CQs that are passed.
+    assert_eq!(poll_n(&p.server_cq, 1), vec![1]);
+    p.server_cq.req_notify(false).unwrap();
+    prefill(&p, 2, 1);
+    let got = chan.get_event(&[&other, &p.server_cq], Wait::For(Duration::from_secs(60))).unwrap();
+    assert_eq!(got.raw(), p.server_cq.raw());
+    assert_eq!(p.server_cq.unacked(), 1);
+    drop(other);
+    drop(p); // ibv_destroy_cq returns: every event read was acked (watchdog)
+}
+
+/// A handler starts a drain of its own QP (`drain_qp_then`): it is pending,
+/// the posted receives come back flushed through the handler, the loop's
+/// markers never do, and the done callback gets Ok once both are back.
+#[test]
+fn a_handler_drains_its_qp_without_blocking() {
+    let bed = common::bed();
+    let _dog = common::watchdog("drain from a handler", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = Arc::new(rc_pair(bed.addr, &chan, false, 16));
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    let seen: Arc<Mutex<Vec<(u64, u32)>>> = Arc::default();
+    let (tx, rx) = mpsc::channel();
+    let (p2, seen2) = (p.clone(), seen.clone());
+    let started = Arc::new(AtomicBool::new(false));
+    let st2 = started.clone();
+    lp.add_cq(&p.server_cq, move |wcs, ctl: &LoopControl| {
+        seen2.lock().unwrap().extend(wcs.iter().map(|w| (w.wr_id, w.status)));
+        if !st2.swap(true, SeqCst) {
+            let tx = tx.clone();
+            // SAFETY: the QP lives in `p`, which outlives the loop's run.
+            let r = unsafe {
+                ctl.drain_qp_then(
+                    p2.server_qp(),
+                    false,
+                    Duration::from_secs(30),
+                    Box::new(move |r| tx.send(r).unwrap()),
+                )
+            };
+            r.unwrap();
+        }
+    })
+    .unwrap();
+    let ctl = lp.control();
+    let t = lp.spawn(None).unwrap();
+    // One message, and 5 more receives left posted for the drain to flush.
+    prefill(&p, 1, 1);
+    for i in 0..5 {
+        p.recv((2 + i) * SLOT, SLOT as u32, 100 + i as u64);
+    }
+    let r = rx.recv_timeout(Duration::from_secs(60)).expect("the drain's done callback ran");
+    assert!(r.is_ok(), "drain from a handler: {r:?}");
+    let seen = seen.lock().unwrap().clone();
+    assert!(seen.iter().all(|w| w.0 < u64::MAX - 1), "a drain marker reached the handler: {seen:?}");
+    let flushed: Vec<u64> = seen.iter().filter(|w| w.1 == ibv_wc_status::IBV_WC_WR_FLUSH_ERR).map(|w| w.0).collect();
+    assert_eq!(flushed, vec![100, 101, 102, 103, 104], "the posted receives, flushed in order, before done: {seen:?}");
+    assert_eq!(seen[0], (1, ibv_wc_status::IBV_WC_SUCCESS));
+    let lp = t.stop().unwrap();
+    assert_eq!(lp.stats().unacked_now, 0);
+    let _ = ctl;
+    drop(lp);
+}
+
+/// Removing the CQ a keepalive probes through removes the keepalive with it
+/// (the fault suite once found a keepalive that outlived its CQ declare a
+/// healthy peer dead after its bound): no death follows, the QP stays
+/// usable, and the keepalive is gone (ENOENT).
+#[test]
+fn removing_its_cq_ends_a_keepalive_without_a_false_death() {
+    let bed = common::bed();
+    let _dog = common::watchdog("keepalive and its CQ", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = rc_pair(bed.addr, &chan, false, 16);
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    lp.add_cq(&p.server_cq, |_, _| {}).unwrap();
+    let qp = p.server_qp();
+    // SAFETY: the QP lives in `p`, which outlives the loop.
+    let qpn = unsafe { (*qp.as_ptr()).qp_num };
+    let cfg = Keepalive { period: Duration::from_millis(30), bound: Duration::from_millis(200), wr_id: 0xfeed };
+    // SAFETY: as above.
+    unsafe { lp.add_keepalive(qp, cfg, Box::new(|_, _| panic!("a healthy peer declared dead"))) }.unwrap();
+    let ctl = lp.control();
+    let t = lp.spawn(None).unwrap();
+    wait_for("two probes answered", || ctl.stats().keepalive_probes_ok >= 2);
+    assert_eq!(ctl.remove_cq(&p.server_cq).unwrap(), Outcome::Done);
+    assert_eq!(ctl.remove_keepalive(qpn).unwrap_err().errno(), libc::ENOENT, "the keepalive left with its CQ");
+    // Well past period + bound: nothing may be declared dead now.
+    std::thread::sleep(Duration::from_millis(600));
+    let s = ctl.stats();
+    assert_eq!(s.keepalive_dead, 0, "{s:?}");
+    // The QP was not moved to error: a message still completes with success.
+    prefill(&p, 1, 1);
+    let mut got = Vec::new();
+    wait_for("the message after the removal", || {
+        let mut wcs: [_; 4] = std::array::from_fn(|_| empty_wc());
+        let k = p.server_cq.poll(&mut wcs).unwrap();
+        got.extend(wcs[..k].iter().filter(|w| w.wr_id != 0xfeed).map(|w| (w.wr_id, w.status)));
+        !got.is_empty()
+    });
+    assert_eq!(got, vec![(1, ibv_wc_status::IBV_WC_SUCCESS)]);
+    drop(t.stop().unwrap());
+}
+
+/// Drains that give up (a 1 ms timeout, while the loop runs) leave their
+/// markers on the way: when they come back they are the loop's, never the
+/// handler's (an app whose wr_id is a pointer would follow UINT64_MAX).
+/// Before the fix, 2 of 40 such drains (QPs in INIT) handed 4 markers to
+/// the app's callback.
+#[test]
+fn markers_of_timed_out_drains_never_reach_a_handler() {
+    let bed = common::bed();
+    let _dog = common::watchdog("timed-out drains", Duration::from_secs(180));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let cq = Cq::new(&ctx, 512, Some(&chan)).unwrap();
+    let pd = rdmasafe_core::verbs::Pd::new(&ctx).unwrap();
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    let seen: Arc<Mutex<Vec<u64>>> = Arc::default();
+    let s2 = seen.clone();
+    lp.add_cq(&cq, move |wcs, _| s2.lock().unwrap().extend(wcs.iter().map(|w| w.wr_id))).unwrap();
+    let ctl = lp.control();
+    let t = lp.spawn(None).unwrap();
+    let l = common::cm::listen(bed.addr, PortSpace::Tcp, 8);
+    let ch = EventChannel::new().unwrap();
+    let caps = rdmasafe_core::cm::QpCaps { max_send_wr: 4, max_recv_wr: 4, max_sge: 1, max_inline_data: 0 };
+    let mut ids = Vec::new();
+    for _ in 0..40 {
+        let mut id = common::cm::resolved(&ch, PortSpace::Tcp, bed.addr, l.port);
+        id.create_qp(&pd, &cq, &cq, caps, false).unwrap();
+        ids.push(id);
+    }
+    let (mut ok, mut timed_out) = (0, 0);
+    for id in &ids {
+        // SAFETY: the QP lives in `id` until after the loop stopped.
+        match unsafe { ctl.drain_qp(id.raw_qp().unwrap(), false, Duration::from_millis(1)) } {
+            Ok(_) => ok += 1,
+            Err(e) if e.errno() == libc::ETIMEDOUT => timed_out += 1,
+            Err(e) => panic!("drain: {e}"),
+        }
+    }
+    // Every marker comes back (flushed) soon after; give them time.
+    std::thread::sleep(Duration::from_millis(500));
+    let lp = t.stop().unwrap();
+    let seen = seen.lock().unwrap().clone();
+    println!("drains: {ok} ok, {timed_out} timed out; completions handed to the handler: {}", seen.len());
+    assert!(seen.iter().all(|&w| w < u64::MAX - 1), "a drain marker reached the handler: {seen:?}");
+    assert_eq!(ok + timed_out, 40);
+    drop(lp);
+    drop(ids);
+}

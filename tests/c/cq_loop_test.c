@@ -544,6 +544,70 @@ static void test_fork(struct ibv_comp_channel *ch)
 	sig_loop = NULL;
 }
 
+static struct {
+	atomic_int calls;
+	int result;
+	void *object;
+} removed;
+
+static void on_removed(void *ctx, void *object, int result)
+{
+	(void)ctx;
+	removed.result = result;
+	removed.object = object;
+	atomic_fetch_add(&removed.calls, 1);
+}
+
+/* add_cq_ex and its sized options, remove_cq_async, destroy_cq (part 1:
+ * CQs on the channel, no QP). */
+static void test_cq_options_and_async_removal(struct ibv_context *ctx, struct ibv_comp_channel *ch)
+{
+	struct rdmasafe_cq_loop *l = NULL;
+	struct ibv_cq *a = ibv_create_cq(ctx, 16, NULL, ch, 0), *b = ibv_create_cq(ctx, 16, NULL, ch, 0);
+	struct rdmasafe_cq_options o = { .size = sizeof o };
+	union {
+		struct rdmasafe_cq_options o;
+		unsigned char bytes[sizeof(struct rdmasafe_cq_options) + 8];
+	} newer;
+	struct rdmasafe_cq_loop_stats st;
+
+	phase = "CQ options, async removal, destroy_cq";
+	if (!CHECK(a && b && make_loop(ch, RDMASAFE_MODE_EVENT, &l) == 0, "options: two CQs and a loop"))
+		return;
+	o.size = 0;
+	CHECK_RC(rdmasafe_cq_loop_add_cq_ex(l, a, &o, noop_cb, NULL), -EINVAL, "add_cq_ex with size 0 (never set)");
+	o.size = sizeof o;
+	o.notify = 7;
+	CHECK_RC(rdmasafe_cq_loop_add_cq_ex(l, a, &o, noop_cb, NULL), -EINVAL, "add_cq_ex with notify 7");
+	o.notify = RDMASAFE_NOTIFY_ALL;
+	o.budget = -1;
+	CHECK_RC(rdmasafe_cq_loop_add_cq_ex(l, a, &o, noop_cb, NULL), -EINVAL, "add_cq_ex with budget -1");
+	memset(&newer, 0, sizeof newer);
+	newer.o.size = sizeof newer;
+	newer.bytes[sizeof(struct rdmasafe_cq_options) + 1] = 1;
+	CHECK_RC(rdmasafe_cq_loop_add_cq_ex(l, a, &newer.o, noop_cb, NULL), -E2BIG, "add_cq_ex with a newer struct, unknown field set");
+	o.budget = 8;
+	o.notify = RDMASAFE_NOTIFY_SOLICITED;
+	CHECK_RC(rdmasafe_cq_loop_add_cq_ex(l, a, &o, noop_cb, NULL), 0, "add_cq_ex (solicited only, budget 8)");
+	CHECK_RC(rdmasafe_cq_loop_add_cq_ex(l, b, NULL, noop_cb, NULL), 0, "add_cq_ex with NULL options (the loop's defaults)");
+	CHECK_RC(rdmasafe_cq_loop_run_once(l, 0), 0, "options: run_once arms both");
+
+	CHECK_RC(rdmasafe_cq_loop_remove_cq_async(l, a, NULL, NULL), -EINVAL, "remove_cq_async(NULL done)");
+	atomic_store(&removed.calls, 0);
+	CHECK_RC(rdmasafe_cq_loop_remove_cq_async(l, a, on_removed, NULL), 0, "remove_cq_async of an idle loop's CQ");
+	CHECK(atomic_load(&removed.calls) == 1 && removed.result == 0 && removed.object == a,
+	      "remove_cq_async: done called once (the loop is idle: within the call), result %s, its CQ", rname(removed.result));
+	CHECK_RC(rdmasafe_cq_loop_remove_cq_async(l, a, on_removed, NULL), -ENOENT, "remove_cq_async of a CQ not in the loop");
+	CHECK(atomic_load(&removed.calls) == 1, "remove_cq_async: done not called for -ENOENT");
+	CHECK(ibv_destroy_cq(a) == 0, "ibv_destroy_cq right after the async removal's done -> 0");
+	CHECK_RC(rdmasafe_cq_loop_destroy_cq(l, a), -ENOENT, "destroy_cq of a CQ not in the loop");
+	CHECK_RC(rdmasafe_cq_loop_destroy_cq(l, b), 0, "rdmasafe_cq_loop_destroy_cq: removed, then ibv_destroy_cq");
+	st = stats_of(l);
+	CHECK(st.cqs == 0 && st.cqs_added == 2 && st.cqs_removed == 2,
+	      "options: stats cqs %" PRIu64 ", added %" PRIu64 ", removed %" PRIu64, st.cqs, st.cqs_added, st.cqs_removed);
+	CHECK_RC(rdmasafe_cq_loop_destroy(l), 0, "options: loop destroyed");
+}
+
 static void test_handles(struct ibv_context *ctx)
 {
 	struct ibv_comp_channel *ch1 = NULL, *ch2 = NULL, *och = NULL;
@@ -824,6 +888,10 @@ static struct ibv_mr *mr;
 static uint8_t *membuf;
 static struct ibv_comp_channel *comp;
 static struct ibv_cq *spare_cq; /* on `comp`, never in a loop (probes) */
+/* on `comp` too: added and removed by the main thread while another runs
+ * the loop (not spare_cq, which the in-callback probes may still hold:
+ * their add and remove are applied when that callback returns) */
+static struct ibv_cq *spare_cq2;
 static struct rdmasafe_cq_loop *cur_loop;
 static int cb_phase = STREAM, cur_mode, stop_when_done;
 static uint64_t window = SEND_WINDOW; /* sends in flight per QP now */
@@ -1131,8 +1199,9 @@ static int connect_pair(struct ibv_context *ctx, uint16_t port)
 	s->scq = ibv_create_cq(ctx, CQE, &cbctx[2], comp, 0);
 	s->rcq = ibv_create_cq(ctx, CQE, &cbctx[3], comp, 0);
 	spare_cq = ibv_create_cq(ctx, 16, NULL, comp, 0);
-	if (!CHECK(c->scq && c->rcq && s->scq && s->rcq && spare_cq,
-		   "4 CQs (send and receive of both sides) and a spare one, all on that channel"))
+	spare_cq2 = ibv_create_cq(ctx, 16, NULL, comp, 0);
+	if (!CHECK(c->scq && c->rcq && s->scq && s->rcq && spare_cq && spare_cq2,
+		   "4 CQs (send and receive of both sides) and two spare ones, all on that channel"))
 		return -1;
 	cbctx[0] = (struct cbctx){ c, 1 };
 	cbctx[1] = (struct cbctx){ c, 0 };
@@ -1277,9 +1346,9 @@ static void stream_mode(int mode, uint64_t n, uint64_t win, int threaded, int fi
 		/* the callback waits for the gate: a remove now would wait for
 		 * it (the rule: a callback must not wait for a remover) */
 		atomic_store(&gate_open, 1);
-		CHECK_RC(rdmasafe_cq_loop_add_cq(l, spare_cq, noop_cb, NULL), 0, "add_cq while another thread runs the loop");
-		CHECK_RC(rdmasafe_cq_loop_remove_cq(l, spare_cq), 0, "remove_cq while another thread runs the loop (returns when it is out)");
-		CHECK_RC(rdmasafe_cq_loop_remove_cq(l, spare_cq), -ENOENT, "remove_cq of it again");
+		CHECK_RC(rdmasafe_cq_loop_add_cq(l, spare_cq2, noop_cb, NULL), 0, "add_cq while another thread runs the loop");
+		CHECK_RC(rdmasafe_cq_loop_remove_cq(l, spare_cq2), 0, "remove_cq while another thread runs the loop (returns when it is out)");
+		CHECK_RC(rdmasafe_cq_loop_remove_cq(l, spare_cq2), -ENOENT, "remove_cq of it again");
 	}
 	/* stop from this thread while traffic flows */
 	do {
@@ -1469,6 +1538,20 @@ static void disconnect_pair(void)
 	expect_free(cch, RDMA_CM_EVENT_DISCONNECTED, sides[0].id, "client: disconnected");
 }
 
+static struct {
+	atomic_int done;
+	int result;
+	void *object;
+} drained;
+
+static void on_drained(void *ctx, void *object, int result)
+{
+	(void)ctx;
+	drained.result = result;
+	drained.object = object;
+	atomic_store(&drained.done, 1);
+}
+
 static void drain_pair(void)
 {
 	struct rdmasafe_cq_loop *l = NULL;
@@ -1488,13 +1571,31 @@ static void drain_pair(void)
 	 * every CQ of the loop, so the first delivers the other's flushes too */
 	for (int i = 0; i < 2; i++)
 		pending[i] = sides[i].recv_posted - sides[i].recv_done;
+	/* the loop runs on a pthread; side 0 is drained from here, blocking
+	 * while the other thread runs the loop; side 1 asynchronously */
+	runner.loop = l;
+	atomic_store(&runner.rc, 1);
+	pthread_t th;
+	if (!CHECK(pthread_create(&th, NULL, run_thread, NULL) == 0, "drain: pthread running the loop"))
+		return;
+	sleep_ms(50); /* the pthread enters run (if not yet, the drain runs the loop itself) */
+	alarm(120);
+	r = rdmasafe_cq_loop_drain_qp(l, sides[0].qp, 0, 60000);
+	CHECK(r == 0, "%s: rdmasafe_cq_loop_drain_qp from another thread while the loop runs -> %s", sides[0].name, rname(r));
+	CHECK_RC(rdmasafe_cq_loop_drain_qp_async(l, sides[1].qp, 0, 60000, NULL, NULL), -EINVAL,
+		 "rdmasafe_cq_loop_drain_qp_async(NULL done)");
+	atomic_store(&drained.done, 0);
+	CHECK_RC(rdmasafe_cq_loop_drain_qp_async(l, sides[1].qp, 0, 60000, on_drained, &drained), 0,
+		 "rdmasafe_cq_loop_drain_qp_async while the loop runs");
+	while (!atomic_load(&drained.done))
+		sleep_ms(1);
+	CHECK(drained.result == 0 && drained.object == sides[1].qp,
+	      "%s: the async drain's callback: result %s, its QP", sides[1].name, rname(drained.result));
+	CHECK_RC(rdmasafe_cq_loop_stop(l), 0, "drain: stop");
+	pthread_join(th, NULL);
+	alarm(120);
 	for (int i = 0; i < 2; i++) {
 		struct side *s = &sides[i];
-		double t0 = now_ms();
-		alarm(120);
-		r = rdmasafe_cq_loop_drain_qp(l, s->qp, 0, 60000);
-		alarm(120);
-		CHECK(r == 0, "%s: rdmasafe_cq_loop_drain_qp -> %s (%.1f ms)", s->name, rname(r), now_ms() - t0);
 		CHECK(s->send_marker == 0 && s->recv_marker == 0,
 		      "%s: the drain markers are the loop's own: none reached the callback (send %" PRIu64 ", recv %" PRIu64 ")",
 		      s->name, s->send_marker, s->recv_marker);
@@ -1571,6 +1672,7 @@ int main(int argc, char **argv)
 		struct ibv_comp_channel *tch = ibv_create_comp_channel(ctx);
 		if (CHECK(tch != NULL, "a completion channel for the handle / signal / fork checks")) {
 			test_stale_handles(tch);
+			test_cq_options_and_async_removal(ctx, tch);
 			test_signals(tch);
 			test_fork(tch);
 			ibv_destroy_comp_channel(tch);
@@ -1598,7 +1700,7 @@ int main(int argc, char **argv)
 	{
 		int destroyed = 0, want = 0;
 		double t0 = now_ms();
-		struct ibv_cq *cqs[] = { sides[0].scq, sides[0].rcq, sides[1].scq, sides[1].rcq, spare_cq };
+		struct ibv_cq *cqs[] = { sides[0].scq, sides[0].rcq, sides[1].scq, sides[1].rcq, spare_cq, spare_cq2 };
 		for (size_t i = 0; i < sizeof cqs / sizeof cqs[0]; i++) {
 			if (!cqs[i])
 				continue;
@@ -1606,7 +1708,7 @@ int main(int argc, char **argv)
 			if (ibv_destroy_cq(cqs[i]) == 0)
 				destroyed++;
 		}
-		CHECK(want == 5 && destroyed == want,
+		CHECK(want == 6 && destroyed == want,
 		      "ibv_destroy_cq returned 0 for all %d CQs of the channel after the loops were destroyed (%.1f ms)",
 		      destroyed, now_ms() - t0);
 	}

@@ -52,7 +52,7 @@
  *   In every mode: after the first error completion only flushes, never
  *   a success, and every work request completed exactly once.
  *
- * Then teardown: rdmasafe_cq_loop_drain_qp on every QP (both markers),
+ * Then teardown: rdmasafe_cq_loop_drain_qp on every QP (markers never delivered),
  * loop stats (unacked_now 0), destroy everything (watchdog), cm counters
  * outstanding 0, no cm_id of this process left in the kernel.
  * Figures are printed as "measure NAME=VALUE" lines (see fault_common.h).

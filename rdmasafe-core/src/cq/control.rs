@@ -2,7 +2,7 @@
 //! [`LoopControl`], and the protocol that makes membership changes work
 //! from anywhere.
 //!
-//! The loop's state ([`super::event_loop::Core`]) sits behind one mutex,
+//! The loop's state ([`super::core::Core`]) sits behind one mutex,
 //! held by whoever drives the loop: for the whole of `run`, for one
 //! `process_once`, or briefly by a thread that applies a change while
 //! nobody drives. A change (add or remove a CQ or a keepalive, drain a QP)
@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
-use super::event_loop::Core;
+use super::core::Core;
 use super::handle::{LiveCq, LiveQp};
 use super::options::{CqOptions, Keepalive, LoopOptions};
 use super::stats::{Counters, LoopStats};

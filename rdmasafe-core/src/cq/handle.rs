@@ -190,7 +190,12 @@ impl LiveQp {
     }
 
     /// Error state plus drain markers (see `sys::qp_to_error_and_post_markers`).
-    pub(crate) fn to_error_with_markers(&self, recv: bool, send_wr_id: u64, recv_wr_id: u64) -> Result<()> {
+    pub(crate) fn to_error_with_markers(
+        &self,
+        recv: bool,
+        send_wr_id: u64,
+        recv_wr_id: u64,
+    ) -> std::result::Result<(), (crate::Error, bool)> {
         // SAFETY: live QP.
         unsafe { sys::qp_to_error_and_post_markers(self.0.as_ptr(), recv, send_wr_id, recv_wr_id) }
     }

@@ -12,11 +12,15 @@
 //!
 //! Files, one idea each: `options` (what can be set), `handle` (the verbs
 //! objects, the only `unsafe` of the loop), `entries` (the CQs of a loop),
-//! `control` (changes from any thread), `event_loop` (the cycle),
-//! `keepalive`, `drain`, `thread`, `registry`, `stats`, `async_events`.
+//! `control` (changes from any thread), `core` (the loop's state: acks,
+//! events, draining into handlers), `cycle` (the cycle per mode), `timers`
+//! (deadlines), `event_loop` (the public [`CqLoop`]), `keepalive`,
+//! `drain`, `thread`, `registry`, `stats`, `async_events`.
 
 mod async_events;
 mod control;
+mod core;
+mod cycle;
 mod drain;
 mod entries;
 mod event_loop;
@@ -26,6 +30,7 @@ mod options;
 mod registry;
 mod stats;
 mod thread;
+mod timers;
 
 pub use async_events::{AsyncElement, AsyncEvent, AsyncEventType, AsyncEvents, AsyncThread};
 pub use control::{LoopControl, Outcome};

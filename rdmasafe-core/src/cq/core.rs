@@ -1,0 +1,436 @@
+//! The loop's state ([`Core`]): its CQs, the changes queued for it, acks
+//! to the CQ each event names, reading events in O(1) per event, draining
+//! CQs into their handlers (budgets, the loop's own completions filtered
+//! out), and teardown. The cycle that drives it is in `cycle`, its timers
+//! in `timers`.
+
+use std::collections::{HashSet, VecDeque};
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::atomic::Ordering::*;
+use std::time::Instant;
+
+use super::control::{Cmd, Done, LoopControl, Shared};
+use super::drain::Drains;
+use super::entries::{Entries, Entry, Ref};
+use super::handle::{LiveChannel, LiveCq};
+use super::keepalive::Keepalives;
+use super::options::LoopOptions;
+use super::registry;
+use crate::sys::{self, ibv_wc};
+use crate::verbs::empty_wc;
+use crate::{Error, Result};
+
+/// The loop's state; held by whoever drives the loop (see
+/// [`super::control`]).
+pub(crate) struct Core {
+    pub(super) chan: LiveChannel,
+    /// The channel fd's flags before the loop made it non-blocking.
+    pub(super) orig_flags: i32,
+    pub(super) opts: LoopOptions,
+    pub(super) entries: Entries,
+    /// CQs to arm and drain (new, or after a stop / an adaptive spin).
+    pub(super) unarmed: Vec<Ref>,
+    /// CQs whose event was read this cycle.
+    pub(super) fired: Vec<Ref>,
+    /// CQs that used up their budget with completions left.
+    pub(super) ready: VecDeque<Ref>,
+    /// How many CQs are armed and have not fired since.
+    pub(super) armed: usize,
+    pub(super) wcs: Vec<ibv_wc>,
+    /// Adaptive mode: `Some(time of last activity)` while polling.
+    pub(super) polling_since: Option<Instant>,
+    pub(super) keepalives: Keepalives,
+    pub(super) drains: Drains,
+    pub(super) hook: Option<Box<dyn FnMut() + Send>>,
+    pub(super) warned_foreign: HashSet<usize>,
+    /// What the timerfd is armed for.
+    pub(super) timer_at: Option<Instant>,
+    /// Watchdog: when an event or a watchdog poll last happened.
+    pub(super) last_event: Option<Instant>,
+    /// Clock stamps of the cycle in progress (clock reads are system calls
+    /// on some VMs: once before a cycle's first handler, once after each).
+    pub(super) cycle_start: Option<Instant>,
+    pub(super) last_stamp: Option<Instant>,
+    /// Torn down (the fd has its own flags back: never read it again).
+    pub(super) shut: bool,
+}
+
+pub(super) fn io_err(op: &'static str) -> impl Fn(std::io::Error) -> Error {
+    move |e| Error::new(op, e.raw_os_error().unwrap_or(libc::EIO))
+}
+impl Core {
+    pub(super) fn new(chan: LiveChannel, opts: LoopOptions) -> Result<Core> {
+        let fd = chan.fd();
+        let orig_flags = sys::fd_flags(fd).map_err(io_err("fcntl"))?;
+        sys::set_nonblocking(fd).map_err(io_err("fcntl"))?;
+        Ok(Core {
+            chan,
+            orig_flags,
+            opts,
+            entries: Entries::default(),
+            unarmed: Vec::new(),
+            fired: Vec::new(),
+            ready: VecDeque::new(),
+            armed: 0,
+            wcs: (0..opts.poll_batch).map(|_| empty_wc()).collect(),
+            polling_since: None,
+            keepalives: Keepalives::default(),
+            drains: Drains::default(),
+            hook: None,
+            warned_foreign: HashSet::new(),
+            timer_at: None,
+            last_event: None,
+            cycle_start: None,
+            last_stamp: None,
+            shut: false,
+        })
+    }
+
+    // ------------------------------------------------------------ changes
+
+    /// Applies every queued change (FIFO).
+    pub(crate) fn apply_cmds(&mut self, ctl: &LoopControl) {
+        let sh = &*ctl.0;
+        while sh.cmds_pending.load(SeqCst) {
+            for cmd in sh.take_cmds() {
+                self.apply(ctl, cmd);
+            }
+        }
+    }
+
+    pub(super) fn apply(&mut self, ctl: &LoopControl, cmd: Cmd) {
+        let sh = &*ctl.0;
+        match cmd {
+            Cmd::AddCq { cq, opts, handler } => {
+                let r = self.entries.insert(Entry::new(cq, opts, handler));
+                self.push_unarmed(r);
+                sh.counters.cqs_added.fetch_add(1, Relaxed);
+                sh.counters.cqs.store(self.entries.len() as u64, Relaxed);
+            }
+            Cmd::RemoveCq { cq, done } => {
+                let r = self.remove_cq(ctl, cq);
+                done.finish(sh, r);
+            }
+            Cmd::AddKeepalive { qp, cfg, on_dead } => self.keepalives.add(qp, cfg, on_dead, Instant::now()),
+            Cmd::RemoveKeepalive { qp_num, done } => {
+                self.keepalives.remove(qp_num);
+                done.finish(sh, Ok(()));
+            }
+            Cmd::Drain { qp, srq, timeout, done } => {
+                let deadline = sys::deadline_after(Instant::now(), timeout);
+                if let Err((done, e)) = self.drains.start(&qp, srq, deadline, done) {
+                    done.finish(sh, Err(e));
+                }
+            }
+        }
+    }
+
+    pub(super) fn remove_cq(&mut self, ctl: &LoopControl, cq: usize) -> Result<()> {
+        let sh = &*ctl.0;
+        let Some(r) = self.entries.find(cq) else {
+            return Err(Error::new("rdmasafe_cq_loop_remove_cq", libc::ENOENT));
+        };
+        // Events already queued for it: read them now (crediting the other
+        // CQs' as usual), so its destroy has nothing left to wait for.
+        let _ = self.read_events(ctl);
+        self.flush(sh, r);
+        let e = self.entries.remove(r).expect("found above");
+        if e.armed {
+            self.armed -= 1;
+        }
+        registry::release_cq(cq, sh.id);
+        let gone = self.keepalives.remove_for_cq(cq);
+        sh.forget_keepalives_of(&gone);
+        for (done, res) in self.drains.take_for_cq(cq) {
+            done.finish(sh, res);
+        }
+        sh.counters.cqs_removed.fetch_add(1, Relaxed);
+        sh.counters.cqs.store(self.entries.len() as u64, Relaxed);
+        drop(e); // the handler goes now: never called again
+        Ok(())
+    }
+
+    pub(super) fn push_unarmed(&mut self, r: Ref) {
+        if let Some(e) = self.entries.get_mut(r) {
+            if !e.in_unarmed {
+                e.in_unarmed = true;
+                self.unarmed.push(r);
+            }
+        }
+    }
+
+    // --------------------------------------------------------------- acks
+
+    pub(super) fn ack(sh: &Shared, cq: &LiveCq, n: u32) {
+        if n == 0 {
+            return;
+        }
+        cq.ack(n);
+        let c = &sh.counters;
+        c.ack_calls.fetch_add(1, Relaxed);
+        c.acked_events.fetch_add(n as u64, Relaxed);
+        c.unacked.fetch_sub(n as u64, Relaxed);
+    }
+
+    pub(super) fn flush(&mut self, sh: &Shared, r: Ref) {
+        if let Some(e) = self.entries.get_mut(r) {
+            let n = std::mem::take(&mut e.pending_acks);
+            Self::ack(sh, &e.cq, n);
+        }
+    }
+
+    /// Acks every pending CQ event now.
+    pub(crate) fn flush_all(&mut self, sh: &Shared) {
+        for e in self.entries.iter_mut() {
+            let n = std::mem::take(&mut e.pending_acks);
+            Self::ack(sh, &e.cq, n);
+        }
+    }
+
+    // ------------------------------------------------------------- events
+
+    /// Reads every ready CQ event; counts an ack on the CQ each names and
+    /// marks it fired. An event for a CQ whose add is still queued is
+    /// credited to it; one for a CQ not in the loop is acked at once,
+    /// counted and logged (once per CQ).
+    pub(super) fn read_events(&mut self, ctl: &LoopControl) -> Result<()> {
+        let sh = &*ctl.0;
+        loop {
+            // Each arm raises at most one event: once every armed CQ has
+            // fired, the read could only say EAGAIN.
+            if self.armed == 0 && !self.fired.is_empty() {
+                return Ok(());
+            }
+            let Some(ev) = self.chan.get_event()? else { return Ok(()) };
+            sh.counters.cq_events.fetch_add(1, Relaxed);
+            sh.counters.unacked.fetch_add(1, Relaxed);
+            let mut found = self.entries.find(ev.cq_addr());
+            if found.is_none() && sh.cmds_pending.load(SeqCst) {
+                self.apply_cmds(ctl);
+                found = self.entries.find(ev.cq_addr());
+            }
+            let Some(r) = found else {
+                let cq = ev.cq_addr();
+                ev.ack();
+                sh.counters.unacked.fetch_sub(1, Relaxed);
+                sh.counters.foreign_cq_events.fetch_add(1, Relaxed);
+                if self.warned_foreign.insert(cq) {
+                    log::warn!(
+                        target: "rdmasafe",
+                        "CQ loop: an event for CQ {cq:#x}, which is on this loop's channel but not in the loop: \
+                         acked, its completions are not handled (add it to the loop)"
+                    );
+                }
+                continue;
+            };
+            let batch = self.opts.ack_batch;
+            let e = self.entries.get_mut(r).expect("found above");
+            e.pending_acks += 1;
+            if e.armed {
+                e.armed = false;
+                self.armed -= 1;
+            }
+            if !e.in_fired {
+                e.in_fired = true;
+                self.fired.push(r);
+            }
+            if e.pending_acks >= batch {
+                self.flush(sh, r);
+            }
+            self.last_event = None;
+        }
+    }
+
+    // ------------------------------------------------------------ draining
+
+    /// Polls `r` until it is empty or its budget is used, handing batches
+    /// to its handler. Returns the completions taken from the CQ.
+    pub(super) fn drain(&mut self, ctl: &LoopControl, r: Ref, honor_stop: bool) -> Result<usize> {
+        let sh = &*ctl.0;
+        let budget = match self.entries.get(r) {
+            Some(e) if e.opts.budget > 0 => e.opts.budget,
+            Some(_) => usize::MAX,
+            None => return Ok(0),
+        };
+        let mut total = 0;
+        loop {
+            let Some(e) = self.entries.get(r) else { return Ok(total) };
+            let raw = e.cq.poll(&mut self.wcs)?;
+            if raw == 0 {
+                return Ok(total);
+            }
+            total += raw;
+            let n = if self.keepalives.is_empty() && self.drains.is_empty() { raw } else { self.filter(sh, raw) };
+            if n > 0 {
+                self.call_handler(ctl, r, n);
+            }
+            // Fewer than asked: the CQ was empty at that moment (a later
+            // completion raises an event: it was armed before this drain).
+            if raw < self.wcs.len() || (honor_stop && sh.stop.load(Relaxed)) || self.entries.get(r).is_none() {
+                return Ok(total);
+            }
+            if total >= budget {
+                sh.counters.budget_yields.fetch_add(1, Relaxed);
+                if let Some(e) = self.entries.get_mut(r) {
+                    if !e.in_ready {
+                        e.in_ready = true;
+                        self.ready.push_back(r);
+                    }
+                }
+                return Ok(total);
+            }
+        }
+    }
+
+    /// Takes the loop's own completions (keepalive probes, drain markers)
+    /// out of `wcs[..n]`, notes activity; returns how many are left.
+    pub(super) fn filter(&mut self, sh: &Shared, n: usize) -> usize {
+        let now = Instant::now();
+        let mut kept = 0;
+        for j in 0..n {
+            let wc = &self.wcs[j];
+            let mut ours = self.drains.note(wc);
+            if !ours && !self.keepalives.is_empty() {
+                let (probe, ok) = self.keepalives.note(wc, now);
+                ours = probe;
+                if probe && ok {
+                    sh.counters.keepalive_probes_ok.fetch_add(1, Relaxed);
+                }
+            }
+            if !ours {
+                self.wcs.swap(kept, j);
+                kept += 1;
+            }
+        }
+        kept
+    }
+
+    pub(super) fn call_handler(&mut self, ctl: &LoopControl, r: Ref, n: usize) {
+        let sh = &*ctl.0;
+        let batch = &self.wcs[..n];
+        let errors = batch.iter().filter(|w| w.status != sys::ibv_wc_status::IBV_WC_SUCCESS).count();
+        let c = &sh.counters;
+        c.completions.fetch_add(n as u64, Relaxed);
+        c.error_completions.fetch_add(errors as u64, Relaxed);
+        let t = match self.last_stamp {
+            Some(t) => t,
+            None => {
+                let now = Instant::now();
+                self.cycle_start.get_or_insert(now);
+                now
+            }
+        };
+        let Some(mut handler) = self.entries.get_mut(r).and_then(|e| e.handler.take()) else { return };
+        sh.in_handler.store(true, SeqCst);
+        let result = catch_unwind(AssertUnwindSafe(|| handler(&self.wcs[..n], ctl)));
+        sh.in_handler.store(false, SeqCst);
+        let after = Instant::now();
+        c.handler_time(after.duration_since(t));
+        self.last_stamp = Some(after);
+        if let Some(e) = self.entries.get_mut(r) {
+            e.handler = Some(handler);
+        }
+        // Changes the handler asked for take effect now, before any other
+        // handler runs (a CQ removed from its own handler is gone here).
+        self.apply_cmds(ctl);
+        if let Err(p) = result {
+            // The loop is consistent (handler back, flags reset): let the
+            // panic go on to whoever runs the loop.
+            resume_unwind(p);
+        }
+    }
+
+    pub(super) fn work_list(
+        &mut self,
+        ctl: &LoopControl,
+        list: Vec<Ref>,
+        arm: bool,
+        honor_stop: bool,
+    ) -> Result<usize> {
+        let mut n = 0;
+        for r in list {
+            let Some(e) = self.entries.get_mut(r) else { continue };
+            e.in_unarmed = false;
+            e.in_fired = false;
+            if arm {
+                let solicited = e.opts.solicited_only;
+                if !e.armed {
+                    e.armed = true;
+                    self.armed += 1;
+                }
+                ctl.0.counters.arms.fetch_add(1, Relaxed);
+                e.cq.arm(solicited)?;
+            }
+            n += self.drain(ctl, r, honor_stop)?;
+        }
+        Ok(n)
+    }
+
+    pub(super) fn work_ready(&mut self, ctl: &LoopControl, honor_stop: bool) -> Result<usize> {
+        let mut n = 0;
+        for _ in 0..self.ready.len() {
+            let Some(r) = self.ready.pop_front() else { break };
+            match self.entries.get_mut(r) {
+                Some(e) => e.in_ready = false,
+                None => continue,
+            }
+            n += self.drain(ctl, r, honor_stop)?;
+        }
+        Ok(n)
+    }
+
+    /// Polls every CQ once (busy-poll and adaptive's spin: O(CQs)).
+    pub(super) fn poll_all(&mut self, ctl: &LoopControl, honor_stop: bool) -> Result<usize> {
+        let mut n = 0;
+        for r in self.entries.refs() {
+            if let Some(e) = self.entries.get_mut(r) {
+                e.in_ready = false;
+            }
+            n += self.drain(ctl, r, honor_stop)?;
+        }
+        self.ready.clear();
+        Ok(n)
+    }
+}
+
+impl Core {
+    /// The loop goes away: ack every pending event, read and ack whatever
+    /// is still in the channel (so no CQ destroy waits), drop the handlers
+    /// (which may hold the loop's control: no cycle is left), end the
+    /// drains, give the fd its flags back. Idempotent.
+    pub(super) fn shutdown(&mut self) {
+        if self.shut {
+            return;
+        }
+        self.shut = true;
+        for e in self.entries.iter_mut() {
+            e.cq.ack(std::mem::take(&mut e.pending_acks));
+        }
+        while let Ok(Some(ev)) = self.chan.get_event() {
+            match self.entries.find(ev.cq_addr()).and_then(|r| self.entries.get(r)) {
+                Some(e) => e.cq.ack(1),
+                None => ev.ack(),
+            }
+        }
+        for r in self.entries.refs() {
+            drop(self.entries.remove(r));
+        }
+        self.unarmed.clear();
+        self.fired.clear();
+        self.ready.clear();
+        self.armed = 0;
+        for done in self.drains.take_all() {
+            if let Done::Call(f) = done {
+                f(Err(Error::new("rdmasafe drain_qp: the loop is gone", libc::ECANCELED)));
+            }
+        }
+        self.keepalives = Keepalives::default();
+        let _ = sys::set_fd_flags(self.chan.fd(), self.orig_flags);
+    }
+}
+
+impl Drop for Core {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}

@@ -1,0 +1,109 @@
+//! The loop's timers: keepalive, drain and watchdog deadlines, the timerfd
+//! an embedding app's epoll wakes at, and what is due now (`tick`).
+
+use std::sync::atomic::Ordering::*;
+use std::time::{Duration, Instant};
+
+use super::control::{LoopControl, Shared};
+use super::core::Core;
+use super::options::Mode;
+use crate::sys::{self};
+use crate::Result;
+
+impl Core {
+    // ---------------------------------------------------------- deadlines
+
+    /// The earliest keepalive / drain / watchdog deadline.
+    pub(super) fn next_deadline(&self, sh: &Shared) -> Option<Instant> {
+        let mut d = self.keepalives.next_deadline();
+        if let Some(x) = self.drains.next_deadline() {
+            d = Some(d.map_or(x, |y| y.min(x)));
+        }
+        if let (Some(t), Some(since)) = (self.opts.watchdog, self.watchdog_since(sh)) {
+            let x = sys::deadline_after(since, t);
+            d = Some(d.map_or(x, |y| y.min(x)));
+        }
+        d
+    }
+
+    /// Since when the watchdog counts (no event since), if it is on and the
+    /// app reports outstanding work.
+    pub(super) fn watchdog_since(&self, sh: &Shared) -> Option<Instant> {
+        self.last_event.filter(|_| self.opts.watchdog.is_some() && sh.outstanding.load(Relaxed) > 0)
+    }
+
+    /// Starts the watchdog's count at the first sleep after an event.
+    pub(super) fn watchdog_start(&mut self, sh: &Shared) {
+        if self.last_event.is_none() && self.opts.watchdog.is_some() && sh.outstanding.load(Relaxed) > 0 {
+            self.last_event = Some(Instant::now());
+        }
+    }
+
+    pub(super) fn has_work_now(&self, sh: &Shared) -> bool {
+        !self.unarmed.is_empty()
+            || !self.ready.is_empty()
+            || !self.fired.is_empty()
+            || self.polling_since.is_some()
+            || (self.opts.mode == Mode::BusyPoll && self.entries.len() > 0)
+            || sh.cmds_pending.load(SeqCst)
+    }
+
+    pub(crate) fn next_timeout(&self, sh: &Shared) -> Option<Duration> {
+        if self.has_work_now(sh) || sh.stop.load(SeqCst) {
+            return Some(Duration::ZERO);
+        }
+        self.next_deadline(sh).map(|d| d.saturating_duration_since(Instant::now()))
+    }
+
+    /// Keeps the timerfd armed for the next deadline (an embedding app's
+    /// epoll wakes at it).
+    pub(super) fn arm_timer(&mut self, sh: &Shared, at: Option<Instant>) {
+        if at != self.timer_at {
+            let after = at.map(|a| a.saturating_duration_since(Instant::now()));
+            if sh.timer.set(after).is_ok() {
+                self.timer_at = at;
+            }
+        }
+    }
+
+    /// Keepalive probes and deaths, finished and timed-out drains, the
+    /// watchdog: whatever is due now.
+    pub(super) fn tick(&mut self, ctl: &LoopControl, honor_stop: bool) -> Result<usize> {
+        let sh = &*ctl.0;
+        let timed = !self.keepalives.is_empty() || self.drains.in_progress() || self.watchdog_since(sh).is_some();
+        let now = timed.then(Instant::now);
+        let mut n = 0;
+        if let Some(now) = now {
+            if !self.keepalives.is_empty() {
+                let (posted, dead) = self.keepalives.tick(now);
+                sh.counters.keepalive_probes.fetch_add(posted, Relaxed);
+                for (qpn, _qp) in dead {
+                    sh.counters.keepalive_dead.fetch_add(1, Relaxed);
+                    if let Some(f) = self.keepalives.on_dead(qpn) {
+                        f(qpn, ctl);
+                    }
+                }
+            }
+            if let (Some(t), Some(since)) = (self.opts.watchdog, self.watchdog_since(sh)) {
+                if now.saturating_duration_since(since) >= t {
+                    sh.counters.watchdog_polls.fetch_add(1, Relaxed);
+                    self.last_event = Some(now);
+                    n += self.poll_all(ctl, honor_stop)?;
+                }
+            }
+        }
+        if self.drains.in_progress() {
+            let finished = self.drains.take_finished(now);
+            if !finished.is_empty() {
+                // A drain precedes teardown: leave no ack pending.
+                self.flush_all(sh);
+                for (done, r) in finished {
+                    done.finish(sh, r);
+                }
+            }
+        }
+        let next = self.next_deadline(sh);
+        self.arm_timer(sh, next);
+        Ok(n)
+    }
+}
