@@ -2,7 +2,11 @@
 """Turns the output of tests/bench/guest.sh into docs/BENCHMARKS.md and
 docs/bench-latency.png (the plot with gnuplot).
 
-    report.py RESULTS.txt OUT.md OUT.png
+    report.py RESULTS.txt OUT.md OUT.png [SCALE_RESULTS.txt]
+
+With SCALE_RESULTS.txt (the output of a `run.sh --only scale` run), the CQ
+loop scale section and its target row come from that run instead, and say
+so (date, command, commit); everything else comes from RESULTS.txt.
 
 RESULTS.txt holds "@@ {json}" lines (anything else is ignored). Only the
 Python standard library is used. Times are reported as median [min-max]
@@ -42,6 +46,7 @@ class Data:
         self.summary = next((r for r in recs if r.get("kind") == "summary"), {})
         self.sections = {r["name"]: r["seconds"] for r in recs if r.get("kind") == "section"}
         self.errors = [r for r in recs if r.get("kind") == "error"]
+        self.scale_data = self  # where the scale section's figures come from
         # (case, role) -> {rep: record}; kind-specific records separately
         self.by = defaultdict(dict)
         self.cpurun = defaultdict(dict)
@@ -218,7 +223,8 @@ def build(d, png_name):
     tot = d.host.get("command_s")
     w(f"This run ({d.host.get('date', '?')}): guest {g} s" + (f", whole command {tot} s (build + guest; the report takes a few seconds more)" if tot else "")
       + f"; phases: " + ", ".join(f"{k} {v} s" for k, v in d.sections.items())
-      + f"; failures: {d.summary.get('failures', 'n/a')}; library profile: {d.host.get('profile', '?')}.")
+      + f"; failures: {d.summary.get('failures', 'n/a')}; library profile: {d.host.get('profile', '?')}"
+      + (f"; commit {d.host['commit']}" if d.host.get("commit") else "") + ".")
     w("")
     w("Machine: everything ran in ONE throw-away QEMU guest under TCG (software "
       f"CPU emulation, no KVM): {m.get('nproc')} vCPUs (`nproc`), CPU model \"{m.get('cpu')}\", "
@@ -379,13 +385,15 @@ def build(d, png_name):
                          f"1 per {fnum(1 / med(v.values()))} events (the last call flushes the remainder at stop)",
                          verdict(all(ok.values()))])
             break
-    scale_ev = scale_figures(d, f"scale_{rs}_event")
+    scale_ev = scale_figures(d.scale_data, f"scale_{rs}_event")
     if scale_ev:
         xs = {n: f["per_c"] for n, f in scale_ev.items()}
         lo, hi = min(xs.values()), max(xs.values())
         rows.append([f"CQ loop event mode, {', '.join(f'{n:,}' for n in xs)} CQs on one channel, one active: "
                      "instructions per completion within 10% of each other (callgrind)",
-                     "; ".join(f"N={n:,}: {fnum(x)}" for n, x in xs.items()) + f" (max / min {hi / lo:.3f})",
+                     "; ".join(f"N={n:,}: {fnum(x)}" for n, x in xs.items()) + f" (max / min {hi / lo:.3f})"
+                     + (f"; separate run of {d.scale_data.host.get('date', '?')}, see the scale section"
+                        if d.scale_data is not d else ""),
                      verdict(hi / lo <= 1.10)])
     w(table(["target", "measured", "verdict"], rows))
     w("")
@@ -481,7 +489,7 @@ def build(d, png_name):
              "ack calls / CQ event", "arm calls / message", "empty wakeups"], rows))
     w("")
 
-    scale_section(d, w, quick)
+    scale_section(d.scale_data, w, quick, separate=d.scale_data is not d)
 
     w("### Loop under load (stream of small sends, 64 bytes, at most 64 outstanding)")
     w("")
@@ -730,13 +738,30 @@ def build(d, png_name):
     return L
 
 
-def scale_section(d, w, quick):
+def scale_section(d, w, quick, separate=False):
     rs, raw = "rdmasafe", "raw"
     ev = {v: scale_figures(d, f"scale_{v}_event") for v in (rs, raw)}
     busy = {v: scale_figures(d, f"scale_{v}_busy") for v in (rs, raw)}
     if not ev[rs] and not ev[raw]:
         return
     w("### CQ loop scale (cq_scale: N CQs on one completion channel, one active)")
+    w("")
+    hl, m = d.host, d.machine
+    only = set(d.sections) == {"scale"}
+    cmd = "tests/bench/run.sh --only scale" if only else "tests/bench/run.sh --quick" if quick else "tests/bench/run.sh"
+    busy_s = hl.get("samples_with_other_qemu")
+    w(f"Run: {hl.get('date', '?')}, `{cmd}`"
+      + (f", commit {hl['commit']}" if hl.get("commit") else "")
+      + f"; guest: {m.get('nproc')} vCPUs under TCG, kernel {m.get('kernel')}, Soft-RoCE rxe0; "
+      + f"this case {d.sections.get('scale', '?')} s of a {hl.get('guest_wall_s', '?')} s guest run"
+      + (f"; other QEMU guests were running next to ours in {busy_s} of {hl.get('load_samples')} "
+         f"five-second samples (highest 1-minute load average {hl.get('max_loadavg')} on "
+         f"{hl.get('host_nproc')} host cores)" if hl.get("load_samples") else "")
+      + (". This section comes from that separate run; the rest of the page from the run described "
+         "at the top" if separate else "")
+      + ". The instruction counts (callgrind, user space) do not depend on timing, so they hold on "
+      "this shared machine; the busy-poll instructions per completion and the run's duration do "
+      "depend on it. Each loop's columns give the count first, then its ratio to N = 1.")
     w("")
     any_fig = ev[rs] or ev[raw]
     r0 = next(iter(next(iter(any_fig.values()))["runs"]))
@@ -862,11 +887,13 @@ def plot(d, png):
 
 
 def main():
-    if len(sys.argv) != 4:
+    if len(sys.argv) not in (4, 5):
         sys.stderr.write(__doc__)
         return 2
-    results, md, png = sys.argv[1:]
+    results, md, png = sys.argv[1:4]
     d = Data(load(results))
+    if len(sys.argv) == 5:
+        d.scale_data = Data(load(sys.argv[4]))
     if not d.machine:
         sys.stderr.write("report.py: no machine record: not a guest.sh output?\n")
         return 1

@@ -93,7 +93,10 @@ if [[ -z $from ]]; then
 	samples=$(awk 'END { print NR }' "$load_log")
 	maxload=$(awk '$1 > m { m = $1 } END { print m + 0 }' "$load_log")
 	rm -f "$load_log"
-	echo "@@ {\"kind\":\"host\",\"guest_wall_s\":$guest_s,\"profile\":\"$profile\",\"exit\":$rc,\"host_nproc\":$(nproc),\"load_samples\":$samples,\"samples_with_other_qemu\":$others,\"max_loadavg\":$maxload,\"command_s\":$(($(now_s) - t0)),\"date\":\"$(date -u +%Y-%m-%d)\"}" >>"$results"
+	# the commit measured (+dirty: tracked files outside docs/ changed)
+	commit=$(git -C "$repo" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
+	[[ -z $(git -C "$repo" status --porcelain --untracked-files=no -- . ':!docs' 2>/dev/null) ]] || commit+=+dirty
+	echo "@@ {\"kind\":\"host\",\"commit\":\"$commit\",\"guest_wall_s\":$guest_s,\"profile\":\"$profile\",\"exit\":$rc,\"host_nproc\":$(nproc),\"load_samples\":$samples,\"samples_with_other_qemu\":$others,\"max_loadavg\":$maxload,\"command_s\":$(($(now_s) - t0)),\"date\":\"$(date -u +%Y-%m-%d)\"}" >>"$results"
 	msg "guest finished in ${guest_s} s (exit $rc)"
 else
 	results=$from
