@@ -26,6 +26,9 @@
 #   --repeats N        repeats of the timed part (default 5)
 #   --only scale       only the CQ loop scale case (cq_scale under callgrind);
 #                      its page goes to target/bench/scale-docs/, never to docs/
+#   --scale-from FILE  the page's CQ loop scale section (and target row) from
+#                      FILE, the results of an --only scale run, e.g.
+#                      --from results-full.txt --scale-from results-scale.txt
 # Exit status: 0 only if every benchmark ran (guest.sh reports failures).
 set -euo pipefail
 
@@ -33,7 +36,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 cd "$repo"
 
-quick=0 docs=1 profile=release results= from= repeats=5 only=
+quick=0 docs=1 profile=release results= from= repeats=5 only= scale_from=
 while [[ $# -gt 0 ]]; do
 	case $1 in
 	--quick) quick=1 ;;
@@ -43,7 +46,8 @@ while [[ $# -gt 0 ]]; do
 	--from) from=$2; shift ;;
 	--repeats) repeats=$2; shift ;;
 	--only) only=$2; shift ;;
-	-h | --help) sed -n '2,29p' "$0"; exit 0 ;;
+	--scale-from) scale_from=$2; shift ;;
+	-h | --help) sed -n '2,32p' "$0"; exit 0 ;;
 	*) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
 	esac
 	shift
@@ -115,7 +119,7 @@ if [[ $docs == 1 ]]; then
 	[[ $quick == 1 ]] && docdir=$target/bench/quick-docs
 	[[ -n $only ]] && docdir=$target/bench/$only-docs
 	mkdir -p "$docdir"
-	python3 "$here/report.py" "$results" "$docdir/BENCHMARKS.md" "$docdir/bench-latency.png"
+	python3 "$here/report.py" "$results" "$docdir/BENCHMARKS.md" "$docdir/bench-latency.png" ${scale_from:+"$scale_from"}
 	msg "wrote $docdir/BENCHMARKS.md and $docdir/bench-latency.png"
 fi
 msg "total $(($(now_s) - t0)) s"
