@@ -45,6 +45,7 @@ struct conn {
 	uint64_t session;
 	uint32_t number;
 	int welcomed, ok, done, failed, we_disconnected;
+	int teardown_pending; /* asked for while a CM event of its id was held */
 	struct ibv_mr *rx_mr, *tx_mr;
 	struct msgr_msg rx, tx;
 	char expect[MSGR_TEXT_LEN];
@@ -53,6 +54,12 @@ struct conn {
 static struct conn conns[MAX_CONNS];
 static uint32_t nconns = 1, client_id, ndone;
 static int hold;
+/*
+ * Set while a CM event is being handled. rdma_destroy_id waits until every
+ * event of its id is freed (the ack barrier), so a teardown asked for inside
+ * the handler is done by drain_cm once the event is freed.
+ */
+static int in_cm_event;
 static struct rdma_event_channel *ch;
 static struct msgr_dev dev;
 static struct addrinfo *server;
@@ -65,6 +72,11 @@ static void fail(struct conn *c, const char *what)
 
 static void teardown(struct conn *c)
 {
+	if (in_cm_event && c->id) {
+		c->teardown_pending = 1;
+		return;
+	}
+	c->teardown_pending = 0;
 	if (c->id) {
 		if (c->id->qp)
 			rdma_destroy_qp(c->id);
@@ -268,9 +280,14 @@ static int drain_cm(void)
 	struct rdma_cm_event *ev;
 
 	while (rdmasafe_get_event_timeout(ch, &ev, 0) == 0) {
+		in_cm_event = 1;
 		on_cm_event(ev);
+		in_cm_event = 0;
 		if (rdmasafe_event_free(ev))
 			printf("client %" PRIu32 ": rdmasafe_event_free: %s\n", client_id, msgr_errname(errno));
+		for (uint32_t i = 0; i < nconns; i++)
+			if (conns[i].teardown_pending)
+				teardown(&conns[i]);
 	}
 	if (errno != EAGAIN) {
 		printf("client %" PRIu32 ": rdmasafe_get_event_timeout: %s\n", client_id, msgr_errname(errno));
@@ -332,6 +349,13 @@ int main(int argc, char **argv)
 	if (!addr || !port || !have_id || nconns < 1 || nconns > MAX_CONNS)
 		usage(argv[0]);
 	msgr_watchdog("client", watchdog);
+	/*
+	 * Every copy is freed right after its handler, and no id is destroyed
+	 * while a copy of its events is held. A generous ack deadline makes
+	 * the acked_at_deadline counter printed at exit count only a teardown
+	 * that waits on its own held event, never a slow machine.
+	 */
+	rdmasafe_cm_set_ack_deadline(30000);
 	r = getaddrinfo(addr, port, &hints, &server);
 	if (r) {
 		fprintf(stderr, "client: %s:%s: %s\n", addr, port, gai_strerror(r));
@@ -378,10 +402,11 @@ int main(int argc, char **argv)
 	freeaddrinfo(server);
 
 	rdmasafe_cm_get_counters(&cnt);
-	printf("client %" PRIu32 ": %" PRIu32 " of %" PRIu32 " connections OK; counters copied=%llu freed=%llu outstanding=%llu slots_allocated=%llu\n",
+	printf("client %" PRIu32 ": %" PRIu32 " of %" PRIu32 " connections OK; counters copied=%llu freed=%llu outstanding=%llu slots_allocated=%llu acked_at_deadline=%llu\n",
 	       client_id, ok, nconns, (unsigned long long)cnt.copied, (unsigned long long)cnt.freed,
-	       (unsigned long long)cnt.outstanding, (unsigned long long)cnt.slots_allocated);
-	if (ok != nconns || cnt.outstanding)
+	       (unsigned long long)cnt.outstanding, (unsigned long long)cnt.slots_allocated,
+	       (unsigned long long)cnt.acked_at_deadline);
+	if (ok != nconns || cnt.outstanding || cnt.acked_at_deadline)
 		status = 1;
 	printf("client %" PRIu32 ": exit %d\n", client_id, status);
 	return status;

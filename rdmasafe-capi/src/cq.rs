@@ -38,8 +38,12 @@ pub const RDMASAFE_PENDING: c_int = 1;
 pub const RDMASAFE_NOTIFY_DEFAULT: c_int = 0;
 /// `rdmasafe_cq_options.notify`: arm for every completion.
 pub const RDMASAFE_NOTIFY_ALL: c_int = 1;
-/// `rdmasafe_cq_options.notify`: arm for solicited completions only (and
-/// errors): a send CQ armed so never wakes the loop.
+/// `rdmasafe_cq_options.notify`: arm for solicited completions only:
+/// events come for receive completions of messages sent with
+/// IBV_SEND_SOLICITED and for errors; the CQ is drained (everything in it)
+/// when one comes. Successful send completions raise no event, so a send
+/// CQ armed so is drained only then (and before a keepalive probe on its
+/// QP is judged overdue): size it for the sends in between.
 pub const RDMASAFE_NOTIFY_SOLICITED: c_int = 2;
 
 /// Called with each batch of work completions of one CQ (error completions

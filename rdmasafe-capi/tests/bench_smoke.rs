@@ -4,7 +4,8 @@
 //! sizes, one repeat), then checks that every program ran and produced
 //! sane numbers: all connections established, every event and completion
 //! accounted for, latencies positive, no allocation of rdmasafe's own per
-//! CM event, counters consistent. It asserts nothing about speed.
+//! CM event, counters consistent, the CQ loop scale case's callgrind
+//! counts present and sane. It asserts nothing about speed.
 //!
 //! Runs on the host (its name does not start with `rxe_`); run.sh boots
 //! the guest itself. The full benchmark is `tests/bench/run.sh`.
@@ -38,8 +39,7 @@ impl Rec {
                 let (v, r) = v.split_once('"')?;
                 (v.to_string(), r)
             } else if r.starts_with('[') || r.starts_with('{') {
-                let close = if r.starts_with('[') { ']' } else { '}' };
-                let end = r.find(close)?;
+                let end = Self::close(r)?;
                 (r[..=end].to_string(), &r[end + 1..])
             } else {
                 let end = r.find(',').unwrap_or(r.len());
@@ -49,6 +49,34 @@ impl Rec {
             rest = r;
         }
         Some(Rec(map))
+    }
+    /// The index of the bracket that closes the one `r` starts with
+    /// (nested arrays, such as callgrind's `top` lists, and strings).
+    fn close(r: &str) -> Option<usize> {
+        let (mut depth, mut in_str, mut esc) = (0usize, false, false);
+        for (i, ch) in r.char_indices() {
+            if in_str {
+                match ch {
+                    _ if esc => esc = false,
+                    '\\' => esc = true,
+                    '"' => in_str = false,
+                    _ => {}
+                }
+                continue;
+            }
+            match ch {
+                '"' => in_str = true,
+                '[' | '{' => depth += 1,
+                ']' | '}' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        return Some(i);
+                    }
+                }
+                _ => {}
+            }
+        }
+        None
     }
     fn s(&self, k: &str) -> &str {
         self.0.get(k).map(String::as_str).unwrap_or("")
@@ -201,6 +229,55 @@ fn bench_programs_run_and_report_sane_numbers() {
             }
             other => c.that(false, format!("{case}: missing records {other:?}")),
         }
+    }
+
+    // CQ loop scale (cq_scale under callgrind): N = 1 and 64 CQs on one
+    // channel, one active; windows of M and 2M round trips, one callgrind
+    // dump each. Counts only: instructions per completion, taken as the
+    // difference of the two windows, positive and about the same at both N.
+    let case = "scale_rdmasafe_event";
+    let windows: Vec<&Rec> = recs.iter().filter(|r| r.s("case") == case && r.s("kind") == "scale").collect();
+    let dump = |label: &str| {
+        recs.iter().find(|r| r.s("case") == case && r.s("kind") == "callgrind_dump" && r.s("label") == label)
+    };
+    let mut per_completion = BTreeMap::new();
+    for n in [1.0, 64.0] {
+        let mut at_n: Vec<&Rec> = windows.iter().copied().filter(|r| r.n("ncq") == n).collect();
+        at_n.sort_by(|a, b| a.n("len").total_cmp(&b.n("len")));
+        c.that(at_n.len() == 2, format!("{case}: N={n}: {} windows, want 2", at_n.len()));
+        if at_n.len() != 2 {
+            continue;
+        }
+        for w in &at_n {
+            let len = w.n("len");
+            c.that(w.n("recvs") == len && w.n("completions") >= len, format!("{case}: N={n} L={len}: completions"));
+            c.that(w.n("loop_completions") == w.n("completions"), format!("{case}: N={n} L={len}: loop completions"));
+            c.that(w.n("wakeups") > 0.0 && w.n("cq_events") > 0.0, format!("{case}: N={n} L={len}: no wakeups"));
+            c.that(w.n("idle_hits") == 0.0, format!("{case}: N={n}: an idle CQ delivered completions"));
+        }
+        let (a, b) = (at_n[0], at_n[1]);
+        c.that(b.n("len") == 2.0 * a.n("len"), format!("{case}: N={n}: window lengths {} {}", a.n("len"), b.n("len")));
+        match (dump(a.s("dump")), dump(b.s("dump"))) {
+            (Some(da), Some(db)) => {
+                c.that(
+                    da.n("ir") > 0.0 && db.n("ir") > da.n("ir"),
+                    format!("{case}: N={n}: dumps ir {} {}", da.n("ir"), db.n("ir")),
+                );
+                c.that(db.s("top").starts_with("[["), format!("{case}: N={n}: no per-function counts"));
+                let per = (db.n("ir") - da.n("ir")) / (b.n("completions") - a.n("completions"));
+                c.that(per > 0.0 && per.is_finite(), format!("{case}: N={n}: instructions per completion {per}"));
+                per_completion.insert(n as u64, per);
+            }
+            other => c.that(false, format!("{case}: N={n}: missing callgrind dumps {other:?}")),
+        }
+    }
+    if let (Some(one), Some(many)) = (per_completion.get(&1), per_completion.get(&64)) {
+        // generous: the benchmark's target is 10%, a smoke run checks sanity
+        c.that(
+            *many < 2.0 * one && *many > 0.5 * one,
+            format!("{case}: instructions per completion N=64 {many:.0} vs N=1 {one:.0}"),
+        );
+        println!("[bench_smoke] CQ loop scale: instructions per completion N=1 {one:.0}, N=64 {many:.0}");
     }
 
     println!("[bench_smoke] {} expectations met, {} failed", c.passed, c.failures.len());

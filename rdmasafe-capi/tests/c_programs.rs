@@ -281,6 +281,13 @@ fn check_messenger(c: &mut Checks, runs: &BTreeMap<String, Block>) {
             client.has(&format!("client {id}: {n} of {n} connections OK; counters ")) && client.has(" outstanding=0 "),
             format!("messenger_client {id}: summary / counters"),
         );
+        // rdma_destroy_id waits for the id's unfreed copies (the ack barrier):
+        // a client that tore down inside its DISCONNECTED handler waited out
+        // the deadline once per connection and counted it here.
+        c.that(
+            client.has(" acked_at_deadline=0"),
+            format!("messenger_client {id}: a CM event copy was held past its ack deadline"),
+        );
     }
     if let Some(l) = server.line("server: CM events ") {
         println!("[c_programs] messenger {l}");
@@ -311,6 +318,7 @@ fn check_messenger(c: &mut Checks, runs: &BTreeMap<String, Block>) {
         client.has("client 300: 2 of 2 connections OK;") && client.has(" outstanding=0 "),
         "SIGTERM client: summary / counters",
     );
+    c.that(client.has(" acked_at_deadline=0"), "SIGTERM client: a CM event copy was held past its ack deadline");
 }
 
 /// The messenger server's CQ loop: one loop on its own thread for the

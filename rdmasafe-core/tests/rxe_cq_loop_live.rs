@@ -906,3 +906,190 @@ fn markers_of_timed_out_drains_never_reach_a_handler() {
     drop(lp);
     drop(ids);
 }
+
+/// A change made from another thread while the loop is consuming its own
+/// wakeup is not lost, and neither is any later one: the loop used to
+/// clear its wakeup flag before draining the wake fd, so a waker in between
+/// had its write eaten while the flag stayed set, and every later wake
+/// (a stop included) was skipped: `stop` hung.
+#[test]
+fn a_wakeup_that_races_the_loops_own_is_not_lost() {
+    let bed = common::bed();
+    let _dog = common::watchdog("racing wakeups", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let first = Cq::new(&ctx, 16, Some(&chan)).unwrap();
+    let second = Cq::new(&ctx, 16, Some(&chan)).unwrap();
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    let ctl = lp.control();
+    let raced = Arc::new(AtomicBool::new(false));
+    let (c2, s2, r2) = (ctl.clone(), second.clone(), raced.clone());
+    // Runs on the loop's thread, inside the window of its first wakeup: a
+    // second thread adds a CQ right then.
+    lp.set_woke_hook(Some(Box::new(move || {
+        if !r2.swap(true, SeqCst) {
+            let (c, s) = (c2.clone(), s2.clone());
+            std::thread::spawn(move || c.add_cq(&s, CqOptions::default(), |_, _| {}).unwrap()).join().unwrap();
+        }
+    })));
+    let t = lp.spawn(None).unwrap();
+    ctl.add_cq(&first, CqOptions::default(), |_, _| {}).unwrap(); // the first wakeup
+    wait_for("both CQs in the loop", || ctl.stats().cqs == 2);
+    assert!(raced.load(SeqCst));
+    // Later changes still wake the loop: a remove (waits for it) and a stop.
+    assert_eq!(ctl.remove_cq(&first).unwrap(), Outcome::Done);
+    let lp = t.stop().expect("the stop woke the loop");
+    assert_eq!(lp.stats().cqs, 1);
+}
+
+/// A CQ that fires while another works off a backlog over its budget is
+/// served before that CQ's next budget: the loop reads the channel (without
+/// sleeping) between two budgets. It used to serve the backlog first, every
+/// budget of it, with the other CQ's event unread in the channel.
+#[test]
+fn a_cq_that_fires_behind_a_backlog_is_served_within_one_budget() {
+    let bed = common::bed();
+    let _dog = common::watchdog("fired behind a backlog", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let a = rc_pair(bed.addr, &chan, false, 128);
+    let b = rc_pair(bed.addr, &chan, false, 16);
+    prefill(&a, 0, 96);
+    let lp = CqLoop::new(&chan, LoopOptions { poll_batch: 4, ..Default::default() }).unwrap();
+    let log: Log = Arc::default();
+    lp.add_cq_with(&a.server_cq, CqOptions { budget: 8, ..Default::default() }, logger(&log, "a")).unwrap();
+    lp.add_cq(&b.server_cq, logger(&log, "b")).unwrap();
+    lp.process_once(Wait::None).unwrap(); // both armed; a has its backlog
+    let a_before = log.lock().unwrap().len();
+    assert!(a_before < 96, "a's budget held ({a_before} delivered)");
+    prefill(&b, 1000, 1);
+    // b's event is in the channel now.
+    let mut pfd = libc::pollfd { fd: chan.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd.
+    assert_eq!(unsafe { libc::poll(&mut pfd, 1, 60_000) }, 1, "b's CQ event");
+    while !log.lock().unwrap().iter().any(|e| e.0 == "b") {
+        lp.process_once(Wait::For(Duration::from_secs(30))).unwrap();
+    }
+    let log = log.lock().unwrap();
+    let b_at = log.iter().position(|e| e.0 == "b").unwrap();
+    let a_between = b_at - a_before;
+    println!("b's event pending: {a_between} of a's completions before b's ({a_before} before the event)");
+    assert!(a_between <= 8, "b waited for {a_between} of a's completions with its event pending (budget 8)");
+}
+
+/// A keepalive on a QP whose send CQ is armed solicited-only: successful
+/// probes raise no event, so the loop polls the send CQ before it judges a
+/// probe overdue. It used to declare the healthy peer dead after the bound.
+#[test]
+fn a_keepalive_on_a_solicited_only_send_cq_sees_its_probes() {
+    let bed = common::bed();
+    let _dog = common::watchdog("keepalive, solicited-only", Duration::from_secs(180));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = rc_pair(bed.addr, &chan, false, 16);
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    lp.add_cq_with(&p.server_cq, CqOptions { solicited_only: true, ..Default::default() }, |_, _| {}).unwrap();
+    let cfg = Keepalive { period: Duration::from_millis(100), bound: Duration::from_secs(3), wr_id: 0xabc };
+    let dead = Arc::new(AtomicUsize::new(0));
+    let d2 = dead.clone();
+    // SAFETY: the QP lives in `p`, which outlives the loop.
+    unsafe { lp.add_keepalive(p.server_qp(), cfg, Box::new(move |_, _| _ = d2.fetch_add(1, SeqCst))) }.unwrap();
+    let ctl = lp.control();
+    let t = lp.spawn(None).unwrap();
+    wait_for("two probes seen", || ctl.stats().keepalive_probes_ok >= 2 || dead.load(SeqCst) > 0);
+    let lp = t.stop().unwrap();
+    let s = lp.stats();
+    println!(
+        "solicited-only send CQ: {} probes, {} seen, {} dead",
+        s.keepalive_probes, s.keepalive_probes_ok, s.keepalive_dead
+    );
+    assert_eq!((dead.load(SeqCst), s.keepalive_dead), (0, 0), "a healthy peer was declared dead");
+}
+
+/// A handler's panic in the middle of a cycle leaves the CQs the cycle had
+/// not reached yet to the next cycle (armed and drained then); they used
+/// to stay marked as listed and were never armed or drained again.
+#[test]
+fn a_panic_mid_cycle_leaves_the_other_cqs_served() {
+    let bed = common::bed();
+    let _dog = common::watchdog("panic mid-cycle", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let a = rc_pair(bed.addr, &chan, false, 16);
+    let b = rc_pair(bed.addr, &chan, false, 16);
+    prefill(&a, 0, 1);
+    prefill(&b, 100, 2);
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    let log: Log = Arc::default();
+    let once = AtomicBool::new(false);
+    let la = log.clone();
+    lp.add_cq(&a.server_cq, move |wcs, _| {
+        if !once.swap(true, SeqCst) {
+            panic!("the app's handler fails once");
+        }
+        la.lock().unwrap().extend(wcs.iter().map(|w| ("a", w.wr_id())));
+    })
+    .unwrap();
+    lp.add_cq(&b.server_cq, logger(&log, "b")).unwrap();
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| lp.process_once(Wait::None)));
+    assert!(r.is_err(), "the panic reaches whoever runs the loop");
+    prefill(&a, 1, 1);
+    wait_for("b's two and a's later completion delivered", || {
+        lp.process_once(Wait::For(Duration::from_millis(100))).unwrap();
+        let l = log.lock().unwrap();
+        l.iter().filter(|e| e.0 == "b").count() == 2 && l.contains(&("a", 1))
+    });
+}
+
+/// A keepalive queued behind the removal of its QP's send CQ (both asked
+/// for from a handler) is not started: the QP may be gone by then. It used
+/// to start on the QP anyway and keep its number registered, so a later
+/// keepalive for the QP failed with EBUSY.
+#[test]
+fn a_keepalive_queued_behind_its_cqs_removal_is_not_started() {
+    let bed = common::bed();
+    let _dog = common::watchdog("keepalive behind a removal", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = Arc::new(rc_pair(bed.addr, &chan, false, 16));
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    let (tx, rx) = mpsc::channel();
+    let p2 = p.clone();
+    let cfg = Keepalive { period: Duration::from_millis(50), bound: Duration::from_secs(30), wr_id: 0xdef };
+    lp.add_cq(&p.server_cq, move |_, ctl: &LoopControl| {
+        let r1 = ctl.remove_cq(&p2.server_cq);
+        // SAFETY: the QP lives in `p`, which outlives the loop.
+        let r2 = unsafe { ctl.add_keepalive(p2.server_qp(), cfg, Box::new(|_, _| {})) };
+        let _ = tx.send((r1.map_err(|e| e.errno()), r2.map_err(|e| e.errno())));
+    })
+    .unwrap();
+    prefill(&p, 0, 1);
+    let mut got = None;
+    while got.is_none() {
+        lp.process_once(Wait::For(Duration::from_millis(100))).unwrap();
+        got = rx.try_recv().ok();
+    }
+    assert_eq!(got.unwrap(), (Ok(Outcome::Pending), Ok(Outcome::Pending)));
+    assert_eq!(lp.stats().cqs, 0);
+    lp.add_cq(&p.server_cq, |_, _| {}).unwrap();
+    // SAFETY: as above.
+    let again = unsafe { lp.add_keepalive(p.server_qp(), cfg, Box::new(|_, _| {})) };
+    assert!(again.is_ok(), "the QP's number stayed registered: {:?}", again.err());
+}
+
+/// An add through the control of a dropped loop fails and leaves the CQ
+/// free for another loop; its claim used to stay behind (EBUSY forever).
+#[test]
+fn an_add_to_a_dropped_loop_leaves_the_cq_free() {
+    let bed = common::bed();
+    let _dog = common::watchdog("add to a dropped loop", Duration::from_secs(60));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let cq = Cq::new(&ctx, 16, Some(&chan)).unwrap();
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    let ctl = lp.control();
+    drop(lp);
+    assert_eq!(ctl.add_cq(&cq, CqOptions::default(), |_, _| {}).unwrap_err().errno(), libc::EINVAL);
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    assert!(lp.add_cq(&cq, |_, _| {}).is_ok(), "the CQ stayed claimed by the dropped loop");
+}

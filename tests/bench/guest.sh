@@ -14,13 +14,17 @@
 #   times    RDMASAFE_BENCH_REPEATS repeats (default 5); in each repeat the
 #            variants of a workload run back to back (rdmasafe, raw, stock;
 #            order reversed in every other repeat);
-#   load     one long stream (1M sends) per event loop, counts per wakeup.
+#   load     one long stream (1M sends) per event loop, counts per wakeup;
+#   scale    cq_scale under callgrind: instructions per completion with N
+#            CQs on one channel, one active (event mode, N up to 4096;
+#            busy-poll at two N), one dump per measured window.
 # With RDMASAFE_BENCH_QUICK=1 (smoke run) only one short pass over our
 # programs and modes runs instead (no stock tools, strace or callgrind).
 #
 # Env: RDMASAFE_TEST_ADDR (set by vm-run), RDMASAFE_BENCH_BIN (the programs,
 # default <repo>/target/bench), RDMASAFE_BENCH_QUICK=1 (tiny sizes, one
-# repeat, no callgrind, no 1M stream), RDMASAFE_BENCH_REPEATS.
+# repeat, no callgrind but for the scale case, no 1M stream),
+# RDMASAFE_BENCH_REPEATS, RDMASAFE_BENCH_ONLY=scale (only the scale case).
 set -u
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -52,6 +56,9 @@ if [[ $QUICK == 1 ]]; then
 	BIG_N=0
 	CALLGRIND=0
 	ST_EV_K=50 ST_STORM_N=10 ST_PP_N=50 ST_STREAM_N=1000
+	# the CQ loop scale case runs under callgrind in quick mode too (its
+	# figures are counts): two CQ counts, short windows
+	SCALE_NS=1,64 SCALE_M=32 SCALE_R=1 SCALE_W=4 SCALE_BUSY_NS= SCALE_BUSY_M=
 else
 	STORM_NS=(200 1000)
 	EV_K=1000 EV_R=3
@@ -64,6 +71,10 @@ else
 	# strace costs milliseconds per call under TCG: small sizes (the
 	# counts are per event and do not depend on the size)
 	ST_EV_K=100 ST_STORM_N=30 ST_PP_N=100 ST_STREAM_N=1000
+	# CQ loop scale (cq_scale, callgrind): windows of M and 2M round trips
+	# (M a multiple of cq_scale's send-signal interval, 64), R runs each
+	SCALE_NS=1,64,1024,4096 SCALE_M=256 SCALE_R=2 SCALE_W=20
+	SCALE_BUSY_NS=1,1024 SCALE_BUSY_M=64
 fi
 
 now_ms() { local t=${EPOCHREALTIME/./}; echo $((t / 1000)); }
@@ -171,14 +182,59 @@ callgrind_top() {
 		awk -F '\t' '{ gsub(/\\/, "\\\\", $2); gsub(/"/, "\\\"", $2); printf "%s[%s,\"%s\"]", (NR > 1 ? "," : ""), $1, $2 }'
 }
 
+# callgrind_excl FILE K: the K functions with the most instructions of
+# their own in one callgrind output file, as callgrind_top prints them,
+# read from the file itself: callgrind_annotate (3.19) counts the cost of
+# a call that was in progress across a dump (a "calls=0" line) as the
+# caller's own, which makes every dump after the first useless to it.
+# Names of functions without symbols get their object's name
+# ("librxe-rdmav34.so:0x...3cc0").
+callgrind_excl() {
+	awk -v k="$2" '
+		function nm(kind, s,   id, rest) {
+			# "(id) name" defines, "(id)" refers, "name" is plain
+			if (s ~ /^\([0-9]+\)/) {
+				id = s; sub(/\).*/, "", id); sub(/^\(/, "", id)
+				rest = s; sub(/^\([0-9]+\) ?/, "", rest)
+				if (rest != "") names[kind, id] = rest
+				return names[kind, id]
+			}
+			return s
+		}
+		/^(ob|cob)=/ { v = substr($0, index($0, "=") + 1); o = nm("ob", v); if ($0 ~ /^ob=/) ob = o; next }
+		/^(fl|fi|fe|cfi|cfl)=/ { nm("fl", substr($0, index($0, "=") + 1)); next }
+		/^(fn|cfn)=/ {
+			v = nm("fn", substr($0, index($0, "=") + 1))
+			if ($0 ~ /^fn=/) { fn = v; if (fn ~ /^0x/) { b = ob; sub(/.*\//, "", b); fn = b ":" fn } }
+			next
+		}
+		/^calls=/ { skip = 1; next }
+		/^[0-9+*-]/ { if (skip) { skip = 0; next } if (NF >= 2) cost[fn] += $2; next }
+		END { for (f in cost) if (cost[f] > 0) printf "%d\t%s\n", cost[f], f }' "$1" |
+		sort -t "$(printf '\t')" -k1,1nr | head -n "$2" |
+		awk -F '\t' '{ gsub(/\\/, "\\\\", $2); gsub(/"/, "\\\"", $2); printf "%s[%s,\"%s\"]", (NR > 1 ? "," : ""), $1, $2 }'
+}
+
+# callgrind_dumps CASE REP: one record per dump file of a run whose
+# program dumped once per window (CALLGRIND_DUMP_STATS_AT(label))
+callgrind_dumps() {
+	local case=$1 rep=$2 f label
+	for f in "$W"/cg.log.*; do
+		[[ -s $f ]] || continue
+		label=$(sed -n 's/^desc: Trigger: Client Request: //p' "$f")
+		echo "@@ {\"case\":\"$case\",\"rep\":$rep,\"kind\":\"callgrind_dump\",\"role\":\"client\",\"label\":$(json_str "$label"),\"ir\":$(callgrind_ir "$f"),\"top\":[$(callgrind_excl "$f" 60)]}"
+	done
+}
+
 # ---- our client/server pairs --------------------------------------------
 # S=(server command) C=(client command) run_pair CASE REP [KIND]
 # KIND: "" (plain), strace (client under strace), callgrind (client under
-# callgrind), allocs (both with allocount.so)
+# callgrind), callgrind_dumps (the same, one record per window the program
+# dumped), allocs (both with allocount.so)
 run_pair() {
 	local case=$1 rep=$2 kind=${3:-} sp crc src pre=() t0
 	t0=$(now_ms)
-	rm -f "$W"/*.out "$W"/*.err "$W"/st.log "$W"/cg.log
+	rm -f "$W"/*.out "$W"/*.err "$W"/st.log "$W"/cg.log*
 	[[ $kind == allocs ]] && pre=(env "LD_PRELOAD=$P/allocount.so")
 	[[ $kind == fastclock ]] && pre=(env "LD_PRELOAD=$P/fastclock.so")
 	"${pre[@]}" "${S[@]}" >"$W/s.out" 2>"$W/s.err" &
@@ -191,7 +247,7 @@ run_pair() {
 	fi
 	case $kind in
 	strace) timeout -k 5 600 strace -f -o "$W/st.log" "${C[@]}" >"$W/c.out" 2>"$W/c.err" ;;
-	callgrind)
+	callgrind | callgrind_dumps)
 		timeout -k 5 600 valgrind --tool=callgrind --collect-atstart=no --callgrind-out-file="$W/cg.log" \
 			"${C[@]}" >"$W/c.out" 2>"$W/c.err"
 		;;
@@ -213,6 +269,7 @@ run_pair() {
 	if [[ $kind == callgrind && -s $W/cg.log ]]; then
 		echo "@@ {\"case\":\"$case\",\"rep\":$rep,\"kind\":\"callgrind\",\"role\":\"client\",\"ir\":$(callgrind_ir "$W/cg.log"),\"top\":[$(callgrind_top "$W/cg.log")]}"
 	fi
+	[[ $kind == callgrind_dumps ]] && callgrind_dumps "$case" "$rep"
 	say "$case rep $rep: $(($(now_ms) - t0)) ms"
 	if [[ $crc -ne 0 || $src -ne 0 ]]; then
 		fail "$case" "$rep" "exit status client $crc, server $src"
@@ -302,6 +359,14 @@ pp() { # VARIANT MODE WORKLOAD N REP [KIND] [EXTRA...]
 	run_pair "${w}_${v}_$m$tag${kind:+_$kind}" "$rep" "$kind"
 }
 
+scale() { # VARIANT MODE NS M RUNS WARM  (cq_scale under callgrind, one dump per window)
+	local v=$1 m=$2 ns=$3 len=$4 runs=$5 warm=$6
+	next_port
+	S=("$BIN/cq_scale_$v" -S -a "$ADDR" -p "$port" -t 900)
+	C=("$BIN/cq_scale_$v" -a "$ADDR" -p "$port" -m "$m" -N "$ns" -M "$len" -R "$runs" -W "$warm" -t 900)
+	run_pair "scale_${v}_$m" 0 callgrind_dumps
+}
+
 rc_pingpong() { # N REP  (stock ibv_rc_pingpong -e, event mode)
 	local n=$1 rep=$2 case=pp_stock_rcpp_event sp crc
 	next_port
@@ -372,7 +437,7 @@ section() {
 # ---- machine ---------------------------------------------------------------
 if [[ -z ${RDMASAFE_BENCH_QUICK_PART:-} ]]; then
 	cpu_model=$(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //')
-	echo "@@ {\"kind\":\"machine\",\"nproc\":$(nproc),\"cpu\":$(json_str "$cpu_model"),\"kernel\":$(json_str "$(uname -r)"),\"clocksource\":$(json_str "$(cat /sys/devices/system/clocksource/clocksource0/current_clocksource 2>/dev/null)"),\"mem_mb\":$(($(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024)),\"quick\":$QUICK,\"repeats\":$REPEATS,\"device\":$(json_str "$DEV")}"
+	echo "@@ {\"kind\":\"machine\",\"nproc\":$(nproc),\"cpu\":$(json_str "$cpu_model"),\"kernel\":$(json_str "$(uname -r)"),\"clocksource\":$(json_str "$(cat /sys/devices/system/clocksource/clocksource0/current_clocksource 2>/dev/null)"),\"mem_mb\":$(($(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024)),\"quick\":$QUICK,\"only\":$(json_str "${RDMASAFE_BENCH_ONLY:-}"),\"repeats\":$REPEATS,\"device\":$(json_str "$DEV")}"
 	say "machine: $(nproc) vCPU, $cpu_model, $(uname -r), quick=$QUICK repeats=$REPEATS"
 fi
 
@@ -399,6 +464,7 @@ if [[ $QUICK == 1 ]]; then
 		pp raw event stream "$STREAM_N" 1
 		pp rdmasafe adaptive idle "$IDLE_N" 1
 		evcost rdmasafe 0 allocs "$ST_EV_K" 1
+		scale rdmasafe event "$SCALE_NS" "$SCALE_M" "$SCALE_R" "$SCALE_W"
 		;;
 	*)
 		section quick
@@ -414,6 +480,25 @@ if [[ $QUICK == 1 ]]; then
 		section
 		;;
 	esac
+	say "done: $failures failed"
+	echo "@@ {\"kind\":\"summary\",\"failures\":$failures,\"seconds\":$((($(now_ms) - t_start) / 1000))}"
+	[[ $failures -eq 0 ]]
+	exit
+fi
+
+# ---- scale (CQ loop with N CQs on one channel, callgrind) ----------------
+scale_section() {
+	section scale
+	for v in rdmasafe raw; do
+		scale "$v" event "$SCALE_NS" "$SCALE_M" "$SCALE_R" "$SCALE_W"
+	done
+	for v in rdmasafe raw; do
+		scale "$v" busy "$SCALE_BUSY_NS" "$SCALE_BUSY_M" 1 "$SCALE_W"
+	done
+}
+if [[ ${RDMASAFE_BENCH_ONLY:-} == scale ]]; then
+	scale_section
+	section
 	say "done: $failures failed"
 	echo "@@ {\"kind\":\"summary\",\"failures\":$failures,\"seconds\":$((($(now_ms) - t_start) / 1000))}"
 	[[ $failures -eq 0 ]]
@@ -474,6 +559,7 @@ if ((BIG_N > 0)); then
 	pp rdmasafe event stream "$BIG_N" 0 big
 	pp raw event stream "$BIG_N" 0 big
 fi
+scale_section
 section
 
 say "done: $failures failed"

@@ -5,6 +5,7 @@
 #                                 # with other guests on it); writes docs/BENCHMARKS.md
 #                                 # and docs/bench-latency.png
 #   tests/bench/run.sh --quick    # tiny sizes, one repeat (smoke run, ~20-50 s)
+#   tests/bench/run.sh --only scale   # only the CQ loop scale case (~5 min)
 #
 # It builds librdmasafe (cargo, release) and the benchmark programs
 # (tests/bench/Makefile -> target/bench/<profile>/), boots ONE Soft-RoCE
@@ -23,6 +24,11 @@
 #   --results FILE     where to keep the guest's output
 #   --from FILE        skip build and guest: regenerate the docs from FILE
 #   --repeats N        repeats of the timed part (default 5)
+#   --only scale       only the CQ loop scale case (cq_scale under callgrind);
+#                      its page goes to target/bench/scale-docs/, never to docs/
+#   --scale-from FILE  the page's CQ loop scale section (and target row) from
+#                      FILE, the results of an --only scale run, e.g.
+#                      --from results-full.txt --scale-from results-scale.txt
 # Exit status: 0 only if every benchmark ran (guest.sh reports failures).
 set -euo pipefail
 
@@ -30,7 +36,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 cd "$repo"
 
-quick=0 docs=1 profile=release results= from= repeats=5
+quick=0 docs=1 profile=release results= from= repeats=5 only= scale_from=
 while [[ $# -gt 0 ]]; do
 	case $1 in
 	--quick) quick=1 ;;
@@ -39,12 +45,16 @@ while [[ $# -gt 0 ]]; do
 	--results) results=$2; shift ;;
 	--from) from=$2; shift ;;
 	--repeats) repeats=$2; shift ;;
-	-h | --help) sed -n '2,26p' "$0"; exit 0 ;;
+	--only) only=$2; shift ;;
+	--scale-from) scale_from=$2; shift ;;
+	-h | --help) sed -n '2,32p' "$0"; exit 0 ;;
 	*) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
 	esac
 	shift
 done
 [[ $profile == release || $profile == debug ]] || { echo "--profile release|debug" >&2; exit 2; }
+[[ -z $only || $only == scale ]] || { echo "--only scale (the one case that runs alone)" >&2; exit 2; }
+[[ -z $only || $quick == 0 ]] || { echo "--only and --quick do not mix" >&2; exit 2; }
 
 msg() { echo "[bench] $*" >&2; }
 now_s() { local t=${EPOCHREALTIME/./}; echo $((t / 1000000)); }
@@ -53,7 +63,7 @@ target=${CARGO_TARGET_DIR:-$repo/target}
 rc=0
 
 if [[ -z $from ]]; then
-	[[ -n $results ]] || results=$target/bench/results-$([[ $quick == 1 ]] && echo quick || echo full).txt
+	[[ -n $results ]] || results=$target/bench/results-$([[ $quick == 1 ]] && echo quick || echo "${only:-full}").txt
 	mkdir -p "$(dirname "$results")"
 	msg "building librdmasafe ($profile) and the benchmark programs"
 	cargo_args=(build -q -p rdmasafe-capi)
@@ -62,8 +72,9 @@ if [[ -z $from ]]; then
 	bin=$target/bench/$profile
 	make -s -C "$here" LIBDIR="$target/$profile" OUT="$bin" >&2
 
-	timeout=2400
+	timeout=3000
 	[[ $quick == 1 ]] && timeout=300
+	[[ -n $only ]] && timeout=1200
 	msg "running the benchmarks in one guest (timeout ${timeout} s); output -> $results"
 	t_guest=$(now_s)
 	# Host load while the guest runs (other QEMU guests share the 2 cores):
@@ -77,7 +88,7 @@ if [[ -z $from ]]; then
 	) >"$load_log" 2>/dev/null &
 	sampler=$!
 	tests/bed/vm-run --timeout "$timeout" -- env RDMASAFE_BENCH_BIN="$bin" RDMASAFE_BENCH_QUICK="$quick" \
-		RDMASAFE_BENCH_REPEATS="$repeats" bash tests/bench/guest.sh >"$results" || rc=$?
+		RDMASAFE_BENCH_REPEATS="$repeats" RDMASAFE_BENCH_ONLY="$only" bash tests/bench/guest.sh >"$results" || rc=$?
 	guest_s=$(($(now_s) - t_guest))
 	kill "$sampler" 2>/dev/null || true
 	wait "$sampler" 2>/dev/null || true
@@ -86,7 +97,10 @@ if [[ -z $from ]]; then
 	samples=$(awk 'END { print NR }' "$load_log")
 	maxload=$(awk '$1 > m { m = $1 } END { print m + 0 }' "$load_log")
 	rm -f "$load_log"
-	echo "@@ {\"kind\":\"host\",\"guest_wall_s\":$guest_s,\"profile\":\"$profile\",\"exit\":$rc,\"host_nproc\":$(nproc),\"load_samples\":$samples,\"samples_with_other_qemu\":$others,\"max_loadavg\":$maxload,\"command_s\":$(($(now_s) - t0)),\"date\":\"$(date -u +%Y-%m-%d)\"}" >>"$results"
+	# the commit measured (+dirty: tracked files outside docs/ changed)
+	commit=$(git -C "$repo" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
+	[[ -z $(git -C "$repo" status --porcelain --untracked-files=no -- . ':!docs' 2>/dev/null) ]] || commit+=+dirty
+	echo "@@ {\"kind\":\"host\",\"commit\":\"$commit\",\"guest_wall_s\":$guest_s,\"profile\":\"$profile\",\"exit\":$rc,\"host_nproc\":$(nproc),\"load_samples\":$samples,\"samples_with_other_qemu\":$others,\"max_loadavg\":$maxload,\"command_s\":$(($(now_s) - t0)),\"date\":\"$(date -u +%Y-%m-%d)\"}" >>"$results"
 	msg "guest finished in ${guest_s} s (exit $rc)"
 else
 	results=$from
@@ -103,8 +117,9 @@ if [[ $docs == 1 ]]; then
 	# a --quick run never overwrites the real page
 	docdir=docs
 	[[ $quick == 1 ]] && docdir=$target/bench/quick-docs
+	[[ -n $only ]] && docdir=$target/bench/$only-docs
 	mkdir -p "$docdir"
-	python3 "$here/report.py" "$results" "$docdir/BENCHMARKS.md" "$docdir/bench-latency.png"
+	python3 "$here/report.py" "$results" "$docdir/BENCHMARKS.md" "$docdir/bench-latency.png" ${scale_from:+"$scale_from"}
 	msg "wrote $docdir/BENCHMARKS.md and $docdir/bench-latency.png"
 fi
 msg "total $(($(now_s) - t0)) s"

@@ -80,11 +80,35 @@ impl Done {
 
 /// A change to the loop, applied by whoever holds its state.
 pub(crate) enum Cmd {
-    AddCq { cq: LiveCq, opts: CqOptions, handler: Handler },
-    RemoveCq { cq: usize, done: Done },
-    AddKeepalive { qp: LiveQp, cfg: Keepalive, on_dead: DeadPeer },
-    RemoveKeepalive { qp_num: u32, done: Done },
-    Drain { qp: LiveQp, srq: bool, timeout: Duration, done: Done },
+    AddCq {
+        cq: LiveCq,
+        opts: CqOptions,
+        handler: Handler,
+    },
+    RemoveCq {
+        cq: usize,
+        done: Done,
+    },
+    /// `send_cq`/`cqs` are read when the call is made: the QP itself is
+    /// touched only once its CQs are found in the loop.
+    AddKeepalive {
+        qp: LiveQp,
+        qpn: u32,
+        send_cq: usize,
+        cfg: Keepalive,
+        on_dead: DeadPeer,
+    },
+    RemoveKeepalive {
+        qp_num: u32,
+        done: Done,
+    },
+    Drain {
+        qp: LiveQp,
+        cqs: (usize, usize),
+        srq: bool,
+        timeout: Duration,
+        done: Done,
+    },
 }
 
 /// What the loop shares between the thread that drives it and every
@@ -167,7 +191,7 @@ impl Shared {
     }
 
     /// Wakes the callers waiting for a command or for the state.
-    fn notify(&self) {
+    pub(crate) fn notify(&self) {
         let _q = self.cmds.lock().unwrap_or_else(|e| e.into_inner());
         self.changed.notify_all();
     }
@@ -331,7 +355,13 @@ impl LoopControl {
         }
         registry::claim_cq(cq.addr(), self.0.id)
             .map_err(|_| Error::new("rdmasafe_cq_loop_add_cq: CQ already in a loop", libc::EBUSY))?;
-        self.submit(Cmd::AddCq { cq, opts, handler }, None)
+        let addr = cq.addr();
+        let r = self.submit(Cmd::AddCq { cq, opts, handler }, None);
+        if r.is_err() {
+            // The loop is gone (its drop released its claims before this one).
+            registry::release_cq(addr, self.0.id);
+        }
+        r
     }
 
     /// Removes a CQ: its pending acks are flushed, the events already
@@ -418,7 +448,7 @@ impl LoopControl {
             }
             k.insert(qpn, send_cq);
         }
-        self.submit(Cmd::AddKeepalive { qp, cfg, on_dead }, None)
+        self.submit(Cmd::AddKeepalive { qp, qpn, send_cq, cfg, on_dead }, None)
     }
 
     /// Stops dead-peer detection for the QP with this number (ENOENT if it
@@ -465,14 +495,14 @@ impl LoopControl {
     /// [`LoopControl::drain_qp_then`] for the QP a [`CmId`] owns.
     pub fn drain_id_then(&self, id: &CmId, timeout: Duration, done: Box<dyn FnOnce(Result<()>) + Send>) -> Result<()> {
         let qp = id.live_qp().ok_or(Error::new("rdmasafe drain: the id has no QP", libc::EINVAL))?;
-        let qp = self.drain_checked(qp, false)?;
-        self.submit_async(Cmd::Drain { qp, srq: false, timeout, done: Done::Call(done) })
+        let (qp, cqs) = self.drain_checked(qp, false)?;
+        self.submit_async(Cmd::Drain { qp, cqs, srq: false, timeout, done: Done::Call(done) })
     }
 
     fn drain_live(&self, qp: LiveQp, srq: bool, timeout: Duration) -> Result<Outcome> {
-        let qp = self.drain_checked(qp, srq)?;
+        let (qp, cqs) = self.drain_checked(qp, srq)?;
         let c = Arc::new(Completion::default());
-        self.submit(Cmd::Drain { qp, srq, timeout, done: self.waiter(&c) }, Some(c))
+        self.submit(Cmd::Drain { qp, cqs, srq, timeout, done: self.waiter(&c) }, Some(c))
     }
 
     /// Starts a drain (see [`LoopControl::drain_qp`]) and never blocks:
@@ -489,17 +519,17 @@ impl LoopControl {
         done: Box<dyn FnOnce(Result<()>) + Send>,
     ) -> Result<()> {
         // SAFETY: live QP (caller).
-        let qp = self.drain_checked(unsafe { LiveQp::new(qp) }, srq)?;
-        self.submit_async(Cmd::Drain { qp, srq, timeout, done: Done::Call(done) })
+        let (qp, cqs) = self.drain_checked(unsafe { LiveQp::new(qp) }, srq)?;
+        self.submit_async(Cmd::Drain { qp, cqs, srq, timeout, done: Done::Call(done) })
     }
 
-    fn drain_checked(&self, qp: LiveQp, srq: bool) -> Result<LiveQp> {
+    fn drain_checked(&self, qp: LiveQp, srq: bool) -> Result<(LiveQp, (usize, usize))> {
         let (_, send_cq, recv_cq) = qp.info()?;
         let ours = |cq| registry::cq_in(cq, self.0.id);
         if !ours(send_cq) || (!srq && !ours(recv_cq)) {
             return Err(Error::new("rdmasafe drain_qp: QP's CQs not in this loop", libc::EINVAL));
         }
-        Ok(qp)
+        Ok((qp, (send_cq, recv_cq)))
     }
 
     /// The options a CQ added without its own gets.
@@ -566,6 +596,12 @@ impl LoopControl {
                     // here, then let go through Held (which looks again).
                     let mut held = Held::new(sh, g, self.clone());
                     let (core, ctl) = held.parts();
+                    if core.shut {
+                        // The loop was dropped after this call queued its
+                        // change: nothing will ever apply it.
+                        drop(held);
+                        return Err(Error::new("rdmasafe CQ loop: the loop is gone", libc::ECANCELED));
+                    }
                     core.apply_cmds(ctl);
                     core.drive_until(ctl, &wait);
                     drop(held);
@@ -578,6 +614,11 @@ impl LoopControl {
 }
 
 impl Completion {
+    /// Records the result (the waiter is woken by `Shared::notify`).
+    pub(crate) fn set(&self, r: Result<()>) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+    }
+
     pub(crate) fn is_done(&self) -> bool {
         self.0.lock().unwrap_or_else(|e| e.into_inner()).is_some()
     }

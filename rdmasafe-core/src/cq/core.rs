@@ -42,6 +42,7 @@ pub(crate) struct Core {
     pub(super) keepalives: Keepalives,
     pub(super) drains: Drains,
     pub(super) hook: Option<Box<dyn FnMut() + Send>>,
+    pub(super) woke_hook: Option<Box<dyn FnMut() + Send>>,
     pub(super) warned_foreign: HashSet<usize>,
     /// What the timerfd is armed for.
     pub(super) timer_at: Option<Instant>,
@@ -77,6 +78,7 @@ impl Core {
             keepalives: Keepalives::default(),
             drains: Drains::default(),
             hook: None,
+            woke_hook: None,
             warned_foreign: HashSet::new(),
             timer_at: None,
             last_event: None,
@@ -111,12 +113,29 @@ impl Core {
                 let r = self.remove_cq(ctl, cq);
                 done.finish(sh, r);
             }
-            Cmd::AddKeepalive { qp, cfg, on_dead } => self.keepalives.add(qp, cfg, on_dead, Instant::now()),
+            Cmd::AddKeepalive { qp, qpn, send_cq, cfg, on_dead } => {
+                if self.entries.find(send_cq).is_some() {
+                    self.keepalives.add(qp, cfg, on_dead, Instant::now());
+                } else {
+                    // Its send CQ left the loop (a removal queued before
+                    // this change) and the QP may be gone: never touch it.
+                    sh.forget_keepalives_of(&[qpn]);
+                    log::warn!(
+                        target: "rdmasafe",
+                        "keepalive for QP {qpn} not started: its send CQ left the loop before the change was applied"
+                    );
+                }
+            }
             Cmd::RemoveKeepalive { qp_num, done } => {
                 self.keepalives.remove(qp_num);
                 done.finish(sh, Ok(()));
             }
-            Cmd::Drain { qp, srq, timeout, done } => {
+            Cmd::Drain { qp, cqs, srq, timeout, done } => {
+                if self.entries.find(cqs.0).is_none() || (!srq && self.entries.find(cqs.1).is_none()) {
+                    let e = Error::new("rdmasafe drain_qp: a CQ of the QP left the loop first", libc::EINVAL);
+                    done.finish(sh, Err(e));
+                    return;
+                }
                 let deadline = sys::deadline_after(Instant::now(), timeout);
                 if let Err((done, e)) = self.drains.start(&qp, srq, deadline, done) {
                     done.finish(sh, Err(e));
@@ -255,7 +274,10 @@ impl Core {
         let mut total = 0;
         loop {
             let Some(e) = self.entries.get(r) else { return Ok(total) };
-            let raw = e.cq.poll(&mut self.wcs)?;
+            // Never more than the budget left (a budget below the poll batch
+            // holds too).
+            let ask = self.wcs.len().min(budget - total);
+            let raw = e.cq.poll(&mut self.wcs[..ask])?;
             if raw == 0 {
                 return Ok(total);
             }
@@ -266,7 +288,7 @@ impl Core {
             }
             // Fewer than asked: the CQ was empty at that moment (a later
             // completion raises an event: it was armed before this drain).
-            if raw < self.wcs.len() || (honor_stop && sh.stop.load(Relaxed)) || self.entries.get(r).is_none() {
+            if raw < ask || (honor_stop && sh.stop.load(Relaxed)) || self.entries.get(r).is_none() {
                 return Ok(total);
             }
             if total >= budget {
@@ -347,36 +369,79 @@ impl Core {
         arm: bool,
         honor_stop: bool,
     ) -> Result<usize> {
+        self.work_refs(ctl, list, arm, true, honor_stop)
+    }
+
+    fn work_refs(
+        &mut self,
+        ctl: &LoopControl,
+        list: Vec<Ref>,
+        arm: bool,
+        listed: bool,
+        honor_stop: bool,
+    ) -> Result<usize> {
         let mut n = 0;
-        for r in list {
-            let Some(e) = self.entries.get_mut(r) else { continue };
-            e.in_unarmed = false;
-            e.in_fired = false;
-            if arm {
-                let solicited = e.opts.solicited_only;
-                if !e.armed {
-                    e.armed = true;
-                    self.armed += 1;
+        for (i, &r) in list.iter().enumerate() {
+            let step = catch_unwind(AssertUnwindSafe(|| self.work_one(ctl, r, arm, listed, honor_stop)));
+            match step {
+                Ok(Ok(k)) => n += k,
+                // A verbs error or a handler's panic ends the list here: the
+                // CQs not done yet (this one included) are armed and drained
+                // in the next cycle, never left marked as listed.
+                Ok(Err(e)) => {
+                    self.requeue(&list[i..], listed);
+                    return Err(e);
                 }
-                ctl.0.counters.arms.fetch_add(1, Relaxed);
-                e.cq.arm(solicited)?;
+                Err(p) => {
+                    self.requeue(&list[i..], listed);
+                    resume_unwind(p);
+                }
             }
-            n += self.drain(ctl, r, honor_stop)?;
         }
         Ok(n)
     }
 
-    pub(super) fn work_ready(&mut self, ctl: &LoopControl, honor_stop: bool) -> Result<usize> {
-        let mut n = 0;
-        for _ in 0..self.ready.len() {
-            let Some(r) = self.ready.pop_front() else { break };
-            match self.entries.get_mut(r) {
-                Some(e) => e.in_ready = false,
-                None => continue,
-            }
-            n += self.drain(ctl, r, honor_stop)?;
+    /// `listed`: `r` came from the unarmed or fired list (not the ready one).
+    fn work_one(&mut self, ctl: &LoopControl, r: Ref, arm: bool, listed: bool, honor_stop: bool) -> Result<usize> {
+        let Some(e) = self.entries.get_mut(r) else { return Ok(0) };
+        if listed {
+            e.in_unarmed = false;
+            e.in_fired = false;
         }
-        Ok(n)
+        if arm {
+            let solicited = e.opts.solicited_only;
+            if !e.armed {
+                e.armed = true;
+                self.armed += 1;
+            }
+            ctl.0.counters.arms.fetch_add(1, Relaxed);
+            e.cq.arm(solicited)?;
+        }
+        self.drain(ctl, r, honor_stop)
+    }
+
+    /// CQs a cycle could not finish: armed and drained in the next one
+    /// (their list marks cleared first, so `push_unarmed` takes them).
+    fn requeue(&mut self, refs: &[Ref], listed: bool) {
+        for &r in refs {
+            if listed {
+                if let Some(e) = self.entries.get_mut(r) {
+                    e.in_unarmed = false;
+                    e.in_fired = false;
+                }
+            }
+            self.push_unarmed(r);
+        }
+    }
+
+    pub(super) fn work_ready(&mut self, ctl: &LoopControl, honor_stop: bool) -> Result<usize> {
+        let list: Vec<Ref> = self.ready.drain(..).collect();
+        for &r in &list {
+            if let Some(e) = self.entries.get_mut(r) {
+                e.in_ready = false;
+            }
+        }
+        self.work_refs(ctl, list, false, false, honor_stop)
     }
 
     /// Polls every CQ once (busy-poll and adaptive's spin: O(CQs)).
@@ -420,8 +485,13 @@ impl Core {
         self.ready.clear();
         self.armed = 0;
         for done in self.drains.take_all() {
-            if let Done::Call(f) = done {
-                f(Err(Error::new("rdmasafe drain_qp: the loop is gone", libc::ECANCELED)));
+            let gone = || Error::new("rdmasafe drain_qp: the loop is gone", libc::ECANCELED);
+            match done {
+                Done::Call(f) => f(Err(gone())),
+                // A caller blocked in drain_qp: the owner of the loop wakes
+                // it (`Shared::notify`) once this returns.
+                Done::Wait(c) => c.set(Err(gone())),
+                Done::Nothing => {}
             }
         }
         self.keepalives = Keepalives::default();

@@ -56,8 +56,15 @@ impl Core {
         }
         let bits = sh.epoll.wait(ms).map_err(io_err("epoll_wait"))?;
         if bits & (1 << KEY_WAKE) != 0 {
-            sh.wake_set.store(false, SeqCst);
+            // Drain first, then clear: a waker that comes in between sees
+            // the flag still set and does not write, and what it queued is
+            // looked at after this sleep. The other order can eat its write
+            // while the flag stays set, and no later wake() would ever write.
             sh.wake.drain();
+            if let Some(h) = self.woke_hook.as_mut() {
+                h();
+            }
+            sh.wake_set.store(false, SeqCst);
         }
         if bits & (1 << KEY_TIMER) != 0 {
             sh.timer.drain();
@@ -87,7 +94,16 @@ impl Core {
         self.begin_cycle();
         let unarmed = std::mem::take(&mut self.unarmed);
         let mut n = self.work_list(ctl, unarmed, true, honor_stop)?;
-        n += self.work_ready(ctl, honor_stop)?;
+        if !self.ready.is_empty() {
+            // A CQ is over its budget: before it gets another one, serve
+            // the CQs that fired meanwhile (a non-blocking read), so a CQ
+            // that keeps refilling cannot keep the others' events unread.
+            self.read_events(ctl)?;
+            let fired = std::mem::take(&mut self.fired);
+            let rearm = self.polling_since.is_none() && self.opts.mode == Mode::Event;
+            n += self.work_list(ctl, fired, rearm, honor_stop)?;
+            n += self.work_ready(ctl, honor_stop)?;
+        }
         if n > 0 {
             n += self.tick(ctl, honor_stop)?;
             self.record_wakeup(sh, n);
@@ -194,7 +210,7 @@ impl Core {
     /// Runs cycles (ignoring stop requests, which are for `run`) until `c`
     /// is done: a drain driven by a caller while nobody runs the loop.
     pub(crate) fn drive_until(&mut self, ctl: &LoopControl, c: &Completion) {
-        while !c.is_done() {
+        while !c.is_done() && !self.shut {
             if let Err(e) = self.cycle(ctl, Wait::For(Duration::from_millis(100)), false) {
                 if e.errno() != libc::EINTR {
                     log::warn!(target: "rdmasafe", "CQ loop: a cycle failed while draining: {e}");
@@ -208,8 +224,8 @@ impl Core {
     /// drains, so completions left in a CQ at stop are delivered then),
     /// consume the stop request and its wakeup.
     pub(super) fn finish_stop(&mut self, sh: &Shared) {
+        sh.wake.drain(); // then clear the flag: see `sleep`
         sh.wake_set.store(false, SeqCst);
-        sh.wake.drain();
         self.flush_all(sh);
         for r in self.entries.refs() {
             if let Some(e) = self.entries.get_mut(r) {

@@ -155,18 +155,30 @@ impl Drains {
 
     /// Takes out the drains that can no longer finish because `cq` left the
     /// loop (ECANCELED); forgets markers that can only come through it.
+    /// A marker still expected on the queue whose CQ stays in the loop
+    /// becomes an orphan: it never reaches that CQ's handler.
     pub(crate) fn take_for_cq(&mut self, cq: usize) -> Vec<(Done, crate::Result<()>)> {
-        self.orphans.retain(|o| o.cqs.0 != cq && o.cqs.1 != cq);
         let mut out = Vec::new();
         let mut i = 0;
         while i < self.watches.len() {
             if self.watches[i].cqs.0 == cq || self.watches[i].cqs.1 == cq {
                 let w = self.watches.swap_remove(i);
+                self.orphans.push(Orphan { qp_num: w.qp_num, cqs: w.cqs, send: !w.send_seen, recv: !w.recv_seen });
                 out.push((w.done, Err(crate::Error::new("rdmasafe drain_qp: its CQ left the loop", libc::ECANCELED))));
             } else {
                 i += 1;
             }
         }
+        // Markers that could only come through `cq` never come now.
+        for o in &mut self.orphans {
+            if o.cqs.0 == cq {
+                o.send = false;
+            }
+            if o.cqs.1 == cq {
+                o.recv = false;
+            }
+        }
+        self.orphans.retain(|o| o.send || o.recv);
         out
     }
 }
@@ -212,6 +224,22 @@ mod tests {
         d.take_finished(Some(now));
         assert!(!d.is_empty());
         assert!(d.take_for_cq(2).is_empty());
+        assert!(!d.is_empty(), "the send marker still comes through CQ 1");
+        assert!(!d.note(&marker(7, DRAIN_RECV_WR_ID)), "the receive marker's CQ is gone: forgotten");
+        assert!(d.take_for_cq(1).is_empty());
         assert!(d.is_empty(), "markers that can only come through a removed CQ are forgotten");
+    }
+
+    #[test]
+    fn a_cq_removed_mid_drain_leaves_the_other_queues_marker_to_the_loop() {
+        let now = Instant::now();
+        let mut d = Drains::default();
+        d.watches.push(watch(7, now + Duration::from_secs(60)));
+        let cancelled = d.take_for_cq(2);
+        assert_eq!(cancelled.len(), 1);
+        assert_eq!(cancelled[0].1.as_ref().unwrap_err().errno(), libc::ECANCELED);
+        assert!(!d.in_progress());
+        assert!(d.note(&marker(7, DRAIN_SEND_WR_ID)), "the send marker, flushed on CQ 1, is the loop's");
+        assert!(d.is_empty());
     }
 }

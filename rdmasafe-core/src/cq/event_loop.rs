@@ -158,6 +158,15 @@ impl CqLoop {
         }
     }
 
+    /// Test hook: called when the loop woke for its wake fd, between
+    /// consuming the wakeup and clearing its flag.
+    #[doc(hidden)]
+    pub fn set_woke_hook(&self, hook: Option<Box<dyn FnMut() + Send>>) {
+        if let Ok(mut c) = self.sh.core.lock() {
+            c.woke_hook = hook;
+        }
+    }
+
     /// Takes the state for running: EBUSY if someone runs the loop, a
     /// short wait if a thread is applying a change.
     fn enter(&self) -> Result<Held<'_>> {
@@ -421,6 +430,7 @@ impl Drop for CqLoop {
         let mut c = self.sh.core.lock().unwrap_or_else(|e| e.into_inner());
         c.shutdown();
         drop(c);
+        self.sh.notify(); // callers blocked in a change see ECANCELED
         registry::release_loop(self.sh.id);
     }
 }

@@ -179,6 +179,26 @@ impl Keepalives {
         (posted, dead, destroyed)
     }
 
+    /// The send CQs of the QPs whose probe is past its bound at `now`: the
+    /// loop polls them before `tick` decides, so a probe that completed
+    /// without raising an event (a solicited-only CQ, an event not read
+    /// yet) is never taken for a dead peer.
+    pub(crate) fn send_cqs_due(&self, now: Instant) -> Vec<usize> {
+        let mut cqs: Vec<usize> = self
+            .by_qpn
+            .values()
+            .filter(|e| !e.dead)
+            .filter(|e| match e.probe {
+                Probe::Sent(t) | Probe::Blocked(t) => now.saturating_duration_since(t) >= e.cfg.bound,
+                Probe::Idle => false,
+            })
+            .map(|e| e.send_cq)
+            .collect();
+        cqs.sort_unstable();
+        cqs.dedup();
+        cqs
+    }
+
     /// The callback of a peer declared dead.
     pub(crate) fn on_dead(&mut self, qpn: u32) -> Option<&mut DeadPeer> {
         self.by_qpn.get_mut(&qpn).map(|e| &mut e.on_dead)

@@ -68,9 +68,13 @@ impl LoopOptions {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CqOptions {
     /// Arm this CQ for solicited completions only
-    /// (`ibv_req_notify_cq(cq, 1)`): events come only for completions of
-    /// work requests sent with IBV_SEND_SOLICITED (and errors). A send CQ
-    /// armed so never wakes the loop.
+    /// (`ibv_req_notify_cq(cq, 1)`): events come only for receive
+    /// completions of messages sent with IBV_SEND_SOLICITED, and for
+    /// errors. The CQ is drained when such an event comes (everything in it
+    /// then, unsolicited completions included) and, for a QP with a
+    /// keepalive, before a probe is judged overdue. Successful send
+    /// completions raise no event: a send CQ armed so is only drained by
+    /// those, so size it for the sends between two of them.
     pub solicited_only: bool,
     /// Completions handled per cycle at most (0: no limit). A CQ that still
     /// has completions after its budget is polled again in the next cycle,

@@ -75,6 +75,11 @@ impl Core {
         let mut n = 0;
         if let Some(now) = now {
             if !self.keepalives.is_empty() {
+                for cq in self.keepalives.send_cqs_due(now) {
+                    if let Some(r) = self.entries.find(cq) {
+                        n += self.drain(ctl, r, honor_stop)?;
+                    }
+                }
                 let (posted, dead, destroyed) = self.keepalives.tick(now);
                 sh.counters.keepalive_probes.fetch_add(posted, Relaxed);
                 sh.forget_keepalives_of(&destroyed);
