@@ -5,6 +5,9 @@
 //!   `rdma_destroy_id`.
 //! * [`verbs`]: owned PD / MR / CQ / completion channel handles.
 //! * [`sys`]: the one raw FFI layer.
+//! * `sideway` (feature `sideway`): the sideway verbs crate's CQs in the CQ
+//!   loop and its QPs connected through rdmasafe's CM ids, without raw
+//!   pointers in user code (docs/interop.md).
 //!
 //! Logging goes through the [`log`](https://docs.rs/log) facade (target
 //! `rdmasafe`): pick any backend (`env_logger`, `tracing-log`, ...). Trace
@@ -17,6 +20,8 @@
 pub mod cm;
 pub mod cq;
 pub mod error;
+#[cfg(feature = "sideway")]
+pub mod sideway;
 pub mod sys;
 pub mod verbs;
 mod wait;

@@ -1,0 +1,192 @@
+//! Interop with the sideway verbs crate (feature `sideway`), on Soft-RoCE:
+//! sideway's QPs, CQs and completion channel, rdmasafe's CM ids and CQ
+//! loop. A client connects through rdmasafe (private data both ways: a
+//! hello, and the server's buffer for RDMA), then writes with immediate into
+//! the server's buffer and reads another part of it back, on a sideway
+//! extended QP. Asserted: the bytes arrived both ways; each completion is
+//! delivered once, by the loop, with its opcode, length and immediate; the
+//! server's unused receives come back flushed, once each, at disconnect;
+//! the CQs leave the loop; everything is destroyed without a hang (the
+//! watchdog turns one into a failure).
+
+mod common;
+
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
+
+use common::cm::{assert_data, expect, listen, pattern, resolved, STEP};
+use rdmasafe_core::cm::{ConnectParams, EventChannel, EventType, PortSpace, SendOptions};
+use rdmasafe_core::cq::{LoopOptions, Mode, WcOpcode, WcStatus};
+use rdmasafe_core::sideway::sideway::ibverbs::completion::{CompletionChannel, GenericCompletionQueue};
+use rdmasafe_core::sideway::sideway::ibverbs::device_context::DeviceContext;
+use rdmasafe_core::sideway::sideway::ibverbs::protection_domain::ProtectionDomain;
+use rdmasafe_core::sideway::sideway::ibverbs::queue_pair::ExtendedQueuePair;
+use rdmasafe_core::sideway::{open_device, Buffer, CompletionLoop, Qp, RemoteBuffer};
+
+const LEN: usize = 4096;
+const IMM: u32 = 0x5eed_1234;
+const HELLO: &[u8] = b"sideway client, rdmasafe CM";
+const WRITE_ID: u64 = 1;
+const READ_ID: u64 = 2;
+/// The server's receives: the first takes the write's immediate, the others
+/// are flushed at disconnect.
+const RECV_IDS: [u64; 4] = [100, 101, 102, 103];
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Seen {
+    side: char,
+    wr_id: u64,
+    ok: bool,
+    flushed: bool,
+    opcode: WcOpcode,
+    byte_len: u32,
+    imm: Option<u32>,
+}
+
+fn cq_on(ctx: &Arc<DeviceContext>, chan: &Arc<CompletionChannel>) -> GenericCompletionQueue {
+    GenericCompletionQueue::from(ctx.create_cq_builder().setup_cqe(32).setup_comp_channel(chan, 0).build().expect("cq"))
+}
+
+fn qp_on(pd: &Arc<ProtectionDomain>, cq: &GenericCompletionQueue) -> Qp<ExtendedQueuePair> {
+    let qp = pd
+        .create_qp_builder()
+        .setup_max_send_wr(8)
+        .setup_max_recv_wr(8)
+        .setup_send_cq(cq.clone())
+        .setup_recv_cq(cq.clone())
+        .build_ex()
+        .expect("sideway extended QP");
+    Qp::new(qp)
+}
+
+fn next(rx: &mpsc::Receiver<Seen>, what: &str) -> Seen {
+    rx.recv_timeout(STEP).unwrap_or_else(|e| panic!("waiting for {what}: {e}"))
+}
+
+#[test]
+fn sideway_data_path_over_rdmasafe_cm_and_cq_loop() {
+    let _dog = common::watchdog("sideway interop", Duration::from_secs(240));
+    let bed = common::bed();
+
+    let server = listen(bed.addr, PortSpace::Tcp, 4);
+    let cch = EventChannel::new().expect("client channel");
+    let cid = resolved(&cch, PortSpace::Tcp, bed.addr, server.port);
+
+    // One sideway context, one channel, one rdmasafe loop for both sides'
+    // CQs (several CQs on one channel, each event acked on its own CQ).
+    let ctx = open_device(&cid).expect("sideway context on the id's device");
+    let chan = CompletionChannel::new(&ctx).expect("sideway completion channel");
+    let lp = CompletionLoop::new(&chan, LoopOptions { mode: Mode::Event, ..Default::default() }).expect("loop");
+    let (tx, rx) = mpsc::channel::<Seen>();
+    let handler = |side: char| {
+        let tx = tx.clone();
+        move |wcs: &[rdmasafe_core::cq::Wc], _: &rdmasafe_core::cq::LoopControl| {
+            for wc in wcs {
+                let _ = tx.send(Seen {
+                    side,
+                    wr_id: wc.wr_id(),
+                    ok: wc.is_success(),
+                    flushed: wc.status() == WcStatus::WR_FLUSH_ERR,
+                    opcode: wc.opcode(),
+                    byte_len: wc.byte_len(),
+                    imm: wc.imm_data(),
+                });
+            }
+        }
+    };
+
+    // Client: its QP on the sideway context, connected through the rdmasafe id.
+    let ccq = cq_on(&ctx, &chan);
+    lp.add_cq(&ccq, handler('c')).expect("add client CQ");
+    let cpd = ctx.alloc_pd().expect("client pd");
+    let mut cqp = qp_on(&cpd, &ccq);
+    let mut cbuf = Buffer::new(&cpd, 2 * LEN).expect("client buffer");
+    let written = pattern(LEN, 11);
+    cbuf.write(0, &written).expect("fill");
+    cqp.connect(&cid, &ConnectParams { private_data: HELLO, ..Default::default() }).expect("connect");
+
+    // Server: a request with the hello; its QP goes to RTS and accepts.
+    let mut ev = expect(&server.ch, EventType::CONNECT_REQUEST);
+    assert_data(ev.private_data(), HELLO, "hello");
+    let mut req = ev.take_request().expect("the request's id");
+    let sctx = open_device(req.id_mut()).expect("server context");
+    assert!(Arc::ptr_eq(&sctx, &ctx), "one sideway context per device");
+    let scq = cq_on(&sctx, &chan);
+    lp.add_cq(&scq, handler('s')).expect("add server CQ");
+    let spd = sctx.alloc_pd().expect("server pd");
+    let mut sqp = qp_on(&spd, &scq);
+    let mut sbuf = Buffer::new(&spd, 2 * LEN).expect("server buffer");
+    let served = pattern(LEN, 77);
+    sbuf.write(LEN, &served).expect("fill");
+    for id in RECV_IDS {
+        sqp.post_recv_empty(id).expect("post_recv");
+    }
+    let offer = sbuf.remote(0, 2 * LEN).expect("remote").to_bytes();
+    let sid = sqp.accept(req, &ConnectParams { private_data: &offer, ..Default::default() }).expect("accept");
+
+    // Client: the response carries the server's buffer; establish.
+    let resp = expect(&cch, EventType::CONNECT_RESPONSE);
+    assert_eq!(resp.token(), Some(cid.token()));
+    let remote = RemoteBuffer::from_bytes(resp.private_data()).expect("the server's buffer");
+    assert_eq!(remote.len, 2 * LEN as u64);
+    cqp.establish(&cid).expect("establish");
+    let est = expect(&server.ch, EventType::ESTABLISHED);
+    assert_eq!(est.token(), Some(sid.token()));
+
+    // The data path is sideway's; the loop delivers the completions.
+    let th = lp.spawn(None).expect("loop thread");
+    let signaled = SendOptions::default();
+    cqp.post_write_with_imm(WRITE_ID, &cbuf, 0, LEN as u32, &remote, 0, IMM, signaled).expect("write with imm");
+    cqp.post_read(READ_ID, &cbuf, LEN, LEN as u32, &remote, LEN as u64, signaled).expect("read");
+    // Out of bounds is refused before sideway sees it.
+    assert_eq!(
+        cqp.post_read(9, &cbuf, LEN, LEN as u32, &remote, LEN as u64 + 1, signaled).unwrap_err().errno(),
+        libc::EINVAL
+    );
+
+    let mut seen: Vec<Seen> = (0..3).map(|_| next(&rx, "the data path's completions")).collect();
+    seen.sort_by_key(|s| s.wr_id);
+    let want =
+        |side, wr_id, opcode, byte_len, imm| Seen { side, wr_id, ok: true, flushed: false, opcode, byte_len, imm };
+    assert_eq!(seen[0], Seen { byte_len: seen[0].byte_len, ..want('c', WRITE_ID, WcOpcode::RDMA_WRITE, 0, None) });
+    assert_eq!(seen[1], want('c', READ_ID, WcOpcode::RDMA_READ, LEN as u32, None));
+    assert_eq!(seen[2], want('s', RECV_IDS[0], WcOpcode::RECV_RDMA_WITH_IMM, LEN as u32, Some(IMM)));
+
+    let mut got = vec![0u8; LEN];
+    sbuf.read(0, &mut got).expect("read back");
+    assert!(got == written, "the RDMA WRITE's bytes did not arrive in the server's buffer");
+    cbuf.read(LEN, &mut got).expect("read back");
+    assert!(got == served, "the RDMA READ did not bring the server's bytes");
+
+    // Teardown: disconnect (the QPs go to the error state and flush what is
+    // left: the server's three unused receives), both ids see DISCONNECTED.
+    cqp.disconnect(&cid).expect("client disconnect");
+    expect(&cch, EventType::DISCONNECTED);
+    expect(&server.ch, EventType::DISCONNECTED);
+    sqp.disconnect(&sid).expect("server disconnect");
+    let mut flushed: Vec<Seen> = (0..3).map(|_| next(&rx, "the flushed receives")).collect();
+    flushed.sort_by_key(|s| s.wr_id);
+    for (s, id) in flushed.iter().zip(&RECV_IDS[1..]) {
+        assert_eq!((s.side, s.wr_id, s.ok, s.flushed), ('s', *id, false, true), "{s:?}");
+    }
+
+    let lp = th.stop().expect("stop the loop");
+    assert!(rx.try_recv().is_err(), "a completion was delivered twice or one too many");
+    let stats = lp.stats();
+    assert_eq!((stats.completions, stats.error_completions), (6, 3), "{stats:?}");
+    assert_eq!(stats.unacked_now, 0, "{stats:?}");
+    assert_eq!(stats.foreign_cq_events, 0, "{stats:?}");
+    lp.remove_cq(&ccq).expect("remove client CQ");
+    lp.remove_cq(&scq).expect("remove server CQ");
+    assert_eq!(lp.remove_cq(&scq).unwrap_err().errno(), libc::ENOENT);
+    assert_eq!(lp.stats().cqs, 0);
+
+    // QPs first (they hold their CQs), then the loop, then the CQs (the
+    // last clones: ibv_destroy_cq would hang on an event read and not
+    // acked), buffers, PDs, context; ids last.
+    drop((cqp, sqp));
+    drop(lp);
+    drop((ccq, scq, chan));
+    drop((cbuf, sbuf, cpd, spd, sctx, ctx));
+    drop((sid, cid, server));
+}
