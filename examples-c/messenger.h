@@ -100,23 +100,32 @@ const char *msgr_msg_decode(const void *data, size_t len, struct msgr_msg *out);
 
 /*
  * Verbs resources shared by all connections of a process on one device:
- * PD, a completion channel (non-blocking fd) and one CQ on it.
+ * a PD and a completion channel, and with msgr_dev_open one CQ on it that
+ * every connection uses (the client: its fd is non-blocking, polled with
+ * msgr_dev_poll). msgr_dev_open_channel makes no CQ and leaves the fd as it
+ * is (the server: a CQ per connection on the channel, handed to an
+ * rdmasafe_cq_loop, which is the channel's only reader).
  */
 struct msgr_dev {
 	struct ibv_context *verbs;
 	struct ibv_pd *pd;
 	struct ibv_comp_channel *comp;
-	struct ibv_cq *cq;
-	unsigned long cq_events; /* CQ events seen (all acked) */
+	struct ibv_cq *cq;       /* NULL after msgr_dev_open_channel */
+	unsigned long cq_events; /* CQ events seen by msgr_dev_poll (all acked) */
 };
 
 int msgr_dev_open(struct msgr_dev *d, struct ibv_context *verbs, int cqe);
-void msgr_dev_close(struct msgr_dev *d);
+int msgr_dev_open_channel(struct msgr_dev *d, struct ibv_context *verbs);
+/* Destroys what is there (CQ, channel, PD); 0, or -1 with errno of the
+ * first call that failed (a channel with CQs left on it: EBUSY). */
+int msgr_dev_close(struct msgr_dev *d);
 /* Takes and acks pending CQ events, re-arms, then polls up to max
  * completions (call again while it returns max). -1 on error. */
 int msgr_dev_poll(struct msgr_dev *d, struct ibv_wc *wc, int max);
 /* An RC QP on id using the shared CQ. */
 int msgr_create_qp(struct rdma_cm_id *id, struct msgr_dev *d, int depth);
+/* An RC QP on id with cq as its send and receive CQ. */
+int msgr_create_qp_on(struct rdma_cm_id *id, struct ibv_pd *pd, struct ibv_cq *cq, int depth);
 int msgr_post_recv(struct rdma_cm_id *id, struct ibv_mr *mr, void *buf, uint32_t len, uint64_t wr_id);
 int msgr_post_send(struct rdma_cm_id *id, struct ibv_mr *mr, void *buf, uint32_t len, uint64_t wr_id);
 

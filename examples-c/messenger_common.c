@@ -198,15 +198,34 @@ int msgr_dev_open(struct msgr_dev *d, struct ibv_context *verbs, int cqe)
 	return 0;
 }
 
-void msgr_dev_close(struct msgr_dev *d)
+int msgr_dev_open_channel(struct msgr_dev *d, struct ibv_context *verbs)
 {
-	if (d->cq)
-		ibv_destroy_cq(d->cq); /* every CQ event was acked in msgr_dev_poll */
-	if (d->comp)
-		ibv_destroy_comp_channel(d->comp);
-	if (d->pd)
-		ibv_dealloc_pd(d->pd);
 	memset(d, 0, sizeof *d);
+	d->verbs = verbs;
+	if (!(d->pd = ibv_alloc_pd(verbs)) || !(d->comp = ibv_create_comp_channel(verbs))) {
+		int e = errno;
+		msgr_dev_close(d);
+		errno = e;
+		return -1;
+	}
+	return 0;
+}
+
+int msgr_dev_close(struct msgr_dev *d)
+{
+	int e = 0, r;
+
+	/* every CQ event of the shared CQ was acked in msgr_dev_poll */
+	if (d->cq && (r = ibv_destroy_cq(d->cq)) && !e)
+		e = r;
+	if (d->comp && (r = ibv_destroy_comp_channel(d->comp)) && !e)
+		e = r;
+	if (d->pd && (r = ibv_dealloc_pd(d->pd)) && !e)
+		e = r;
+	memset(d, 0, sizeof *d);
+	if (e)
+		errno = e;
+	return e ? -1 : 0;
 }
 
 int msgr_dev_poll(struct msgr_dev *d, struct ibv_wc *wc, int max)
@@ -231,15 +250,20 @@ int msgr_dev_poll(struct msgr_dev *d, struct ibv_wc *wc, int max)
 
 int msgr_create_qp(struct rdma_cm_id *id, struct msgr_dev *d, int depth)
 {
+	return msgr_create_qp_on(id, d->pd, d->cq, depth);
+}
+
+int msgr_create_qp_on(struct rdma_cm_id *id, struct ibv_pd *pd, struct ibv_cq *cq, int depth)
+{
 	struct ibv_qp_init_attr attr;
 
 	memset(&attr, 0, sizeof attr);
 	attr.qp_type = IBV_QPT_RC;
-	attr.send_cq = attr.recv_cq = d->cq;
+	attr.send_cq = attr.recv_cq = cq;
 	attr.cap.max_send_wr = attr.cap.max_recv_wr = depth;
 	attr.cap.max_send_sge = attr.cap.max_recv_sge = 1;
 	attr.sq_sig_all = 1;
-	return rdma_create_qp(id, d->pd, &attr);
+	return rdma_create_qp(id, pd, &attr);
 }
 
 int msgr_post_recv(struct rdma_cm_id *id, struct ibv_mr *mr, void *buf, uint32_t len, uint64_t wr_id)

@@ -409,11 +409,14 @@ struct rdmasafe_cq_loop_stats {
    */
   uint64_t foreign_cq_events;
   /**
-   * CQs in the loop now.
+   * CQs in the loop now. An add (or remove) made from another thread
+   * is queued and counted here, and in `cqs_added` / `cqs_removed`, once
+   * the loop applied it (its next cycle; a remove from another thread
+   * has been applied when it returns).
    */
   uint64_t cqs;
   /**
-   * CQs added since the loop was created.
+   * CQs added since the loop was created (applied adds).
    */
   uint64_t cqs_added;
   /**
@@ -705,7 +708,9 @@ int rdmasafe_cq_loop_create(struct ibv_comp_channel *channel,
  * destroyed before it has left the loop (`rdmasafe_cq_loop_remove_cq`,
  * `rdmasafe_cq_loop_destroy_cq`, or the loop destroyed):
  * `ibv_destroy_cq` waits for acks only the loop can give, and the loop
- * would poll freed memory.
+ * would poll freed memory. The add is queued: it is applied at the loop's
+ * next cycle (then `cqs` and `cqs_added` of the figures count it), or at
+ * once when the loop is idle.
  *
  * Returns 0 (or RDMASAFE_PENDING from inside a callback), -EINVAL (NULL
  * argument, unknown loop, CQ not bound to this loop's channel or of

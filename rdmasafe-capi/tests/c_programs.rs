@@ -6,8 +6,13 @@
 //!    transport limits (byte by byte), reject data, no listener, 100 copies
 //!    held across rdma_destroy_id, batch gets, counters;
 //! 2. `messenger_server` with 8 connections from 5 `messenger_client`
-//!    processes (one with `-n 4`, four single ones);
-//! 3. `messenger_server` stopped by SIGTERM with 2 held connections;
+//!    processes (one with `-n 4`, four single ones); the server's CQ loop
+//!    runs on its own thread for its whole life, and each connection's CQ
+//!    was added to it at accept and removed (QP drained first) at teardown
+//!    while it ran: its figures (CQs added / removed / left, completions,
+//!    nothing unacked, no foreign CQ event) against the server's own;
+//! 3. `messenger_server` stopped by SIGTERM with 2 held connections (the
+//!    same loop figures for its 2);
 //! 4. `rdmasafe_rdma_server` with rdma-core's stock `rdma_client`;
 //! 5. the stock `rdma_server` with `rdmasafe_rdma_client`;
 //! 6. `cq_loop_test`: the CQ loop C API (handle and argument errors, stale
@@ -269,6 +274,7 @@ fn check_messenger(c: &mut Checks, runs: &BTreeMap<String, Block>) {
         server.has("server: counters copied=") && server.has(" outstanding=0 "),
         "messenger_server counters: outstanding not 0",
     );
+    check_messenger_loop(c, "messenger_server", server, &sessions);
     for (id, n) in [(100, 4), (201, 1), (202, 1), (203, 1), (204, 1)] {
         let client = runs.get(&format!("messenger_client_{id}")).unwrap_or(&empty);
         c.that(
@@ -290,6 +296,13 @@ fn check_messenger(c: &mut Checks, runs: &BTreeMap<String, Block>) {
     c.that(server.count("disconnected, served") == 2, "SIGTERM server: both held connections served");
     c.that(server.has("server: done: 2 served, 0 failed, 0 refused, stopped by signal"), "SIGTERM server: summary");
     c.that(server.has(" outstanding=0 "), "SIGTERM server: counters outstanding not 0");
+    let sigterm_sessions: BTreeSet<String> = server
+        .lines()
+        .filter(|l| l.starts_with("server: hello from client_id=300 "))
+        .filter_map(|l| field(l, "-> session ").map(String::from))
+        .collect();
+    c.that(sigterm_sessions.len() == 2, format!("SIGTERM server: 2 sessions, got {sigterm_sessions:?}"));
+    check_messenger_loop(c, "SIGTERM server", server, &sigterm_sessions);
     c.that(
         client.count("disconnected by the server (while holding)") == 2,
         "SIGTERM client: not disconnected by the server twice",
@@ -297,6 +310,82 @@ fn check_messenger(c: &mut Checks, runs: &BTreeMap<String, Block>) {
     c.that(
         client.has("client 300: 2 of 2 connections OK;") && client.has(" outstanding=0 "),
         "SIGTERM client: summary / counters",
+    );
+}
+
+/// The messenger server's CQ loop: one loop on its own thread for the
+/// server's life; each session's CQ added to it while it ran and removed
+/// (QP drained and destroyed first) while it still ran; the loop's figures
+/// at the end against what the server's callback saw. Also: no CM copy was
+/// held past its ack deadline (the server tears a connection down after
+/// the batch's copies are freed, so no rdma_destroy_id waited for one).
+fn check_messenger_loop(c: &mut Checks, label: &str, server: &Block, sessions: &BTreeSet<String>) {
+    let n = sessions.len() as f64;
+    c.that(
+        server.lines().any(|l| l.starts_with("server: CQ loop on ") && l.contains(" running on its own thread; ")),
+        format!("{label}: no CQ loop thread started"),
+    );
+    for s in sessions {
+        c.that(
+            server.has(&format!("server: session {s}: its CQ added to the running loop")),
+            format!("{label}: session {s}: CQ not added to the running loop"),
+        );
+        let removed = server.line(&format!(
+            "server: session {s}: QP drained and destroyed, CQ removed from the running loop and destroyed "
+        ));
+        if c.that(removed.is_some(), format!("{label}: session {s}: CQ not removed from the running loop")) {
+            // its callback ran (at least for the PING) before the removal
+            let calls: Option<u32> = removed.and_then(|l| field(l, "(callback calls ")).and_then(|v| v.parse().ok());
+            c.that(calls.is_some_and(|k| k >= 1), format!("{label}: session {s}: callback calls: {removed:?}"));
+        }
+    }
+    c.that(server.has(" acked_at_deadline=0"), format!("{label}: a CM event copy was held past its ack deadline"));
+    let figures = server.line("server: CQ loop figures ");
+    let seen = server.line("server: CQ loop seen by the server ");
+    if !c.that(figures.is_some() && seen.is_some(), format!("{label}: no CQ loop figures / server's view")) {
+        return;
+    }
+    let (fl, sl) = (figures.unwrap(), seen.unwrap());
+    println!("[c_programs] {label}: {fl}");
+    println!("[c_programs] {label}: {sl}");
+    let (f, v) = (kv(fl), kv(sl));
+    // the loop's own figures
+    for (key, want) in [
+        ("cqs_added", n),
+        ("cqs_removed", n),
+        ("cqs", 0.0),
+        ("unacked_now", 0.0),
+        ("foreign_cq_events", 0.0),
+        // per connection: the PING received and the PONG sent (the drain's
+        // markers are the loop's own, never counted or delivered)
+        ("completions", 2.0 * n),
+    ] {
+        c.that(num(&f, key) == Some(want), format!("{label}: loop figure {key} want {want}: {fl}"));
+    }
+    c.that(num(&f, "cq_events").is_some_and(|e| e >= 1.0), format!("{label}: no CQ event: {fl}"));
+    c.that(num(&f, "acked_events") == num(&f, "cq_events"), format!("{label}: every CQ event acked: {fl}"));
+    // the server's side of the same story
+    for (key, want) in [
+        ("run", 0.0),
+        ("accepted", n),
+        ("added", n),
+        ("removed", n),
+        ("removed_while_running", n),
+        ("drained", n),
+        ("teardown_errors", 0.0),
+        ("receives", n),
+        ("off_loop_thread", 0.0),
+    ] {
+        c.that(num(&v, key) == Some(want), format!("{label}: server's {key} want {want}: {sl}"));
+    }
+    c.that(
+        num(&v, "callback_completions") == num(&f, "completions") && num(&v, "errors") == num(&f, "error_completions"),
+        format!("{label}: the callback saw every completion the loop counted:\n    {fl}\n    {sl}"),
+    );
+    c.that(
+        num(&v, "receives").zip(num(&v, "sends")).zip(num(&v, "errors")).map(|((r, s), e)| r + s + e)
+            == num(&v, "callback_completions"),
+        format!("{label}: receives + sends + errors = callback completions: {sl}"),
     );
 }
 

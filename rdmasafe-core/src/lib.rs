@@ -1,27 +1,118 @@
-//! rdmasafe-core: safe handling of RDMA CM events and CQ notifications.
+//! rdmasafe-core: RDMA connection-manager events and completion-queue
+//! notification, done right, over librdmacm and libibverbs.
 //!
-//! * [`cm`]: every CM event is copied into storage rdmasafe owns and acked
-//!   before the caller sees it; holding a copy can never block
-//!   `rdma_destroy_id`.
-//! * [`verbs`]: owned PD / MR / CQ / completion channel handles.
-//! * [`sys`]: the one raw FFI layer.
-//! * `sideway` (feature `sideway`): the sideway verbs crate's CQs in the CQ
-//!   loop and its QPs connected through rdmasafe's CM ids, without raw
-//!   pointers in user code (docs/interop.md).
+//! RDMA programs get two event paths wrong again and again: CM events that
+//! are acked too early (their private data dangles) or never (teardown
+//! hangs in `rdma_destroy_id`), and CQ notification loops that sleep while a
+//! completion waits, ack the wrong CQ, or never ack (teardown hangs in
+//! `ibv_destroy_cq`). This crate runs both paths for you.
 //!
-//! Logging goes through the [`log`](https://docs.rs/log) facade (target
-//! `rdmasafe`): pick any backend (`env_logger`, `tracing-log`, ...). Trace
-//! level logs every CM event copied and every CQ wakeup; with the level
-//! off, a log site costs one atomic load and a branch. The C library
-//! installs its own backend (RDMASAFE_LOG, `rdmasafe_set_log_callback`).
+//! # CM events
+//!
+//! An [`cm::EventChannel`] copies every event into storage rdmasafe owns
+//! and acks librdmacm's original before you see it: a [`cm::CmEvent`] is
+//! plain owned data (private data, connection and UD parameters, the id by
+//! [`cm::IdToken`]) that you may keep, queue or send to another thread, and
+//! dropping a [`cm::CmId`] never waits for it. A connect request you drop
+//! without accepting is rejected and its id destroyed.
+//!
+//! ```no_run
+//! use rdmasafe_core::cm::{ConnectParams, EventChannel, EventType, PortSpace};
+//!
+//! let ch = EventChannel::new()?;
+//! let listener = ch.create_id(PortSpace::Tcp)?;
+//! listener.bind_addr("10.77.0.1:7471".parse().unwrap())?;
+//! listener.listen(64)?;
+//! let mut ev = ch.get()?; // copied and acked already
+//! if ev.event_type() == EventType::CONNECT_REQUEST {
+//!     let hello = ev.private_data().to_vec(); // owned bytes (padded length)
+//!     let req = ev.take_request().unwrap(); // the new id, owned
+//!     let _conn = req.accept(&ConnectParams { private_data: &hello[..4], ..Default::default() })?;
+//! }
+//! # Ok::<(), rdmasafe_core::Error>(())
+//! ```
+//!
+//! # The CQ loop
+//!
+//! A [`cq::CqLoop`] serves one [`verbs::CompChannel`] and any number of CQs
+//! on it, each with a handler that gets batches of [`verbs::Wc`] (errors
+//! included, each completion exactly once): arm, wait, get, ack to the CQ
+//! the event names (batched), re-arm *before* the final drain, in event,
+//! busy-poll or adaptive mode. CQs come and go while it runs, from any
+//! thread ([`cq::LoopControl`]) or from a handler. It runs on your thread
+//! ([`cq::CqLoop::run`], [`cq::CqLoop::run_for`]), on its own
+//! ([`cq::CqLoop::spawn`]), or one cycle at a time from your own epoll
+//! ([`cq::CqLoop::process_once`] on its fd). [`cq::LocalCqLoop`] is the
+//! same for one thread, with handlers that need not be `Send`.
+//! [`cq::CqLoop::drain_id`] waits until everything posted on an id's QP
+//! completed; [`cq::CqLoop::add_keepalive_id`] declares a silent peer dead.
+//!
+//! ```no_run
+//! use rdmasafe_core::cq::{CqLoop, LoopOptions};
+//! use rdmasafe_core::verbs::{CompChannel, Cq, DeviceContext};
+//!
+//! fn serve(ctx: &DeviceContext) -> rdmasafe_core::Result<()> {
+//!     let chan = CompChannel::new(ctx)?;
+//!     let cq = Cq::new(ctx, 256, Some(&chan))?; // give it to your QPs
+//!     let lp = CqLoop::new(&chan, LoopOptions::default())?;
+//!     lp.add_cq(&cq, |wcs, ctl| {
+//!         for wc in wcs {
+//!             if !wc.is_success() {
+//!                 eprintln!("{}: {}", wc.wr_id(), wc.status());
+//!                 ctl.stop();
+//!             }
+//!         }
+//!     })?;
+//!     lp.run() // until a stop; every ack flushed on return
+//! }
+//! ```
+//!
+//! # Data path
+//!
+//! [`verbs`] keeps what a test or a small app needs: PDs, memory regions
+//! (rdmasafe's or the app's own, [`verbs::Mr::from_box`]), and on a
+//! [`cm::CmId`]'s QP: SEND / RECV, SEND with immediate, inline SEND, RDMA
+//! WRITE (with immediate) and READ ([`verbs::RemoteMr`]), signalled or
+//! not. For a full data path, pair rdmasafe with a verbs crate (next
+//! section).
+//!
+//! # Interop with sideway
+//!
+//! With the `sideway` feature, the `sideway` module joins the
+//! [sideway](https://docs.rs/sideway/0.4) verbs crate to rdmasafe:
+//! sideway's completion channels and CQs run in a [`cq::CqLoop`]
+//! (`sideway::CompletionLoop`), and sideway's QPs connect through
+//! rdmasafe's [`cm::CmId`]s (`sideway::Qp::connect` / `accept`, by
+//! `rdma_init_qp_attr`), so sideway does the data path (`ibv_wr_*` RDMA
+//! WRITE with immediate, READ, atomics) with no raw pointer in your code.
+//! docs/interop.md says why sideway (and not rust-ibverbs) and how.
+//!
+//! # Async
+//!
+//! With the `tokio` feature, the CM channel and the CQ loop run on a tokio
+//! runtime; with `mio`, they are `mio::event::Source`s for any runtime (see
+//! the README).
+//!
+//! # Errors, logging, raw access
+//!
+//! Every fallible call returns [`Error`]: the call that failed, its errno,
+//! optionally what you were doing ([`Error::context`]). rdmasafe logs
+//! through the [`log`](https://docs.rs/log) facade (target `rdmasafe`):
+//! pick any backend; trace level logs every CM event copied and every CQ
+//! wakeup, and with the level off a log site costs one atomic load. The
+//! C library installs its own backend (RDMASAFE_LOG, a C callback).
+//! Raw pointers are reachable where interop needs them (`raw()` getters,
+//! `unsafe` constructors from raw objects); [`sys`] is the FFI layer the C
+//! library uses and is not part of the stable API.
 #![deny(unsafe_op_in_unsafe_fn)]
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 pub mod cm;
 pub mod cq;
 pub mod error;
 #[cfg(feature = "sideway")]
 pub mod sideway;
+#[doc(hidden)]
 pub mod sys;
 pub mod verbs;
 mod wait;

@@ -1,6 +1,10 @@
 //! The raw layer: every librdmacm / libibverbs / libc item rdmasafe uses is
 //! reached through this module, and nothing outside it declares FFI.
 //!
+//! **Unstable**: public for rdmasafe's own C library and tests, not part of
+//! the crate's semver-stable API. Applications use the safe types, and
+//! their documented raw getters where interop needs a pointer.
+//!
 //! Bindings come from the `rdma-sys` crate (bindgen over Debian's rdma-core
 //! headers, plus hand-written Rust versions of verbs.h's static inline
 //! functions such as `ibv_poll_cq`). Where rdma-sys gets something wrong for
@@ -34,7 +38,7 @@ pub use rdma_sys::{
     rdma_conn_param, rdma_connect, rdma_create_event_channel, rdma_create_id, rdma_create_qp,
     rdma_destroy_event_channel, rdma_destroy_id, rdma_destroy_qp, rdma_disconnect, rdma_event_channel,
     rdma_free_devices, rdma_get_cm_event, rdma_get_devices, rdma_get_src_port, rdma_listen, rdma_migrate_id,
-    rdma_port_space, rdma_reject, rdma_resolve_addr, rdma_resolve_route, rdma_ud_param,
+    rdma_port_space, rdma_reject, rdma_resolve_addr, rdma_resolve_route, rdma_t, rdma_ud_param,
 };
 
 /// `RDMA_MAX_PRIVATE_DATA` from librdmacm: the largest private data any CM
@@ -457,12 +461,15 @@ pub unsafe fn post_zero_length_write(qp: *mut ibv_qp, wr_id: u64) -> crate::Resu
 ///
 /// # Safety
 /// `qp` must be a live QP.
+///
+/// On failure, also says whether the receive marker had been posted (it
+/// will still come back, flushed).
 pub unsafe fn qp_to_error_and_post_markers(
     qp: *mut ibv_qp,
     recv: bool,
     send_wr_id: u64,
     recv_wr_id: u64,
-) -> crate::Result<()> {
+) -> Result<(), (crate::Error, bool)> {
     use crate::Error;
     // SAFETY (whole block): qp is live; the attr and WR structs are plain
     // data, zero-initialised, valid for the calls.
@@ -473,10 +480,10 @@ pub unsafe fn qp_to_error_and_post_markers(
             let mut bad = std::ptr::null_mut();
             let r = ibv_post_recv(qp, &mut wr, &mut bad);
             if r != 0 {
-                return Err(Error::new("ibv_post_recv(drain marker)", r));
+                return Err((Error::new("ibv_post_recv(drain marker)", r), false));
             }
         }
-        qp_to_error(qp)?;
+        qp_to_error(qp).map_err(|e| (e, recv))?;
         let mut wr: ibv_send_wr = std::mem::zeroed();
         wr.wr_id = send_wr_id;
         wr.opcode = ibv_wr_opcode::IBV_WR_SEND;
@@ -484,7 +491,7 @@ pub unsafe fn qp_to_error_and_post_markers(
         let mut bad = std::ptr::null_mut();
         let r = ibv_post_send(qp, &mut wr, &mut bad);
         if r != 0 {
-            return Err(Error::new("ibv_post_send(drain marker)", r));
+            return Err((Error::new("ibv_post_send(drain marker)", r), recv));
         }
     }
     Ok(())

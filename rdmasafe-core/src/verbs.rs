@@ -208,6 +208,9 @@ pub(crate) struct MrInner {
     raw: NonNull<ibv_mr>,
     buf: NonNull<u8>,
     len: usize,
+    /// The buffer is rdmasafe's (a leaked `Box<[u8]>`, freed after
+    /// deregistration); false for memory the app registered itself.
+    owned: bool,
     _pd: Pd,
 }
 // SAFETY: the buffer is only reached through volatile copies (see Mr); the
@@ -217,16 +220,102 @@ unsafe impl Send for MrInner {}
 unsafe impl Sync for MrInner {}
 impl Drop for MrInner {
     fn drop(&mut self) {
-        // SAFETY: registered by ibv_reg_mr; the buffer was leaked from a Box
-        // in Mr::new and is freed exactly once, after deregistration.
-        unsafe {
-            sys::ibv_dereg_mr(self.raw.as_ptr());
-            drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.buf.as_ptr(), self.len)));
+        // SAFETY: registered by ibv_reg_mr, deregistered once here (the
+        // last reference: no QP can use it any more).
+        unsafe { sys::ibv_dereg_mr(self.raw.as_ptr()) };
+        if self.owned {
+            // SAFETY: the buffer was leaked from a Box<[u8]> of `len` bytes
+            // in Mr::from_box and is freed exactly once, after deregistration.
+            unsafe { drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.buf.as_ptr(), self.len))) };
         }
     }
 }
 
-/// A registered buffer owned by rdmasafe (local write, remote read/write).
+/// What the device may do with a memory region (`ibv_access_flags`).
+/// The local device may always read it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MrAccess {
+    /// Local writes: receives and RDMA READ results land here.
+    pub local_write: bool,
+    /// Peers may RDMA WRITE into it (needs `local_write`).
+    pub remote_write: bool,
+    /// Peers may RDMA READ from it.
+    pub remote_read: bool,
+}
+
+impl MrAccess {
+    /// Local and remote read and write ([`Mr::new`]'s default).
+    pub const ALL: MrAccess = MrAccess { local_write: true, remote_write: true, remote_read: true };
+    /// Local only: sends from it, receives and READ results into it.
+    pub const LOCAL: MrAccess = MrAccess { local_write: true, remote_write: false, remote_read: false };
+
+    fn flags(self) -> Result<i32> {
+        use rdma_sys::ibv_access_flags as A;
+        if self.remote_write && !self.local_write {
+            // The verbs spec: remote write needs local write.
+            return Err(Error::new("ibv_reg_mr: remote_write needs local_write", libc::EINVAL));
+        }
+        let mut f = 0;
+        if self.local_write {
+            f |= A::IBV_ACCESS_LOCAL_WRITE.0;
+        }
+        if self.remote_write {
+            f |= A::IBV_ACCESS_REMOTE_WRITE.0;
+        }
+        if self.remote_read {
+            f |= A::IBV_ACCESS_REMOTE_READ.0;
+        }
+        Ok(f as i32)
+    }
+}
+
+impl Default for MrAccess {
+    fn default() -> Self {
+        MrAccess::ALL
+    }
+}
+
+/// A peer's view of a memory region: where an RDMA WRITE or READ goes.
+/// Exchange it in private data or a message ([`RemoteMr::to_bytes`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RemoteMr {
+    /// Address in the peer's address space.
+    pub addr: u64,
+    /// The peer's remote key.
+    pub rkey: u32,
+    /// Bytes from `addr` the peer registered.
+    pub len: u32,
+}
+
+impl RemoteMr {
+    /// 16 bytes, little-endian: addr, rkey, len.
+    pub fn to_bytes(&self) -> [u8; 16] {
+        let mut b = [0u8; 16];
+        b[..8].copy_from_slice(&self.addr.to_le_bytes());
+        b[8..12].copy_from_slice(&self.rkey.to_le_bytes());
+        b[12..].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    /// Reads [`RemoteMr::to_bytes`]' form from the start of `b` (`None` if
+    /// shorter than 16 bytes).
+    pub fn from_bytes(b: &[u8]) -> Option<RemoteMr> {
+        let b = b.get(..16)?;
+        Some(RemoteMr {
+            addr: u64::from_le_bytes(b[..8].try_into().ok()?),
+            rkey: u32::from_le_bytes(b[8..12].try_into().ok()?),
+            len: u32::from_le_bytes(b[12..16].try_into().ok()?),
+        })
+    }
+
+    /// The sub-range `offset..offset + len`, if it is inside this one.
+    pub fn slice(&self, offset: u32, len: u32) -> Option<RemoteMr> {
+        let end = offset.checked_add(len)?;
+        (end <= self.len).then(|| RemoteMr { addr: self.addr + offset as u64, rkey: self.rkey, len })
+    }
+}
+
+/// A registered buffer (local write, remote read/write by default).
 ///
 /// The device reads and writes the buffer on its own (DMA) while work
 /// requests are posted, outside anything Rust can see, so its bytes are only
@@ -235,29 +324,100 @@ impl Drop for MrInner {
 /// Rust threads can never race on the buffer; a QP that posted work on the
 /// MR keeps the registration and memory alive (not the `Mr` handle) until
 /// it is destroyed.
+///
+/// The memory is rdmasafe's ([`Mr::new`]), the app's heap buffer handed
+/// over ([`Mr::from_box`], given back by [`Mr::try_into_box`] once no QP
+/// holds it), or memory the app manages itself ([`Mr::register_raw`]).
 pub struct Mr(Arc<MrInner>);
 
 impl Mr {
-    /// Allocates `len` zeroed bytes and registers them (`ibv_reg_mr`).
+    /// Allocates `len` zeroed bytes and registers them (`ibv_reg_mr`) for
+    /// local and remote read and write.
     pub fn new(pd: &Pd, len: usize) -> Result<Mr> {
-        let boxed: Box<[u8]> = vec![0u8; len.max(1)].into_boxed_slice();
-        let len = boxed.len();
-        let buf = NonNull::new(Box::into_raw(boxed).cast::<u8>()).expect("Box is never NULL");
-        let access = (rdma_sys::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE
-            | rdma_sys::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE
-            | rdma_sys::ibv_access_flags::IBV_ACCESS_REMOTE_READ)
-            .0 as i32;
-        // SAFETY: pd is live; buf..buf+len is our allocation.
-        let raw = unsafe { sys::ibv_reg_mr(pd.raw(), buf.as_ptr().cast(), len, access) };
+        Mr::from_box(pd, vec![0u8; len.max(1)].into_boxed_slice(), MrAccess::ALL)
+    }
+
+    /// Registers the app's own buffer, which the MR owns from now on. A
+    /// boxed slice never moves, so the registration stays valid (the
+    /// pages are pinned by the kernel while registered). Get it back with
+    /// [`Mr::try_into_box`]. An empty buffer is EINVAL.
+    pub fn from_box(pd: &Pd, buf: Box<[u8]>, access: MrAccess) -> Result<Mr> {
+        let flags = access.flags()?;
+        let len = buf.len();
+        if len == 0 {
+            return Err(Error::new("ibv_reg_mr: empty buffer", libc::EINVAL));
+        }
+        let ptr = NonNull::new(Box::into_raw(buf).cast::<u8>()).expect("Box is never NULL");
+        // SAFETY: pd is live; ptr..ptr+len is the leaked Box.
+        let raw = unsafe { sys::ibv_reg_mr(pd.raw(), ptr.as_ptr().cast(), len, flags) };
         match NonNull::new(raw) {
-            Some(raw) => Ok(Mr(Arc::new(MrInner { raw, buf, len, _pd: pd.clone() }))),
+            Some(raw) => Ok(Mr(Arc::new(MrInner { raw, buf: ptr, len, owned: true, _pd: pd.clone() }))),
             None => {
                 let err = Error::last("ibv_reg_mr");
                 // SAFETY: undo the leak above; nothing registered it.
-                unsafe { drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(buf.as_ptr(), len))) };
+                unsafe { drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(ptr.as_ptr(), len))) };
                 Err(err)
             }
         }
+    }
+
+    /// Registers memory the app manages (a huge page, an mmap'ed file, a
+    /// buffer pool): the MR neither frees it nor reads it except through
+    /// [`Mr::read`] / [`Mr::write`].
+    ///
+    /// # Safety
+    /// `addr..addr + len` must stay mapped and must not be freed or reused
+    /// until the registration is gone: the `Mr` dropped *and* every QP that
+    /// posted work on it destroyed (a QP keeps the registration; see
+    /// [`Mr::is_shared`]). While it is registered the device may write it
+    /// at any time (receives, RDMA WRITE from peers, READ results): the app
+    /// must not hold Rust references (`&`/`&mut`) into it that assume
+    /// nobody else writes, only raw pointers and volatile or atomic access.
+    pub unsafe fn register_raw(pd: &Pd, addr: NonNull<u8>, len: usize, access: MrAccess) -> Result<Mr> {
+        let flags = access.flags()?;
+        if len == 0 {
+            return Err(Error::new("ibv_reg_mr: empty buffer", libc::EINVAL));
+        }
+        // SAFETY: pd is live; the range is the caller's, valid per the
+        // contract above.
+        let raw = unsafe { sys::ibv_reg_mr(pd.raw(), addr.as_ptr().cast(), len, flags) };
+        let raw = NonNull::new(raw).ok_or_else(|| Error::last("ibv_reg_mr"))?;
+        Ok(Mr(Arc::new(MrInner { raw, buf: addr, len, owned: false, _pd: pd.clone() })))
+    }
+
+    /// True while a QP that posted work on this MR still holds the
+    /// registration (then dropping the `Mr` does not deregister yet).
+    pub fn is_shared(&self) -> bool {
+        Arc::strong_count(&self.0) > 1
+    }
+
+    /// Deregisters and gives the buffer back, if the MR owns one
+    /// ([`Mr::new`], [`Mr::from_box`]) and no QP holds it any more;
+    /// otherwise returns the `Mr` unchanged.
+    pub fn try_into_box(self) -> std::result::Result<Box<[u8]>, Mr> {
+        if !self.0.owned {
+            return Err(self);
+        }
+        match Arc::try_unwrap(self.0) {
+            Ok(inner) => {
+                let inner = std::mem::ManuallyDrop::new(inner);
+                // SAFETY: the last reference: no QP uses the registration.
+                unsafe { sys::ibv_dereg_mr(inner.raw.as_ptr()) };
+                // SAFETY: the leaked Box of from_box, handed back once; the
+                // ManuallyDrop keeps MrInner's Drop from freeing it again.
+                // The PD reference is dropped by hand below.
+                let b = unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(inner.buf.as_ptr(), inner.len)) };
+                // SAFETY: read out once; `inner` is never used again.
+                drop(unsafe { std::ptr::read(&inner._pd) });
+                Ok(b)
+            }
+            Err(arc) => Err(Mr(arc)),
+        }
+    }
+
+    /// What a peer needs to RDMA WRITE into / READ from the whole MR.
+    pub fn remote(&self) -> RemoteMr {
+        RemoteMr { addr: self.addr(), rkey: self.rkey(), len: self.0.len.min(u32::MAX as usize) as u32 }
     }
 
     /// Length in bytes.
@@ -324,6 +484,18 @@ impl Mr {
             unsafe { p.add(i).write_volatile(*b) };
         }
         Ok(())
+    }
+}
+
+impl std::fmt::Debug for Mr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mr")
+            .field("addr", &format_args!("{:#x}", self.addr()))
+            .field("len", &self.len())
+            .field("lkey", &self.lkey())
+            .field("rkey", &self.rkey())
+            .field("shared", &self.is_shared())
+            .finish()
     }
 }
 

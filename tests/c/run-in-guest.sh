@@ -7,7 +7,8 @@
 # Scenarios:
 #   1. cm_capi_test
 #   2. messenger_server -n 8 with 8 connections from 5 client processes
-#      (one with -n 4, four single ones), all at once
+#      (one with -n 4, four single ones), all at once; the server adds and
+#      removes a CQ per connection on its running CQ loop thread
 #   3. messenger_server stopped by SIGTERM while 2 connections are held (-H)
 #   4. examples-c rdmasafe_rdma_server with the stock rdma_client
 #   5. the stock rdma_server with examples-c rdmasafe_rdma_client

@@ -9,8 +9,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::channel::{ChannelInner, EventChannel};
+use crate::cq::handle::{LiveQp, QpLife};
 use crate::sys::{self, ibv_qp_type, rdma_cm_id, rdma_conn_param, rdma_port_space};
-use crate::verbs::{Cq, DeviceContext, Mr, MrInner, Pd};
+use crate::verbs::{Cq, DeviceContext, Mr, MrInner, Pd, RemoteMr};
 use crate::{Error, Result};
 
 /// A number naming one [`CmId`] for its whole life, never reused in the
@@ -170,10 +171,66 @@ impl SendOptions {
     }
 }
 
+/// One send-queue work request.
+struct Post {
+    opcode: u32,
+    sge: Option<sys::ibv_sge>,
+    wr_id: u64,
+    opts: SendOptions,
+    imm: Option<u32>,
+    remote: Option<RemoteMr>,
+}
+
+impl Post {
+    const NONE: Post = Post {
+        opcode: sys::ibv_wr_opcode::IBV_WR_SEND,
+        sge: None,
+        wr_id: 0,
+        opts: SendOptions { signaled: true, solicited: false, inline: false },
+        imm: None,
+        remote: None,
+    };
+}
+
+/// `ibv_post_send` of one request.
+///
+/// # Safety
+/// `qp` is a live QP; the SGE's memory is registered (or, inline, valid
+/// for the call) and stays so until the request completes.
+unsafe fn post_one(qp: *mut sys::ibv_qp, p: Post) -> Result<()> {
+    let mut sge = p.sge;
+    // SAFETY: ibv_send_wr is plain data; zero is valid.
+    let mut wr: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
+    wr.wr_id = p.wr_id;
+    if let Some(s) = sge.as_mut() {
+        wr.sg_list = s;
+        wr.num_sge = 1;
+    }
+    wr.opcode = p.opcode;
+    wr.send_flags = p.opts.flags();
+    if let Some(imm) = p.imm {
+        wr.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
+    }
+    if let Some(r) = p.remote {
+        wr.wr.rdma = sys::rdma_t { remote_addr: r.addr, rkey: r.rkey };
+    }
+    let mut bad = null_mut();
+    // SAFETY: live QP (caller); wr and sge valid for the call.
+    let r = unsafe { sys::ibv_post_send(qp, &mut wr, &mut bad) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(Error::new("ibv_post_send", r))
+    }
+}
+
 /// What a QP needs alive as long as it exists: its PD, CQs, and every MR a
 /// work request was ever posted with (the device may touch their memory
 /// until the QP is destroyed).
 struct QpParts {
+    /// Cleared before the QP is destroyed (a loop's keepalive or drain on
+    /// it checks).
+    life: Arc<QpLife>,
     _pd: Pd,
     _send_cq: Cq,
     _recv_cq: Cq,
@@ -352,6 +409,7 @@ impl CmId {
         // SAFETY: live id, live pd and CQs (kept alive below), valid attr.
         cvt("rdma_create_qp", unsafe { sys::rdma_create_qp(self.raw(), pd.raw(), &mut attr) })?;
         self.qp = Some(QpParts {
+            life: Arc::new(QpLife::new_alive()),
             _pd: pd.clone(),
             _send_cq: send_cq.clone(),
             _recv_cq: recv_cq.clone(),
@@ -365,6 +423,16 @@ impl CmId {
         self.qp.as_ref()?;
         // SAFETY: the QP exists while self.qp is Some.
         Some(unsafe { (*(*self.raw.as_ptr()).qp).qp_num })
+    }
+
+    /// The QP for a CQ loop's keepalive or drain, with its life token.
+    pub(crate) fn live_qp(&self) -> Option<LiveQp> {
+        let parts = self.qp.as_ref()?;
+        let raw = self.raw_qp()?;
+        // SAFETY: the QP is live now, and `end()` is called before
+        // rdma_destroy_qp (Drop), so the loop's uses under the token are
+        // always on a live QP.
+        Some(unsafe { LiveQp::with_life(raw, parts.life.clone()) })
     }
 
     /// The raw QP, if one was created (owned by this id).
@@ -397,6 +465,12 @@ impl CmId {
     pub fn disconnect(&self) -> Result<()> {
         // SAFETY: live id.
         cvt("rdma_disconnect", unsafe { sys::rdma_disconnect(self.raw()) })
+    }
+
+    fn qp_ptr(&self) -> Result<*mut sys::ibv_qp> {
+        self.qp.as_ref().ok_or(Error::new("ibv_post", libc::EINVAL))?;
+        // SAFETY: the QP exists while self.qp is Some.
+        Ok(unsafe { (*self.raw.as_ptr()).qp })
     }
 
     fn keep_mr(&self, mr: &Mr) -> Result<*mut sys::ibv_qp> {
@@ -439,22 +513,100 @@ impl CmId {
     /// Posts one SEND of `len` bytes at `offset` in `mr`, with `opts`.
     pub fn post_send_with(&self, mr: &Mr, offset: usize, len: u32, wr_id: u64, opts: SendOptions) -> Result<()> {
         let qp = self.keep_mr(mr)?;
-        let mut sge = mr.sge(offset, len).ok_or(Error::new("ibv_post_send", libc::EINVAL))?;
-        // SAFETY: ibv_send_wr is plain data; zero is valid.
-        let mut wr: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
-        wr.wr_id = wr_id;
-        wr.sg_list = &mut sge;
-        wr.num_sge = 1;
-        wr.opcode = sys::ibv_wr_opcode::IBV_WR_SEND;
-        wr.send_flags = opts.flags();
-        let mut bad = null_mut();
-        // SAFETY: as for post_recv.
-        let r = unsafe { sys::ibv_post_send(qp, &mut wr, &mut bad) };
-        if r == 0 {
-            Ok(())
-        } else {
-            Err(Error::new("ibv_post_send", r))
+        let sge = mr.sge(offset, len).ok_or(Error::new("ibv_post_send", libc::EINVAL))?;
+        // SAFETY: live QP; the MR stays registered while the QP exists.
+        unsafe {
+            post_one(qp, Post { opcode: sys::ibv_wr_opcode::IBV_WR_SEND, sge: Some(sge), wr_id, opts, ..Post::NONE })
         }
+    }
+
+    /// Posts one SEND with immediate data `imm` (the peer's receive
+    /// completion carries it: [`crate::verbs::Wc::imm_data`]).
+    pub fn post_send_imm(
+        &self,
+        mr: &Mr,
+        offset: usize,
+        len: u32,
+        imm: u32,
+        wr_id: u64,
+        opts: SendOptions,
+    ) -> Result<()> {
+        let qp = self.keep_mr(mr)?;
+        let sge = mr.sge(offset, len).ok_or(Error::new("ibv_post_send", libc::EINVAL))?;
+        let opcode = sys::ibv_wr_opcode::IBV_WR_SEND_WITH_IMM;
+        // SAFETY: as above.
+        unsafe { post_one(qp, Post { opcode, sge: Some(sge), wr_id, opts, imm: Some(imm), ..Post::NONE }) }
+    }
+
+    /// Posts one SEND of `data` inline: the device copies the bytes at post
+    /// time, so no MR is needed and `data` may be reused at once. `data`
+    /// must fit the QP's `max_inline_data` ([`QpCaps`]) or the post fails
+    /// (EINVAL or ENOMEM, as the driver says).
+    pub fn post_send_inline(&self, data: &[u8], wr_id: u64, opts: SendOptions) -> Result<()> {
+        let qp = self.qp_ptr()?;
+        let len = u32::try_from(data.len()).map_err(|_| Error::new("ibv_post_send(inline)", libc::EINVAL))?;
+        let sge = sys::ibv_sge { addr: data.as_ptr() as u64, length: len, lkey: 0 };
+        let opts = SendOptions { inline: true, ..opts };
+        // SAFETY: live QP; with IBV_SEND_INLINE the bytes are copied during
+        // the call, while `data` is borrowed.
+        unsafe {
+            post_one(qp, Post { opcode: sys::ibv_wr_opcode::IBV_WR_SEND, sge: Some(sge), wr_id, opts, ..Post::NONE })
+        }
+    }
+
+    /// Posts one RDMA WRITE of `len` bytes at `offset` in `mr` to `remote`
+    /// (at its start; use [`RemoteMr::slice`] for an offset). The peer's
+    /// application sees nothing unless `imm` is set: then the write consumes
+    /// one of the peer's posted receives, whose completion carries `imm`.
+    /// EINVAL if the range is outside `mr` or larger than `remote`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn post_write(
+        &self,
+        mr: &Mr,
+        offset: usize,
+        len: u32,
+        remote: RemoteMr,
+        imm: Option<u32>,
+        wr_id: u64,
+        opts: SendOptions,
+    ) -> Result<()> {
+        let qp = self.keep_mr(mr)?;
+        let sge = mr.sge(offset, len).ok_or(Error::new("ibv_post_send(RDMA WRITE)", libc::EINVAL))?;
+        if len > remote.len {
+            return Err(Error::new("ibv_post_send(RDMA WRITE): larger than the remote range", libc::EINVAL));
+        }
+        let opcode = match imm {
+            Some(_) => sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM,
+            None => sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+        };
+        // SAFETY: as for post_send_with; the remote side is checked by the
+        // peer's device (rkey and range).
+        unsafe { post_one(qp, Post { opcode, sge: Some(sge), wr_id, opts, imm, remote: Some(remote) }) }
+    }
+
+    /// Posts one RDMA READ of `len` bytes from `remote` into `mr` at
+    /// `offset`. The bytes are in `mr` once the completion (signaled:
+    /// always ask for one, or post a signaled request after it) is seen.
+    /// EINVAL if the range is outside `mr` or larger than `remote`.
+    pub fn post_read(
+        &self,
+        mr: &Mr,
+        offset: usize,
+        len: u32,
+        remote: RemoteMr,
+        wr_id: u64,
+        opts: SendOptions,
+    ) -> Result<()> {
+        let qp = self.keep_mr(mr)?;
+        let sge = mr.sge(offset, len).ok_or(Error::new("ibv_post_send(RDMA READ)", libc::EINVAL))?;
+        if len > remote.len {
+            return Err(Error::new("ibv_post_send(RDMA READ): larger than the remote range", libc::EINVAL));
+        }
+        let opts = SendOptions { inline: false, ..opts };
+        let opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_READ;
+        // SAFETY: as for post_write; the device writes into `mr`, which the
+        // QP keeps registered.
+        unsafe { post_one(qp, Post { opcode, sge: Some(sge), wr_id, opts, remote: Some(remote), ..Post::NONE }) }
     }
 
     /// `rdma_accept`. For the new id of a [`ConnectRequest`], use
@@ -480,7 +632,10 @@ impl Drop for CmId {
         // a removed device's context may close with the last id), then the
         // id. Events of rdmasafe channels were acked when copied, so
         // rdma_destroy_id waits on nothing of rdmasafe's.
-        if self.qp.is_some() {
+        if let Some(parts) = &self.qp {
+            // No loop may touch the QP from here on (waits for a probe or
+            // drain marker being posted right now).
+            parts.life.end();
             // SAFETY: the QP was created on this live id.
             unsafe { sys::rdma_destroy_qp(self.raw()) };
         }

@@ -33,6 +33,7 @@ use super::handle::{LiveCq, LiveQp};
 use super::options::{CqOptions, Keepalive, LoopOptions};
 use super::stats::{Counters, LoopStats};
 use super::{registry, DeadPeer, Handler};
+use crate::cm::CmId;
 use crate::sys::{self, ibv_cq, ibv_qp, Epoll, TimerFd, WakeFd};
 use crate::verbs::Cq;
 use crate::wc::Wc;
@@ -389,12 +390,24 @@ impl LoopControl {
     /// `qp` must be live until [`LoopControl::remove_keepalive`] (or the
     /// removal of its send CQ, or the loop's drop) has completed.
     pub unsafe fn add_keepalive(&self, qp: NonNull<ibv_qp>, cfg: Keepalive, on_dead: DeadPeer) -> Result<Outcome> {
+        // SAFETY: live QP (caller).
+        self.add_keepalive_live(unsafe { LiveQp::new(qp) }, cfg, on_dead)
+    }
+
+    /// [`LoopControl::add_keepalive`] for the QP a [`CmId`] owns: safe,
+    /// since the id tells the loop when it destroys the QP (the keepalive
+    /// then ends by itself; [`LoopControl::remove_keepalive`] first is
+    /// still the tidy order). EINVAL if the id has no QP.
+    pub fn add_keepalive_id(&self, id: &CmId, cfg: Keepalive, on_dead: DeadPeer) -> Result<Outcome> {
+        let qp = id.live_qp().ok_or(Error::new("rdmasafe keepalive: the id has no QP", libc::EINVAL))?;
+        self.add_keepalive_live(qp, cfg, on_dead)
+    }
+
+    fn add_keepalive_live(&self, qp: LiveQp, cfg: Keepalive, on_dead: DeadPeer) -> Result<Outcome> {
         if cfg.period.is_zero() || cfg.bound.is_zero() {
             return Err(Error::new("rdmasafe keepalive: zero period or bound", libc::EINVAL));
         }
-        // SAFETY: live QP (caller).
-        let qp = unsafe { LiveQp::new(qp) };
-        let (qpn, send_cq, _) = qp.info();
+        let (qpn, send_cq, _) = qp.info()?;
         if !registry::cq_in(send_cq, self.0.id) {
             return Err(Error::new("rdmasafe keepalive: the QP's send CQ is not in this loop", libc::EINVAL));
         }
@@ -437,8 +450,27 @@ impl LoopControl {
     /// `qp` must be a live QP with a free slot on each queue, alive until
     /// the drain is done.
     pub unsafe fn drain_qp(&self, qp: NonNull<ibv_qp>, srq: bool, timeout: Duration) -> Result<Outcome> {
-        // SAFETY: forwarded contract.
-        let qp = unsafe { self.drain_checked(qp, srq)? };
+        // SAFETY: live QP (caller).
+        self.drain_live(unsafe { LiveQp::new(qp) }, srq, timeout)
+    }
+
+    /// [`LoopControl::drain_qp`] for the QP a [`CmId`] owns (no SRQ): safe,
+    /// the id's QP is used only while it exists (a drain whose id is
+    /// dropped meanwhile ends at its timeout). EINVAL if the id has no QP.
+    pub fn drain_id(&self, id: &CmId, timeout: Duration) -> Result<Outcome> {
+        let qp = id.live_qp().ok_or(Error::new("rdmasafe drain: the id has no QP", libc::EINVAL))?;
+        self.drain_live(qp, false, timeout)
+    }
+
+    /// [`LoopControl::drain_qp_then`] for the QP a [`CmId`] owns.
+    pub fn drain_id_then(&self, id: &CmId, timeout: Duration, done: Box<dyn FnOnce(Result<()>) + Send>) -> Result<()> {
+        let qp = id.live_qp().ok_or(Error::new("rdmasafe drain: the id has no QP", libc::EINVAL))?;
+        let qp = self.drain_checked(qp, false)?;
+        self.submit_async(Cmd::Drain { qp, srq: false, timeout, done: Done::Call(done) })
+    }
+
+    fn drain_live(&self, qp: LiveQp, srq: bool, timeout: Duration) -> Result<Outcome> {
+        let qp = self.drain_checked(qp, srq)?;
         let c = Arc::new(Completion::default());
         self.submit(Cmd::Drain { qp, srq, timeout, done: self.waiter(&c) }, Some(c))
     }
@@ -456,22 +488,23 @@ impl LoopControl {
         timeout: Duration,
         done: Box<dyn FnOnce(Result<()>) + Send>,
     ) -> Result<()> {
-        // SAFETY: forwarded contract.
-        let qp = unsafe { self.drain_checked(qp, srq)? };
+        // SAFETY: live QP (caller).
+        let qp = self.drain_checked(unsafe { LiveQp::new(qp) }, srq)?;
         self.submit_async(Cmd::Drain { qp, srq, timeout, done: Done::Call(done) })
     }
 
-    /// # Safety
-    /// `qp` live.
-    unsafe fn drain_checked(&self, qp: NonNull<ibv_qp>, srq: bool) -> Result<LiveQp> {
-        // SAFETY: live QP (caller).
-        let qp = unsafe { LiveQp::new(qp) };
-        let (_, send_cq, recv_cq) = qp.info();
+    fn drain_checked(&self, qp: LiveQp, srq: bool) -> Result<LiveQp> {
+        let (_, send_cq, recv_cq) = qp.info()?;
         let ours = |cq| registry::cq_in(cq, self.0.id);
         if !ours(send_cq) || (!srq && !ours(recv_cq)) {
             return Err(Error::new("rdmasafe drain_qp: QP's CQs not in this loop", libc::EINVAL));
         }
         Ok(qp)
+    }
+
+    /// The options a CQ added without its own gets.
+    pub(crate) fn cq_defaults(&self) -> CqOptions {
+        self.0.opts.cq_defaults()
     }
 
     /// How long an app embedding the loop in its own epoll may sleep before

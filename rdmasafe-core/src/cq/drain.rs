@@ -1,6 +1,9 @@
 //! Draining a QP before teardown, like the kernel's `ib_drain_qp`: error
 //! state, a marker on each queue, done when both markers came back. The
-//! markers are the loop's own work requests: they never reach the app.
+//! markers are the loop's own work requests: they never reach the app, not
+//! even when they come back after their drain gave up (a timeout) or after
+//! a failed start that had posted one of them: those are remembered as
+//! orphans and consumed when they arrive.
 
 use std::time::Instant;
 
@@ -22,13 +25,31 @@ pub(crate) struct Watch {
     done: Done,
 }
 
-/// The drains in progress on one loop.
+/// Markers posted by a drain that is over, still to come back.
+struct Orphan {
+    qp_num: u32,
+    cqs: (usize, usize),
+    send: bool,
+    recv: bool,
+}
+
+/// The drains in progress on one loop, and markers still on their way.
 #[derive(Default)]
-pub(crate) struct Drains(Vec<Watch>);
+pub(crate) struct Drains {
+    watches: Vec<Watch>,
+    orphans: Vec<Orphan>,
+}
 
 impl Drains {
+    /// No drain in progress and no marker on its way (then completions
+    /// need not be looked at).
     pub(crate) fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.watches.is_empty() && self.orphans.is_empty()
+    }
+
+    /// A drain in progress (one with a deadline).
+    pub(crate) fn in_progress(&self) -> bool {
+        !self.watches.is_empty()
     }
 
     /// Starts draining `qp`: error state and markers (the receive marker
@@ -41,51 +62,71 @@ impl Drains {
         deadline: Instant,
         done: Done,
     ) -> std::result::Result<(), (Done, crate::Error)> {
-        let (qp_num, send_cq, recv_cq) = qp.info();
-        if let Err(e) = qp.to_error_with_markers(!srq, DRAIN_SEND_WR_ID, DRAIN_RECV_WR_ID) {
+        let (qp_num, send_cq, recv_cq) = match qp.info() {
+            Ok(i) => i,
+            Err(e) => return Err((done, e)),
+        };
+        let cqs = (send_cq, recv_cq);
+        if let Err((e, recv_posted)) = qp.to_error_with_markers(!srq, DRAIN_SEND_WR_ID, DRAIN_RECV_WR_ID) {
+            if recv_posted {
+                self.orphans.push(Orphan { qp_num, cqs, send: false, recv: true });
+            }
             return Err((done, e));
         }
-        self.0.push(Watch { qp_num, cqs: (send_cq, recv_cq), send_seen: false, recv_seen: srq, deadline, done });
+        self.watches.push(Watch { qp_num, cqs, send_seen: false, recv_seen: srq, deadline, done });
         Ok(())
     }
 
     /// Takes out every drain (the loop goes away).
     pub(crate) fn take_all(&mut self) -> Vec<Done> {
-        self.0.drain(..).map(|w| w.done).collect()
+        self.orphans.clear();
+        self.watches.drain(..).map(|w| w.done).collect()
     }
 
-    /// True (consumed) if `wc` is a marker of a drain in progress.
+    /// True (consumed) if `wc` is a marker of a drain, in progress or over.
     pub(crate) fn note(&mut self, wc: &Wc) -> bool {
-        let id = wc.wr_id();
-        if id != DRAIN_SEND_WR_ID && id != DRAIN_RECV_WR_ID {
-            return false;
-        }
-        for w in &mut self.0 {
+        let send = match wc.wr_id() {
+            DRAIN_SEND_WR_ID => true,
+            DRAIN_RECV_WR_ID => false,
+            _ => return false,
+        };
+        for w in &mut self.watches {
             if w.qp_num == wc.qp_num() {
-                if id == DRAIN_SEND_WR_ID && !w.send_seen {
-                    w.send_seen = true;
-                    return true;
-                }
-                if id == DRAIN_RECV_WR_ID && !w.recv_seen {
-                    w.recv_seen = true;
+                let seen = if send { &mut w.send_seen } else { &mut w.recv_seen };
+                if !*seen {
+                    *seen = true;
                     return true;
                 }
             }
+        }
+        if let Some(i) = self.orphans.iter().position(|o| o.qp_num == wc.qp_num() && if send { o.send } else { o.recv })
+        {
+            let o = &mut self.orphans[i];
+            if send {
+                o.send = false;
+            } else {
+                o.recv = false;
+            }
+            if !o.send && !o.recv {
+                self.orphans.swap_remove(i);
+            }
+            return true;
         }
         false
     }
 
     pub(crate) fn next_deadline(&self) -> Option<Instant> {
-        self.0.iter().map(|w| w.deadline).min()
+        self.watches.iter().map(|w| w.deadline).min()
     }
 
     /// Takes out the drains that are complete (`Ok`) or past their
-    /// deadline (`Err(ETIMEDOUT)`), for the caller to finish.
+    /// deadline (`Err(ETIMEDOUT)`, their missing markers kept as orphans),
+    /// for the caller to finish.
     pub(crate) fn take_finished(&mut self, now: Option<Instant>) -> Vec<(Done, crate::Result<()>)> {
         let mut out = Vec::new();
         let mut i = 0;
-        while i < self.0.len() {
-            let w = &self.0[i];
+        while i < self.watches.len() {
+            let w = &self.watches[i];
             let result = if w.send_seen && w.recv_seen {
                 Some(Ok(()))
             } else if now.is_some_and(|n| n >= w.deadline) {
@@ -94,7 +135,18 @@ impl Drains {
                 None
             };
             match result {
-                Some(r) => out.push((self.0.swap_remove(i).done, r)),
+                Some(r) => {
+                    let w = self.watches.swap_remove(i);
+                    if !(w.send_seen && w.recv_seen) {
+                        self.orphans.push(Orphan {
+                            qp_num: w.qp_num,
+                            cqs: w.cqs,
+                            send: !w.send_seen,
+                            recv: !w.recv_seen,
+                        });
+                    }
+                    out.push((w.done, r));
+                }
                 None => i += 1,
             }
         }
@@ -102,18 +154,64 @@ impl Drains {
     }
 
     /// Takes out the drains that can no longer finish because `cq` left the
-    /// loop (ECANCELED).
+    /// loop (ECANCELED); forgets markers that can only come through it.
     pub(crate) fn take_for_cq(&mut self, cq: usize) -> Vec<(Done, crate::Result<()>)> {
+        self.orphans.retain(|o| o.cqs.0 != cq && o.cqs.1 != cq);
         let mut out = Vec::new();
         let mut i = 0;
-        while i < self.0.len() {
-            if self.0[i].cqs.0 == cq || self.0[i].cqs.1 == cq {
-                let w = self.0.swap_remove(i);
+        while i < self.watches.len() {
+            if self.watches[i].cqs.0 == cq || self.watches[i].cqs.1 == cq {
+                let w = self.watches.swap_remove(i);
                 out.push((w.done, Err(crate::Error::new("rdmasafe drain_qp: its CQ left the loop", libc::ECANCELED))));
             } else {
                 i += 1;
             }
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn marker(qp_num: u32, wr_id: u64) -> Wc {
+        let mut wc = crate::verbs::empty_wc();
+        let raw = &mut Wc::as_raw_slice_mut(std::slice::from_mut(&mut wc))[0];
+        raw.qp_num = qp_num;
+        raw.wr_id = wr_id;
+        wc
+    }
+
+    fn watch(qp_num: u32, deadline: Instant) -> Watch {
+        Watch { qp_num, cqs: (1, 2), send_seen: false, recv_seen: false, deadline, done: Done::Nothing }
+    }
+
+    #[test]
+    fn markers_of_a_timed_out_drain_are_consumed_when_they_come_back() {
+        let now = Instant::now();
+        let mut d = Drains::default();
+        d.watches.push(watch(7, now));
+        assert!(d.note(&marker(7, DRAIN_RECV_WR_ID)), "the receive marker in time");
+        let finished = d.take_finished(Some(now + Duration::from_millis(1)));
+        assert_eq!(finished.len(), 1);
+        assert_eq!(finished[0].1.as_ref().unwrap_err().errno(), libc::ETIMEDOUT);
+        assert!(!d.in_progress() && !d.is_empty(), "the send marker is still on its way");
+        assert!(!d.note(&marker(8, DRAIN_SEND_WR_ID)), "another QP's wr_id is the app's");
+        assert!(d.note(&marker(7, DRAIN_SEND_WR_ID)), "the late send marker is the loop's");
+        assert!(!d.note(&marker(7, DRAIN_SEND_WR_ID)), "only once");
+        assert!(d.is_empty());
+    }
+
+    #[test]
+    fn orphans_go_with_their_cq() {
+        let now = Instant::now();
+        let mut d = Drains::default();
+        d.watches.push(watch(7, now));
+        d.take_finished(Some(now));
+        assert!(!d.is_empty());
+        assert!(d.take_for_cq(2).is_empty());
+        assert!(d.is_empty(), "markers that can only come through a removed CQ are forgotten");
     }
 }

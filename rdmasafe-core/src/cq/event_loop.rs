@@ -30,7 +30,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::ptr::NonNull;
 use std::sync::atomic::Ordering::*;
 use std::sync::{Arc, TryLockError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::control::{Held, LoopControl, Shared};
 use super::core::Core;
@@ -43,6 +43,15 @@ use crate::verbs::{CompChannel, Cq};
 use crate::wc::Wc;
 use crate::Wait;
 use crate::{Error, Result};
+
+/// Why [`CqLoop::run_for`] returned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RunEnd {
+    /// A stop was requested (and consumed).
+    Stopped,
+    /// The time was up.
+    TimedOut,
+}
 
 /// The loop; see the module docs. Thread-safe: it may be run by one thread
 /// at a time ([`CqLoop::run`], [`CqLoop::process_once`], or
@@ -231,6 +240,37 @@ impl CqLoop {
         r
     }
 
+    /// Like [`CqLoop::run`], for at most `timeout`: returns
+    /// [`RunEnd::Stopped`] after a stop (consumed, as `run` does) or
+    /// [`RunEnd::TimedOut`] when the time is up; either way with every
+    /// pending ack flushed. `Duration::MAX` is as good as forever.
+    pub fn run_for(&self, timeout: Duration) -> Result<RunEnd> {
+        let deadline = sys::deadline_after(Instant::now(), timeout);
+        let mut held = self.enter()?;
+        let r = {
+            let (core, ctl) = held.parts();
+            let r = loop {
+                if ctl.0.stop.load(SeqCst) {
+                    core.finish_stop(&ctl.0);
+                    break Ok(RunEnd::Stopped);
+                }
+                let now = Instant::now();
+                if now >= deadline {
+                    break Ok(RunEnd::TimedOut);
+                }
+                if let Err(e) = core.cycle(ctl, Wait::For(deadline - now), true) {
+                    if e.errno() != libc::EINTR {
+                        break Err(e);
+                    }
+                }
+            };
+            core.flush_all(&ctl.0);
+            r
+        };
+        self.leave(held);
+        r
+    }
+
     /// One cycle: waits per `wait` (bounded by the loop's next deadline),
     /// then delivers what arrived; returns the completions delivered (0 on
     /// timeout). EINTR when a signal interrupted the wait. For embedding in
@@ -315,6 +355,22 @@ impl CqLoop {
     ) -> Result<()> {
         // SAFETY: forwarded contract.
         unsafe { self.control().add_keepalive(qp, cfg, on_dead) }.map(|_| ())
+    }
+
+    /// Blocking drain of the QP `id` owns; see [`LoopControl::drain_id`].
+    pub fn drain_id(&self, id: &crate::cm::CmId, timeout: Duration) -> Result<()> {
+        self.control().drain_id(id, timeout).map(|_| ())
+    }
+
+    /// Dead-peer detection for the QP `id` owns; see
+    /// [`LoopControl::add_keepalive_id`].
+    pub fn add_keepalive_id(
+        &self,
+        id: &crate::cm::CmId,
+        cfg: super::Keepalive,
+        on_dead: super::DeadPeer,
+    ) -> Result<()> {
+        self.control().add_keepalive_id(id, cfg, on_dead).map(|_| ())
     }
 
     /// Stops dead-peer detection; see [`LoopControl::remove_keepalive`].

@@ -152,8 +152,31 @@ impl LiveChannel {
     }
 }
 
+/// Whether a QP owned by a [`crate::cm::CmId`] still exists: the id clears
+/// it (under the lock) before `rdma_destroy_qp`, and the loop uses the QP
+/// only under the lock while it is set. So a keepalive or drain on an id's
+/// QP can never touch a destroyed QP, whatever order the app drops things
+/// in.
+#[derive(Default)]
+pub(crate) struct QpLife(std::sync::Mutex<bool>);
+
+impl QpLife {
+    pub(crate) fn new_alive() -> QpLife {
+        QpLife(std::sync::Mutex::new(true))
+    }
+
+    /// Marks the QP destroyed; waits for a use in progress.
+    pub(crate) fn end(&self) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = false;
+    }
+}
+
 /// A QP the loop posts probes and drain markers on.
-pub(crate) struct LiveQp(NonNull<ibv_qp>);
+pub(crate) struct LiveQp {
+    raw: NonNull<ibv_qp>,
+    /// For a QP owned by a `CmId`: checked (locked) around every use.
+    life: Option<std::sync::Arc<QpLife>>,
+}
 
 // SAFETY: QP calls may come from any thread.
 unsafe impl Send for LiveQp {}
@@ -163,37 +186,76 @@ impl LiveQp {
     /// `raw` must be a live QP that stays alive as long as the value (the
     /// app removes the keepalive / waits for the drain before destroying).
     pub(crate) unsafe fn new(raw: NonNull<ibv_qp>) -> LiveQp {
-        LiveQp(raw)
+        LiveQp { raw, life: None }
+    }
+
+    /// A QP whose destruction is announced through `life` (a `CmId`'s).
+    ///
+    /// # Safety
+    /// `raw` must be live while `life` says so: its owner calls
+    /// [`QpLife::end`] before destroying it.
+    pub(crate) unsafe fn with_life(raw: NonNull<ibv_qp>, life: std::sync::Arc<QpLife>) -> LiveQp {
+        LiveQp { raw, life: Some(life) }
     }
 
     pub(crate) fn raw(&self) -> *mut ibv_qp {
-        self.0.as_ptr()
+        self.raw.as_ptr()
+    }
+
+    /// True once the QP's owning `CmId` destroyed it.
+    pub(crate) fn is_destroyed(&self) -> bool {
+        self.life.as_ref().is_some_and(|l| !*l.0.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Runs `f` on the QP if it still exists (ENOENT if its owner destroyed it).
+    fn with<T>(&self, f: impl FnOnce(*mut ibv_qp) -> Result<T>) -> Result<T> {
+        match &self.life {
+            None => f(self.raw.as_ptr()),
+            Some(l) => {
+                let alive = l.0.lock().unwrap_or_else(|e| e.into_inner());
+                if *alive {
+                    f(self.raw.as_ptr())
+                } else {
+                    Err(Error::new("rdmasafe: the QP was destroyed (its CmId dropped)", libc::ENOENT))
+                }
+            }
+        }
     }
 
     /// (qp_num, send CQ, receive CQ), as addresses.
-    pub(crate) fn info(&self) -> (u32, usize, usize) {
-        // SAFETY: live QP; plain field reads.
-        unsafe {
-            let q = &*self.0.as_ptr();
-            (q.qp_num, q.send_cq as usize, q.recv_cq as usize)
-        }
+    pub(crate) fn info(&self) -> Result<(u32, usize, usize)> {
+        self.with(|q| {
+            // SAFETY: live QP (checked); plain field reads.
+            let q = unsafe { &*q };
+            Ok((q.qp_num, q.send_cq as usize, q.recv_cq as usize))
+        })
     }
 
     /// A signaled zero-length RDMA WRITE (a keepalive probe).
     pub(crate) fn post_probe(&self, wr_id: u64) -> Result<()> {
-        // SAFETY: live QP.
-        unsafe { sys::post_zero_length_write(self.0.as_ptr(), wr_id) }
+        // SAFETY: live QP (checked by `with`).
+        self.with(|q| unsafe { sys::post_zero_length_write(q, wr_id) })
     }
 
     /// Moves the QP to the error state (flushes what is outstanding).
     pub(crate) fn to_error(&self) -> Result<()> {
-        // SAFETY: live QP.
-        unsafe { sys::qp_to_error(self.0.as_ptr()) }
+        // SAFETY: live QP (checked by `with`).
+        self.with(|q| unsafe { sys::qp_to_error(q) })
     }
 
     /// Error state plus drain markers (see `sys::qp_to_error_and_post_markers`).
-    pub(crate) fn to_error_with_markers(&self, recv: bool, send_wr_id: u64, recv_wr_id: u64) -> Result<()> {
-        // SAFETY: live QP.
-        unsafe { sys::qp_to_error_and_post_markers(self.0.as_ptr(), recv, send_wr_id, recv_wr_id) }
+    /// The error carries whether the receive marker was posted (it will
+    /// still arrive, as a flush, and must be consumed).
+    pub(crate) fn to_error_with_markers(
+        &self,
+        recv: bool,
+        send_wr_id: u64,
+        recv_wr_id: u64,
+    ) -> std::result::Result<(), (crate::Error, bool)> {
+        // SAFETY: live QP (checked by `with`).
+        match self.with(|q| Ok(unsafe { sys::qp_to_error_and_post_markers(q, recv, send_wr_id, recv_wr_id) })) {
+            Ok(r) => r,
+            Err(e) => Err((e, false)),
+        }
     }
 }

@@ -53,7 +53,8 @@ impl Keepalives {
     }
 
     pub(crate) fn add(&mut self, qp: LiveQp, cfg: Keepalive, on_dead: DeadPeer, now: Instant) {
-        let (qpn, send_cq, _) = qp.info();
+        // Checked by the caller while the QP was known to exist.
+        let Ok((qpn, send_cq, _)) = qp.info() else { return };
         let first = sys::deadline_after(now, cfg.period);
         self.next = Some(self.next.map_or(first, |n| n.min(first)));
         self.by_qpn
@@ -114,17 +115,25 @@ impl Keepalives {
 
     /// Posts due probes, declares dead the peers whose probe is overdue
     /// (their QP goes to the error state, so outstanding work flushes), and
-    /// recomputes the next deadline. Returns (probes posted, newly dead
-    /// peers' callbacks to run with their QP numbers).
-    pub(crate) fn tick(&mut self, now: Instant) -> (u64, Vec<(u32, *mut sys::ibv_qp)>) {
+    /// recomputes the next deadline. Returns the probes posted, the newly
+    /// dead peers (QP numbers), and the keepalives dropped because their
+    /// `CmId` destroyed the QP.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn tick(&mut self, now: Instant) -> (u64, Vec<(u32, *mut sys::ibv_qp)>, Vec<u32>) {
         if self.next.is_none_or(|n| now < n) {
-            return (0, Vec::new());
+            return (0, Vec::new(), Vec::new());
         }
         let mut posted = 0;
         let mut dead = Vec::new();
         let mut next: Option<Instant> = None;
+        let mut destroyed = Vec::new();
         for (qpn, e) in self.by_qpn.iter_mut() {
             if e.dead {
+                continue;
+            }
+            if e.qp.is_destroyed() {
+                // Its CmId was dropped: nothing to watch any more.
+                destroyed.push(*qpn);
                 continue;
             }
             let bound_from = match e.probe {
@@ -164,7 +173,10 @@ impl Keepalives {
             next = Some(next.map_or(d, |n| n.min(d)));
         }
         self.next = next;
-        (posted, dead)
+        for q in &destroyed {
+            self.by_qpn.remove(q);
+        }
+        (posted, dead, destroyed)
     }
 
     /// The callback of a peer declared dead.

@@ -118,9 +118,12 @@ pub struct LoopStats {
     /// logged once per CQ at warn level): another CQ on this channel whose
     /// completions nobody handles.
     pub foreign_cq_events: u64,
-    /// CQs in the loop now.
+    /// CQs in the loop now. An add (or remove) made from another thread
+    /// is queued and counted here, and in `cqs_added` / `cqs_removed`, once
+    /// the loop applied it (its next cycle; a remove from another thread
+    /// has been applied when it returns).
     pub cqs: u64,
-    /// CQs added since the loop was created.
+    /// CQs added since the loop was created (applied adds).
     pub cqs_added: u64,
     /// CQs removed since the loop was created.
     pub cqs_removed: u64,

@@ -70,13 +70,14 @@ impl Core {
     /// watchdog: whatever is due now.
     pub(super) fn tick(&mut self, ctl: &LoopControl, honor_stop: bool) -> Result<usize> {
         let sh = &*ctl.0;
-        let timed = !self.keepalives.is_empty() || !self.drains.is_empty() || self.watchdog_since(sh).is_some();
+        let timed = !self.keepalives.is_empty() || self.drains.in_progress() || self.watchdog_since(sh).is_some();
         let now = timed.then(Instant::now);
         let mut n = 0;
         if let Some(now) = now {
             if !self.keepalives.is_empty() {
-                let (posted, dead) = self.keepalives.tick(now);
+                let (posted, dead, destroyed) = self.keepalives.tick(now);
                 sh.counters.keepalive_probes.fetch_add(posted, Relaxed);
+                sh.forget_keepalives_of(&destroyed);
                 for (qpn, _qp) in dead {
                     sh.counters.keepalive_dead.fetch_add(1, Relaxed);
                     if let Some(f) = self.keepalives.on_dead(qpn) {
@@ -92,7 +93,7 @@ impl Core {
                 }
             }
         }
-        if !self.drains.is_empty() {
+        if self.drains.in_progress() {
             let finished = self.drains.take_finished(now);
             if !finished.is_empty() {
                 // A drain precedes teardown: leave no ack pending.

@@ -16,6 +16,7 @@ pub const SLOT: usize = 64;
 pub struct Side {
     pub id: CmId,
     pub mr: Mr,
+    pub pd: Pd,
 }
 
 pub struct RcPair {
@@ -38,7 +39,7 @@ impl RcPair {
     pub fn send(&self, offset: usize, data: &[u8], len: u32, wr_id: u64) {
         let mut c = self.client.lock().unwrap();
         c.mr.write(offset, data).unwrap();
-        let Side { id, mr } = &*c;
+        let Side { id, mr, .. } = &*c;
         id.post_send(mr, offset, len, wr_id).unwrap();
     }
 
@@ -64,11 +65,17 @@ pub fn rc_pair(addr: IpAddr, chan: &CompChannel, client_on_chan: bool, depth: u3
 /// Like [`rc_pair`] with the server CQ's size chosen (e.g. smaller than the
 /// receive queue, to overrun it).
 pub fn rc_pair_sized(addr: IpAddr, chan: &CompChannel, client_on_chan: bool, depth: u32, server_cqe: i32) -> RcPair {
+    let caps = QpCaps { max_send_wr: depth, max_recv_wr: depth, max_sge: 1, max_inline_data: 0 };
+    rc_pair_with(addr, chan, client_on_chan, caps, server_cqe)
+}
+
+/// Like [`rc_pair_sized`] with the QP sizes chosen (e.g. inline data).
+pub fn rc_pair_with(addr: IpAddr, chan: &CompChannel, client_on_chan: bool, caps: QpCaps, server_cqe: i32) -> RcPair {
+    let depth = caps.max_send_wr.max(caps.max_recv_wr);
     let l = listen(addr, PortSpace::Tcp, 8);
     let cch = rdmasafe_core::cm::EventChannel::new().unwrap();
     let mut client = resolved(&cch, PortSpace::Tcp, addr, l.port);
     let ctx = client.device_context().unwrap();
-    let caps = QpCaps { max_send_wr: depth, max_recv_wr: depth, max_sge: 1, max_inline_data: 0 };
     let cpd = Pd::new(&ctx).unwrap();
     let client_cq = Cq::new(&ctx, 2 * depth as i32, client_on_chan.then_some(chan)).unwrap();
     client.create_qp(&cpd, &client_cq, &client_cq, caps, false).unwrap();
@@ -86,8 +93,8 @@ pub fn rc_pair_sized(addr: IpAddr, chan: &CompChannel, client_on_chan: bool, dep
     expect(&cch, E::ESTABLISHED);
     expect(&l.ch, E::ESTABLISHED);
     RcPair {
-        server: Mutex::new(Side { id: server, mr: server_mr }),
-        client: Mutex::new(Side { id: client, mr: client_mr }),
+        server: Mutex::new(Side { id: server, mr: server_mr, pd: spd }),
+        client: Mutex::new(Side { id: client, mr: client_mr, pd: cpd }),
         server_cq,
         client_cq,
         _channels: Mutex::new((cch, l.ch, l.id)),

@@ -1,0 +1,280 @@
+//! [`LocalCqLoop`]: a CQ loop for one thread, whose handlers need not be
+//! `Send` (they may hold `Rc`, `RefCell`, a thread's own state).
+//!
+//! It is the thread-safe [`CqLoop`] underneath, kept on the thread that
+//! made it (the type is neither `Send` nor `Sync`) and handing out no
+//! [`LoopControl`], so nothing but this thread can run it or change it; a
+//! [`StopHandle`] may still stop it from anywhere. The app's handlers live
+//! in this thread's storage, keyed by loop and CQ; the loop itself holds a
+//! small `Send` forwarder per CQ that looks the handler up there. A
+//! forwarder that ever ran on another thread would find nothing and do
+//! nothing, so no unsafe code is needed to make the promise.
+//!
+//! ```compile_fail
+//! fn needs_send<T: Send>(_: T) {}
+//! fn check(lp: rdmasafe_core::cq::LocalCqLoop) {
+//!     needs_send(lp); // a local loop never leaves its thread
+//! }
+//! ```
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::marker::PhantomData;
+use std::os::fd::{AsRawFd, RawFd};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+use super::{CqLoop, CqOptions, Keepalive, LoopControl, LoopOptions, LoopStats, Outcome, RunEnd};
+use crate::cm::CmId;
+use crate::verbs::{CompChannel, Cq};
+use crate::wc::Wc;
+use crate::{Result, Wait};
+
+type LocalHandler = Box<dyn FnMut(&[Wc], &LocalControl<'_>)>;
+
+enum Slot {
+    Idle(LocalHandler),
+    /// Taken out for a call; the flag: removed during the call.
+    Running(bool),
+}
+
+thread_local! {
+    static HANDLERS: RefCell<HashMap<(u64, usize), Slot>> = RefCell::new(HashMap::new());
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Calls the handler of (`loop_id`, `cq`) if this thread has it.
+fn dispatch(loop_id: u64, cq: usize, wcs: &[Wc], ctl: &LoopControl) {
+    let key = (loop_id, cq);
+    let taken = HANDLERS.with(|m| {
+        let mut m = m.borrow_mut();
+        match m.get_mut(&key) {
+            Some(slot @ Slot::Idle(_)) => match std::mem::replace(slot, Slot::Running(false)) {
+                Slot::Idle(h) => Some(h),
+                Slot::Running(_) => None,
+            },
+            _ => None,
+        }
+    });
+    let Some(mut h) = taken else { return };
+    let local = LocalControl { ctl, loop_id, _not_send: PhantomData };
+    // A panic goes on to the loop (which catches and re-raises it); the
+    // handler is put back first, as the Send path does.
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h(wcs, &local)));
+    let dropped = HANDLERS.with(|m| {
+        let mut m = m.borrow_mut();
+        match m.get(&key) {
+            Some(Slot::Running(false)) => {
+                m.insert(key, Slot::Idle(h));
+                None
+            }
+            // Removed during its own call: it goes now.
+            Some(Slot::Running(true)) => {
+                m.remove(&key);
+                Some(h)
+            }
+            _ => Some(h),
+        }
+    });
+    drop(dropped); // outside the borrow: a handler's Drop may use the loop
+    if let Err(p) = result {
+        std::panic::resume_unwind(p);
+    }
+}
+
+/// Removes (and drops, outside the borrow) the handler of `key`, or marks
+/// it for removal when it is running.
+fn forget(key: (u64, usize)) {
+    let old = HANDLERS.with(|m| {
+        let mut m = m.borrow_mut();
+        match m.get_mut(&key) {
+            Some(Slot::Running(removed)) => {
+                *removed = true;
+                None
+            }
+            Some(Slot::Idle(_)) => m.remove(&key),
+            None => None,
+        }
+    });
+    drop(old);
+}
+
+fn install(key: (u64, usize), h: LocalHandler) {
+    let old = HANDLERS.with(|m| m.borrow_mut().insert(key, Slot::Idle(h)));
+    drop(old);
+}
+
+/// A CQ loop for the thread that made it; see the module docs. Everything
+/// [`CqLoop`] guarantees holds (arm before the final drain, batched acks,
+/// live add and remove from handlers); what it gives up is changes from
+/// other threads (only [`StopHandle::stop`] crosses threads).
+pub struct LocalCqLoop {
+    // Field order is drop order: the loop (its forwarders, every ack
+    // flushed) before this thread's handlers of it.
+    inner: CqLoop,
+    handlers: Handlers,
+    _not_send: PhantomData<Rc<()>>,
+}
+
+/// This thread's handlers of one local loop; dropped with it.
+struct Handlers {
+    id: u64,
+}
+
+impl Drop for Handlers {
+    fn drop(&mut self) {
+        let id = self.id;
+        let olds: Vec<Slot> = HANDLERS
+            .try_with(|m| {
+                let mut m = m.borrow_mut();
+                let keys: Vec<_> = m.keys().filter(|k| k.0 == id).copied().collect();
+                keys.into_iter().filter_map(|k| m.remove(&k)).collect()
+            })
+            .unwrap_or_default();
+        drop(olds); // outside the borrow
+    }
+}
+
+/// What a [`LocalCqLoop`]'s handler may do to its loop (changes take
+/// effect when the handler returns, as with [`LoopControl`]).
+pub struct LocalControl<'a> {
+    ctl: &'a LoopControl,
+    loop_id: u64,
+    _not_send: PhantomData<Rc<()>>,
+}
+
+/// Stops a loop from any thread or a signal handler; nothing else.
+#[derive(Clone)]
+pub struct StopHandle(LoopControl);
+
+impl StopHandle {
+    /// Asks the loop to stop (see [`LoopControl::stop`]).
+    pub fn stop(&self) {
+        self.0.stop();
+    }
+}
+
+fn add_local<F>(ctl: &LoopControl, loop_id: u64, cq: &Cq, opts: CqOptions, handler: F) -> Result<Outcome>
+where
+    F: FnMut(&[Wc], &LocalControl<'_>) + 'static,
+{
+    let key = (loop_id, cq.raw() as usize);
+    install(key, Box::new(handler));
+    let r = ctl.add_cq(cq, opts, move |wcs: &[Wc], ctl: &LoopControl| dispatch(key.0, key.1, wcs, ctl));
+    if r.is_err() {
+        forget(key);
+    }
+    r
+}
+
+impl LocalCqLoop {
+    /// A loop on `channel` (see [`CqLoop::new`]).
+    pub fn new(channel: &CompChannel, opts: LoopOptions) -> Result<LocalCqLoop> {
+        Ok(LocalCqLoop {
+            inner: CqLoop::new(channel, opts)?,
+            handlers: Handlers { id: NEXT_ID.fetch_add(1, Relaxed) },
+            _not_send: PhantomData,
+        })
+    }
+
+    /// Adds a CQ with a handler that need not be `Send`, and the loop's
+    /// default options.
+    pub fn add_cq<F>(&self, cq: &Cq, handler: F) -> Result<()>
+    where
+        F: FnMut(&[Wc], &LocalControl<'_>) + 'static,
+    {
+        self.add_cq_with(cq, self.inner.default_cq_options(), handler)
+    }
+
+    /// Adds a CQ with its own options.
+    pub fn add_cq_with<F>(&self, cq: &Cq, opts: CqOptions, handler: F) -> Result<()>
+    where
+        F: FnMut(&[Wc], &LocalControl<'_>) + 'static,
+    {
+        add_local(&self.inner.control(), self.handlers.id, cq, opts, handler).map(|_| ())
+    }
+
+    /// Removes a CQ: done when this returns (its handler dropped).
+    pub fn remove_cq(&self, cq: &Cq) -> Result<()> {
+        self.inner.remove_cq(cq)?;
+        forget((self.handlers.id, cq.raw() as usize));
+        Ok(())
+    }
+
+    /// Runs until stopped (see [`CqLoop::run`]).
+    pub fn run(&self) -> Result<()> {
+        self.inner.run()
+    }
+
+    /// Runs for at most `timeout` (see [`CqLoop::run_for`]).
+    pub fn run_for(&self, timeout: Duration) -> Result<RunEnd> {
+        self.inner.run_for(timeout)
+    }
+
+    /// One cycle (see [`CqLoop::process_once`]).
+    pub fn process_once(&self, wait: Wait) -> Result<usize> {
+        self.inner.process_once(wait)
+    }
+
+    /// The next deadline (see [`CqLoop::next_timeout`]).
+    pub fn next_timeout(&self) -> Option<Duration> {
+        self.inner.next_timeout()
+    }
+
+    /// The loop's figures.
+    pub fn stats(&self) -> LoopStats {
+        self.inner.stats()
+    }
+
+    /// A handle that stops the loop from any thread.
+    pub fn stop_handle(&self) -> StopHandle {
+        StopHandle(self.inner.control())
+    }
+
+    /// Blocking drain of the QP `id` owns (see [`LoopControl::drain_id`]).
+    pub fn drain_id(&self, id: &CmId, timeout: Duration) -> Result<()> {
+        self.inner.drain_id(id, timeout)
+    }
+
+    /// Dead-peer detection for the QP `id` owns (see
+    /// [`LoopControl::add_keepalive_id`]).
+    pub fn add_keepalive_id(&self, id: &CmId, cfg: Keepalive, on_dead: super::DeadPeer) -> Result<()> {
+        self.inner.add_keepalive_id(id, cfg, on_dead)
+    }
+}
+
+impl AsRawFd for LocalCqLoop {
+    /// The loop's epoll fd (see [`CqLoop`]'s `AsRawFd`).
+    fn as_raw_fd(&self) -> RawFd {
+        self.inner.as_raw_fd()
+    }
+}
+
+impl LocalControl<'_> {
+    /// Adds a CQ with a local handler (pending until this handler returns).
+    pub fn add_cq<F>(&self, cq: &Cq, handler: F) -> Result<Outcome>
+    where
+        F: FnMut(&[Wc], &LocalControl<'_>) + 'static,
+    {
+        add_local(self.ctl, self.loop_id, cq, self.ctl.cq_defaults(), handler)
+    }
+
+    /// Removes a CQ (its own included); see [`LoopControl::remove_cq`].
+    pub fn remove_cq(&self, cq: &Cq) -> Result<Outcome> {
+        let r = self.ctl.remove_cq(cq)?;
+        forget((self.loop_id, cq.raw() as usize));
+        Ok(r)
+    }
+
+    /// Asks the loop to stop.
+    pub fn stop(&self) {
+        self.ctl.stop();
+    }
+
+    /// The loop's figures.
+    pub fn stats(&self) -> LoopStats {
+        self.ctl.stats()
+    }
+}
