@@ -568,7 +568,21 @@ impl<Q: QueuePair> Qp<Q> {
     /// attributes, then accepts with this QP's number and hands over the
     /// connected id (ESTABLISHED follows on it). On failure the request is
     /// rejected, the id destroyed and the QP moved to the error state.
-    pub fn accept(&mut self, mut req: ConnectRequest, params: &ConnectParams<'_>) -> Result<CmId> {
+    ///
+    /// A QP in the RESET state takes no receives (EINVAL): to have receives
+    /// posted before the peer can send, use [`Qp::accept_with`].
+    pub fn accept(&mut self, req: ConnectRequest, params: &ConnectParams<'_>) -> Result<CmId> {
+        self.accept_with(req, params, |_| Ok(()))
+    }
+
+    /// [`Qp::accept`], calling `ready` once the QP is in RTS and before
+    /// `rdma_accept`: post the receives there, so they are in place before
+    /// the peer learns the connection is accepted. An error from `ready`
+    /// rejects the request as a failed transition would.
+    pub fn accept_with<F>(&mut self, mut req: ConnectRequest, params: &ConnectParams<'_>, ready: F) -> Result<CmId>
+    where
+        F: FnOnce(&mut Self) -> Result<()>,
+    {
         let id = req.id_mut();
         let prepared = self
             .modify_to(id, QueuePairState::Init, |_| {})
@@ -581,7 +595,8 @@ impl<Q: QueuePair> Qp<Q> {
                 self.modify_to(id, QueuePairState::ReadyToSend, |a| {
                     a.setup_max_read_atomic(params.initiator_depth);
                 })
-            });
+            })
+            .and_then(|_| ready(self));
         let r = match prepared {
             Ok(()) => req.accept(&ConnectParams { qp_num: self.qp_num(), ..*params }),
             Err(e) => {
@@ -637,6 +652,11 @@ impl<Q: QueuePair> Qp<Q> {
     /// `remote`; the peer gets a receive completion carrying `imm` (it must
     /// have a receive posted, [`Qp::post_recv_empty`] will do). `local` is
     /// kept until the QP is dropped. EINVAL if a range is out of bounds.
+    ///
+    /// `imm` is in host byte order, as [`Wc::imm_data`] gives it back on the
+    /// peer. (sideway's own `setup_write_imm` stores its argument as the
+    /// `__be32` of verbs.h unconverted: there a host value arrives
+    /// byte-swapped on a little-endian pair; this method converts.)
     #[allow(clippy::too_many_arguments)]
     pub fn post_write_with_imm(
         &mut self,
@@ -655,7 +675,7 @@ impl<Q: QueuePair> Qp<Q> {
         self.keep(local);
         let lkey = local.lkey();
         let mut guard = self.qp.start_post_send();
-        let wr = guard.construct_wr(wr_id, Self::flags(opts)).setup_write_imm(remote.rkey, raddr, imm);
+        let wr = guard.construct_wr(wr_id, Self::flags(opts)).setup_write_imm(remote.rkey, raddr, imm.to_be());
         // SAFETY: the memory is registered with lkey and stays allocated and
         // registered until this QP is destroyed (kept above).
         unsafe { wr.setup_sge(lkey, addr, len) };
