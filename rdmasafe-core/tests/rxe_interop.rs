@@ -6,8 +6,9 @@
 //! extended QP. Asserted: the bytes arrived both ways; each completion is
 //! delivered once, by the loop, with its opcode, length and immediate; the
 //! server's unused receives come back flushed, once each, at disconnect;
-//! the CQs leave the loop; everything is destroyed without a hang (the
-//! watchdog turns one into a failure).
+//! the loop refuses a CQ twice and a CQ of another channel; one CQ leaves
+//! the loop, the other is destroyed by the loop's drop; everything is
+//! destroyed without a hang (the watchdog turns one into a failure).
 
 mod common;
 
@@ -98,6 +99,12 @@ fn sideway_data_path_over_rdmasafe_cm_and_cq_loop() {
     // Client: its QP on the sideway context, connected through the rdmasafe id.
     let ccq = cq_on(&ctx, &chan);
     lp.add_cq(&ccq, handler('c')).expect("add client CQ");
+    // Misuse is refused: the same CQ twice, a CQ of another channel.
+    assert_eq!(lp.add_cq(&ccq, |_: &[_], _: &_| {}).unwrap_err().errno(), libc::EBUSY, "a CQ in the loop already");
+    let other_chan = CompletionChannel::new(&ctx).expect("a second channel");
+    let other_cq = cq_on(&ctx, &other_chan);
+    assert_eq!(lp.add_cq(&other_cq, |_: &[_], _: &_| {}).unwrap_err().errno(), libc::EINVAL, "a CQ of another channel");
+    drop((other_cq, other_chan));
     let cpd = ctx.alloc_pd().expect("client pd");
     let mut cqp = qp_on(&cpd, &ccq);
     let mut cbuf = Buffer::new(&cpd, 2 * LEN).expect("client buffer");
@@ -187,16 +194,19 @@ fn sideway_data_path_over_rdmasafe_cm_and_cq_loop() {
     assert_eq!(stats.unacked_now, 0, "{stats:?}");
     assert_eq!(stats.foreign_cq_events, 0, "{stats:?}");
     lp.remove_cq(&ccq).expect("remove client CQ");
-    lp.remove_cq(&scq).expect("remove server CQ");
-    assert_eq!(lp.remove_cq(&scq).unwrap_err().errno(), libc::ENOENT);
-    assert_eq!(lp.stats().cqs, 0);
+    assert_eq!(lp.remove_cq(&ccq).unwrap_err().errno(), libc::ENOENT);
+    assert_eq!(lp.stats().cqs, 1);
 
-    // QPs first (they hold their CQs), then the loop, then the CQs (the
-    // last clones: ibv_destroy_cq would hang on an event read and not
-    // acked), buffers, PDs, context; ids last.
+    // QPs first (they hold their CQs), then the loop, then the CQs,
+    // buffers, PDs, context; ids last. The server CQ stays in the loop and
+    // the test drops its own handle before the loop: the loop's clone keeps
+    // it alive, and dropping the loop acks what it read before that clone
+    // goes (ibv_destroy_cq would hang on an unacked event; the watchdog
+    // turns a hang into a failure).
     drop((cqp, sqp));
+    drop(scq);
     drop(lp);
-    drop((ccq, scq, chan));
+    drop((ccq, chan));
     drop((cbuf, sbuf, cpd, spd, sctx, ctx));
     drop((sid, cid, server));
 }
