@@ -210,3 +210,177 @@ fn sideway_data_path_over_rdmasafe_cm_and_cq_loop() {
     drop((cbuf, sbuf, cpd, spd, sctx, ctx));
     drop((sid, cid, server));
 }
+
+/// A client and a server sideway QP connected through rdmasafe ids, the
+/// server with one receive posted and its buffer offered in the accept.
+struct Pair {
+    cqp: Qp<ExtendedQueuePair>,
+    sqp: Qp<ExtendedQueuePair>,
+    cbuf: Buffer,
+    sbuf: Buffer,
+    remote: RemoteBuffer,
+    pds: (Arc<ProtectionDomain>, Arc<ProtectionDomain>),
+    ids: (rdmasafe_core::cm::CmId, rdmasafe_core::cm::CmId),
+    chans: (EventChannel, common::cm::Listener),
+}
+
+fn connect_pair(
+    addr: std::net::IpAddr,
+    ctx: &Arc<DeviceContext>,
+    ccq: &GenericCompletionQueue,
+    scq: &GenericCompletionQueue,
+    recv_id: u64,
+) -> Pair {
+    let server = listen(addr, PortSpace::Tcp, 1);
+    let cch = EventChannel::new().expect("client channel");
+    let cid = resolved(&cch, PortSpace::Tcp, addr, server.port);
+    let cpd = ctx.alloc_pd().expect("client pd");
+    let spd = ctx.alloc_pd().expect("server pd");
+    let mut cqp = qp_on(&cpd, ccq);
+    let mut sqp = qp_on(&spd, scq);
+    let cbuf = Buffer::new(&cpd, LEN).expect("client buffer");
+    let sbuf = Buffer::new(&spd, LEN).expect("server buffer");
+    cqp.connect(&cid, &ConnectParams::default()).expect("connect");
+    let mut ev = expect(&server.ch, EventType::CONNECT_REQUEST);
+    let req = ev.take_request().expect("the request's id");
+    let offer = sbuf.remote(0, LEN).expect("remote").to_bytes();
+    let sid = sqp
+        .accept_with(req, &ConnectParams { private_data: &offer, ..Default::default() }, |qp| {
+            qp.post_recv_empty(recv_id)
+        })
+        .expect("accept");
+    let resp = expect(&cch, EventType::CONNECT_RESPONSE);
+    let remote = RemoteBuffer::from_bytes(resp.private_data()).expect("the server's buffer");
+    cqp.establish(&cid).expect("establish");
+    expect(&server.ch, EventType::ESTABLISHED);
+    Pair { cqp, sqp, cbuf, sbuf, remote, pds: (cpd, spd), ids: (cid, sid), chans: (cch, server) }
+}
+
+/// Sets a flag when dropped: tells the test that the loop dropped a handler.
+struct DropFlag(mpsc::Sender<&'static str>, &'static str);
+
+impl Drop for DropFlag {
+    fn drop(&mut self) {
+        let _ = self.0.send(self.1);
+    }
+}
+
+/// sideway CQs join a running loop from another thread (SidewayControl on
+/// the loop's control), and one leaves it from inside its own handler:
+/// the removal is pending until the handler returns, the handler is never
+/// called again and is dropped (with the loop's clone of the CQ) once the
+/// CQ is out; removing it again is ENOENT.
+#[test]
+fn sideway_cqs_join_and_leave_a_running_loop() {
+    use rdmasafe_core::cq::Outcome;
+    use rdmasafe_core::sideway::SidewayControl;
+
+    let _dog = common::watchdog("sideway live CQs", Duration::from_secs(240));
+    let bed = common::bed();
+    let lookup = EventChannel::new().expect("channel");
+    let probe = lookup.create_id(PortSpace::Tcp).expect("id");
+    probe.bind_addr((bed.addr, 0).into()).expect("bind: the id is on the device now");
+    let ctx = open_device(&probe).expect("sideway context");
+    drop((probe, lookup));
+    let chan = CompletionChannel::new(&ctx).expect("sideway completion channel");
+    let ccq = cq_on(&ctx, &chan);
+    let scq = cq_on(&ctx, &chan);
+
+    // The loop runs (and sleeps: it has no CQ yet) on its own thread.
+    let lp = CompletionLoop::new(&chan, LoopOptions { mode: Mode::Event, ..Default::default() }).expect("loop");
+    let opts = lp.cq_loop().default_cq_options();
+    let th = lp.spawn(None).expect("loop thread");
+    let ctl = th.control();
+    let (tx, rx) = mpsc::channel::<Seen>();
+    let (gone_tx, gone_rx) = mpsc::channel::<&'static str>();
+    let (out_tx, out_rx) = mpsc::channel::<Result<Outcome, i32>>();
+
+    let client_tx = tx.clone();
+    let outcome = ctl
+        .add_sideway_cq(&ccq, opts, move |wcs, _| {
+            for wc in wcs {
+                let s = Seen {
+                    side: 'c',
+                    wr_id: wc.wr_id(),
+                    ok: wc.is_success(),
+                    flushed: false,
+                    opcode: wc.opcode(),
+                    byte_len: 0,
+                    imm: None,
+                };
+                let _ = client_tx.send(s);
+            }
+        })
+        .expect("add the client CQ to the running loop");
+    assert_eq!(outcome, Outcome::Done, "added from another thread: done when the call returns");
+
+    let scq_in_handler = scq.clone();
+    let flag = DropFlag(gone_tx.clone(), "server handler");
+    let mut calls = 0;
+    let outcome = ctl
+        .add_sideway_cq(&scq, opts, move |wcs, ctl| {
+            let _alive = &flag;
+            calls += 1;
+            for wc in wcs {
+                let s = Seen {
+                    side: 's',
+                    wr_id: wc.wr_id(),
+                    ok: wc.is_success(),
+                    flushed: false,
+                    opcode: wc.opcode(),
+                    byte_len: wc.byte_len(),
+                    imm: wc.imm_data(),
+                };
+                let _ = tx.send(s);
+            }
+            // Leave the loop from inside the handler, on the first call.
+            if calls == 1 {
+                let _ = out_tx.send(ctl.remove_sideway_cq(&scq_in_handler).map_err(|e| e.errno()));
+            } else {
+                let _ = tx.send(Seen {
+                    side: '!',
+                    wr_id: calls,
+                    ok: false,
+                    flushed: false,
+                    opcode: WcOpcode(u32::MAX),
+                    byte_len: 0,
+                    imm: None,
+                });
+            }
+        })
+        .expect("add the server CQ to the running loop");
+    assert_eq!(outcome, Outcome::Done);
+    assert_eq!(ctl.add_sideway_cq(&scq, opts, |_, _| {}).unwrap_err().errno(), libc::EBUSY, "a CQ in the loop already");
+
+    let mut p = connect_pair(bed.addr, &ctx, &ccq, &scq, RECV_IDS[0]);
+    let data = pattern(LEN, 5);
+    p.cbuf.write(0, &data).expect("fill");
+    let signaled = SendOptions::default();
+    p.cqp.post_write_with_imm(WRITE_ID, &p.cbuf, 0, LEN as u32, &p.remote, 0, IMM, signaled).expect("write with imm");
+
+    let mut seen: Vec<Seen> = (0..2).map(|_| next(&rx, "the write's completions")).collect();
+    seen.sort_by_key(|s| s.side);
+    assert_eq!((seen[0].side, seen[0].wr_id, seen[0].ok, seen[0].opcode), ('c', WRITE_ID, true, WcOpcode::RDMA_WRITE));
+    assert_eq!(
+        (seen[1].side, seen[1].wr_id, seen[1].ok, seen[1].opcode, seen[1].imm),
+        ('s', RECV_IDS[0], true, WcOpcode::RECV_RDMA_WITH_IMM, Some(IMM))
+    );
+    let removal = out_rx.recv_timeout(STEP).expect("the handler's removal");
+    assert_eq!(removal, Ok(Outcome::Pending), "a removal from the CQ's own handler is pending until it returns");
+
+    // Stopping the loop joins its thread: the handler has returned, the
+    // removal is applied and the handler (with the loop's CQ clone) dropped.
+    let lp = th.stop().expect("stop the loop");
+    assert_eq!(gone_rx.recv_timeout(STEP), Ok("server handler"), "the removed CQ's handler was dropped");
+    assert_eq!(lp.remove_cq(&scq).unwrap_err().errno(), libc::ENOENT, "the server CQ left the loop");
+    assert_eq!(lp.stats().cqs, 1, "the client CQ is still in");
+    assert!(rx.try_recv().is_err(), "no completion delivered twice, no call after the removal");
+    let mut got = vec![0u8; LEN];
+    p.sbuf.read(0, &mut got).expect("read back");
+    assert!(got == data, "the write's bytes did not arrive");
+
+    drop((p.cqp, p.sqp));
+    drop(lp);
+    drop((ccq, scq, chan, p.cbuf, p.sbuf, p.pds));
+    drop((p.ids, p.chans, ctx));
+}
