@@ -18,6 +18,8 @@ step "cargo clippy -D warnings"
 cargo clippy --locked --workspace --all-targets -q -- -D warnings
 step "cargo test (rxe_* in the Soft-RoCE guest)"
 cargo test --locked --workspace --all-targets
+step "cargo test --features sideway (rxe_interop: sideway's data path over rdmasafe's CM and CQ loop)"
+cargo test --locked -p rdmasafe-core --features sideway --test rxe_interop
 step "rustdoc (warnings are errors)"
 RUSTDOCFLAGS="-D warnings" cargo doc --locked --no-deps -q -p rdmasafe-core -p rdmasafe-capi
 step "doc tests"

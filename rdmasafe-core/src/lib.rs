@@ -73,8 +73,19 @@
 //! (rdmasafe's or the app's own, [`verbs::Mr::from_box`]), and on a
 //! [`cm::CmId`]'s QP: SEND / RECV, SEND with immediate, inline SEND, RDMA
 //! WRITE (with immediate) and READ ([`verbs::RemoteMr`]), signalled or
-//! not. For a full data path, pair rdmasafe with a verbs crate (see the
-//! README's interop section).
+//! not. For a full data path, pair rdmasafe with a verbs crate (next
+//! section).
+//!
+//! # Interop with sideway
+//!
+//! With the `sideway` feature, the `sideway` module joins the
+//! [sideway](https://docs.rs/sideway/0.4) verbs crate to rdmasafe:
+//! sideway's completion channels and CQs run in a [`cq::CqLoop`]
+//! (`sideway::CompletionLoop`), and sideway's QPs connect through
+//! rdmasafe's [`cm::CmId`]s (`sideway::Qp::connect` / `accept`, by
+//! `rdma_init_qp_attr`), so sideway does the data path (`ibv_wr_*` RDMA
+//! WRITE with immediate, READ, atomics) with no raw pointer in your code.
+//! docs/interop.md says why sideway (and not rust-ibverbs) and how.
 //!
 //! # Async
 //!
@@ -99,6 +110,8 @@
 pub mod cm;
 pub mod cq;
 pub mod error;
+#[cfg(feature = "sideway")]
+pub mod sideway;
 #[doc(hidden)]
 pub mod sys;
 pub mod verbs;
