@@ -12,6 +12,8 @@
 //!    the man pages under share/man (`man -M` reads them, `.so` links too);
 //!    what pkg-config answers for the prefix (relocatable paths, version,
 //!    Libs.private); the in-tree C programs CMake built into `bin/`;
+//!    librdmasafe-preload.so: its six interposers exported unversioned
+//!    (`rdmasafe-preload/abi/exports.txt`), pkg-config's `preload` variable;
 //! 3. the consumers: `tests/consumer/cmake` (find_package,
 //!    rdmasafe::rdmasafe and rdmasafe::rdmasafe_static) and
 //!    `tests/consumer/make` (pkg-config, and `--static`) build the
@@ -492,6 +494,57 @@ fn check_abi(c: &mut Checks, l: &Layout) {
     c.that(!dynamic.contains("(RPATH)") && !dynamic.contains("(RUNPATH)"), "librdmasafe.so has no rpath/runpath");
 }
 
+/// librdmasafe-preload.so: installed in libdir, named by pkg-config's
+/// `preload` variable, exporting exactly rdmasafe-preload/abi/exports.txt
+/// and each of them unversioned (a program's versioned references bind to
+/// an unversioned definition; under a version node of its own they would
+/// not), and librdmacm / libibverbs among its DT_NEEDED.
+fn check_preload(c: &mut Checks, l: &Layout) {
+    let so = l.lib.join("librdmasafe-preload.so");
+    c.that(so.is_file() && !so.is_symlink(), format!("{} is a regular file", so.display()));
+    let listed: BTreeSet<String> = fs::read_to_string(root().join("rdmasafe-preload/abi/exports.txt"))
+        .expect("read rdmasafe-preload/abi/exports.txt")
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(String::from)
+        .collect();
+    let nm = stdout_of("nm -D --defined-only", Command::new("nm").args(["-D", "--defined-only"]).arg(&so));
+    let exported: BTreeSet<String> =
+        nm.lines().filter_map(|line| line.split_whitespace().nth(2)).map(String::from).collect();
+    c.that(exported == listed, format!("librdmasafe-preload.so exports {exported:?}, want {listed:?} (unversioned)"));
+    // `readelf -W --dyn-syms`: a versioned definition reads name@VERSION
+    let syms = stdout_of("readelf --dyn-syms", Command::new("readelf").args(["-W", "--dyn-syms"]).arg(&so));
+    for name in &listed {
+        let defs: Vec<&str> = syms
+            .lines()
+            .filter(|line| {
+                let f: Vec<&str> = line.split_whitespace().collect();
+                f.len() >= 8 && f[6] != "UND" && f[7].split('@').next() == Some(name.as_str())
+            })
+            .collect();
+        c.that(
+            defs.len() == 1 && !defs[0].contains('@'),
+            format!("librdmasafe-preload.so defines {name} once, unversioned: {defs:?}"),
+        );
+    }
+    let dynamic = stdout_of("readelf -d", Command::new("readelf").arg("-d").arg(&so));
+    for lib in ["librdmacm.so.1", "libibverbs.so.1"] {
+        c.that(dynamic.contains(&format!("[{lib}]")), format!("librdmasafe-preload.so needs {lib}"));
+    }
+    let var = stdout_of(
+        "pkg-config --variable=preload rdmasafe",
+        Command::new("pkg-config")
+            .env("PKG_CONFIG_PATH", l.lib.join("pkgconfig"))
+            .args(["--variable=preload", "rdmasafe"]),
+    );
+    let named = fs::canonicalize(shell_words(var.trim()).concat()).ok();
+    c.that(
+        named.is_some() && named == fs::canonicalize(&so).ok(),
+        format!("pkg-config --variable=preload rdmasafe names {named:?}, want {}", so.display()),
+    );
+}
+
 fn check_installed_files(c: &mut Checks, l: &Layout) {
     let root = root();
     let so = l.lib.join(&l.real);
@@ -895,6 +948,7 @@ fn install_and_consume() {
     let mut c = Checks::default();
     check_abi(&mut c, &l);
     check_installed_files(&mut c, &l);
+    check_preload(&mut c, &l);
     let programs = build_consumers(&mut c, &l);
     run_cxx_consumers(&mut c, &l);
     if programs.len() == 8 {
