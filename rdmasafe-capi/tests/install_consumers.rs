@@ -26,7 +26,9 @@
 //! 5. all eight migration programs (before, after from CMake and make,
 //!    shared and static) run in ONE Soft-RoCE guest (tests/bed/vm-run,
 //!    tests/consumer/run-in-guest.sh); each must exit 0 with the output
-//!    that shows the exchange worked.
+//!    that shows the exchange worked; the "before" CM server also runs
+//!    unmodified under the installed librdmasafe-preload.so, with the same
+//!    output and every copy freed.
 //!
 //! `native_static_libs_match_rustc`: `rdmasafe-capi/abi/native-static-libs.txt`
 //! (what CMake links the shared library with and writes into Libs.private
@@ -821,6 +823,29 @@ fn run_cxx_consumers(c: &mut Checks, l: &Layout) {
     }
 }
 
+/// The unmodified "before" server under the installed preload: the same
+/// output as without it, and the preload's exit lines (one per process)
+/// show copies, all freed.
+fn check_preloaded(c: &mut Checks, label: &str, b: &Block) {
+    let (ours, own): (Vec<&str>, Vec<&str>) = b.lines().partition(|l| l.starts_with("rdmasafe["));
+    let program = Block { out: own.iter().map(|l| format!("{l}\n")).collect(), exit: b.exit };
+    check_cm_server(c, label, &program);
+    let exits: Vec<&str> = ours.iter().copied().filter(|l| l.starts_with("rdmasafe[INFO]: preload exit [")).collect();
+    let copied: u64 = exits
+        .iter()
+        .filter_map(|l| l.split_once(" copied=").and_then(|(_, r)| r.split(' ').next()?.parse::<u64>().ok()))
+        .sum();
+    c.that(
+        !exits.is_empty()
+            && exits
+                .iter()
+                .all(|l| l.contains(": mode=copy ") && l.contains(" outstanding=0 ") && l.contains(" not_copies=0 ")),
+        format!("{label}: the preload's exit lines {exits:?} (want mode=copy, outstanding=0, not_copies=0)"),
+    );
+    c.that(copied > 0, format!("{label}: no event went through the preload: {exits:?}"));
+    log(format!("{label}: {copied} events copied by the installed librdmasafe-preload.so"));
+}
+
 fn check_cm_server(c: &mut Checks, label: &str, b: &Block) {
     let prog = if label.starts_with("before") { "cm_server_before" } else { "cm_server_after" };
     c.that(
@@ -893,8 +918,14 @@ fn check_cq_rank(c: &mut Checks, label: &str, b: &Block) {
     }
 }
 
-fn run_on_device(c: &mut Checks, programs: &[(String, PathBuf)]) {
+fn run_on_device(c: &mut Checks, l: &Layout, programs: &[(String, PathBuf)]) {
     let root = root();
+    // the unmodified "before" server once more, under the installed preload
+    let mut programs = programs.to_vec();
+    if let Some((_, bin)) = programs.iter().find(|(label, _)| label == "before_cm_server").cloned() {
+        programs.push(("before_cm_server.preload".to_string(), bin));
+    }
+    c.that(programs.len() == 9, "before_cm_server is among the programs (to run it under the preload)");
     let script = root.join("tests/consumer/run-in-guest.sh");
     let hw = match (std::env::var("RDMASAFE_DEVICE"), std::env::var("RDMASAFE_ADDR")) {
         (Ok(d), Ok(a)) if !d.is_empty() && !a.is_empty() => Some((d, a)),
@@ -912,10 +943,12 @@ fn run_on_device(c: &mut Checks, programs: &[(String, PathBuf)]) {
         cmd = Command::new(root.join("tests/bed/vm-run"));
         cmd.args(["--timeout", &GUEST_TIMEOUT.to_string(), "--", "bash"]).arg(&script);
     }
-    for (label, bin) in programs {
+    for (label, bin) in &programs {
         cmd.arg(format!("{label}={}", bin.display()));
     }
-    cmd.current_dir(&root).env_remove("LD_LIBRARY_PATH");
+    cmd.current_dir(&root)
+        .env_remove("LD_LIBRARY_PATH")
+        .env("RDMASAFE_CONSUMER_PRELOAD", l.lib.join("librdmasafe-preload.so"));
     let t = Instant::now();
     let out = cmd.output().expect("run tests/consumer/run-in-guest.sh");
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -927,10 +960,12 @@ fn run_on_device(c: &mut Checks, programs: &[(String, PathBuf)]) {
     c.that(out.status.success(), format!("run-in-guest.sh exit status {}", out.status));
     c.that(stdout.contains("==== SUMMARY 0 failed"), "the script's summary does not say 0 failed");
     let empty = Block::default();
-    for (label, _) in programs {
+    for (label, _) in &programs {
         let b = runs.get(label).unwrap_or(&empty);
         c.that(b.exit == Some(0), format!("{label}: exit {:?} (want Some(0); None = did not run)", b.exit));
-        if label.contains("cm_server") {
+        if label.ends_with(".preload") {
+            check_preloaded(c, label, b);
+        } else if label.contains("cm_server") {
             check_cm_server(c, label, b);
         } else {
             check_cq_rank(c, label, b);
@@ -952,7 +987,7 @@ fn install_and_consume() {
     let programs = build_consumers(&mut c, &l);
     run_cxx_consumers(&mut c, &l);
     if programs.len() == 8 {
-        run_on_device(&mut c, &programs);
+        run_on_device(&mut c, &l, &programs);
     } else {
         c.that(false, format!("only {} of the 8 migration programs were built: not running them", programs.len()));
     }

@@ -19,7 +19,11 @@
 //! 2. the raw librdmacm build of tests/c/cm_barrier_test (rping-shaped,
 //!    ASan: it relies on rdma_destroy_id's barrier) under the preload, 5
 //!    runs clean (tests/c runs it 30 times on librdmasafe.so), and once with a DISCONNECTED copy held 5 s (`-H`: the
-//!    destroy must return; its time is printed, not asserted);
+//!    destroy must return; its time is printed, not asserted); and
+//!    tests/preload/check_cm_bugs in copy mode: a copy never freed is
+//!    outstanding at exit, a double ack is refused (-1/EINVAL), a destroy
+//!    of an id whose copy is never freed returns (the deadline acked the
+//!    original);
 //! 3. check mode (RDMASAFE_CHECK=1 / fix) on the C bug programs of
 //!    tests/preload: each bug's report, with the event type, event, id and
 //!    CQ addresses the program printed; with `fix` the hanging destroys
@@ -386,6 +390,48 @@ fn check_barrier(c: &mut Checks, runs: &BTreeMap<String, Block>) {
     );
 }
 
+/// Copy mode under the buggy check_cm_bugs modes: the exit line counts
+/// what they did, and the destroy without an ack returns (bounded).
+fn check_copy_books(c: &mut Checks, runs: &BTreeMap<String, Block>) {
+    let empty = Block::default();
+    for (mode, copied, freed, not_copies, at_deadline) in
+        [("leak", 1, 0, 0, 0), ("double", 1, 1, 1, 0), ("destroy", 1, 0, 0, 1)]
+    {
+        let label = format!("check_cm_bugs.{mode}.copy");
+        let b = runs.get(&label).unwrap_or(&empty);
+        let err = runs.get(&format!("{label}.err")).unwrap_or(&empty);
+        c.that(
+            b.exit == Some(0) && b.last_line() == "check_cm_bugs: done",
+            format!("{label}: exit {:?}, last line {:?}", b.exit, b.last_line()),
+        );
+        let l = exit_lines(err);
+        let ok = l.len() == 1 && {
+            let f = |k: &str| field(l[0], k);
+            f("copied") == Some(copied)
+                && f("freed") == Some(freed)
+                && f("outstanding") == Some(copied - freed)
+                && f("not_copies") == Some(not_copies)
+                && f("acked_at_deadline") == Some(at_deadline)
+        };
+        c.that(
+            ok,
+            format!(
+                "{label}: exit line {l:?} (want copied={copied} freed={freed} outstanding={} not_copies={not_copies} \
+                 acked_at_deadline={at_deadline})",
+                copied - freed
+            ),
+        );
+        match mode {
+            "double" => c.that(
+                b.has("second rdma_ack_cm_event of the same event: -1 (Invalid argument)"),
+                format!("{label}: the second ack was not refused: {:?}", b.out),
+            ),
+            "destroy" => c.that(b.has("rdma_destroy_id returned 0"), format!("{label}: {:?}", b.out)),
+            _ => true,
+        };
+    }
+}
+
 /// Check mode's report lines of a run: (kind, text).
 fn reports(b: Option<&Block>) -> Vec<(String, String)> {
     b.map(|b| {
@@ -612,6 +658,7 @@ fn preload_on_rdma() {
 
     let t = check_copy_mode(&mut c, &runs);
     check_barrier(&mut c, &runs);
+    check_copy_books(&mut c, &runs);
     let cm_reports = check_cm_bugs(&mut c, &runs, &stdout);
     let cq_reports = check_cq_bugs(&mut c, &runs, &stdout);
     println!(

@@ -18,7 +18,8 @@
 #  2. The raw librdmacm build of tests/c/cm_barrier_test (rping-shaped,
 #     ASan; it relies on rdma_destroy_id's barrier) under the preload,
 #     BARRIER_RUNS times, and once with -H (a DISCONNECTED copy held 5 s:
-#     the destroy waits at most the ack deadline).
+#     the destroy waits at most the ack deadline); tests/preload/check_cm_bugs
+#     -m leak, double and destroy in copy mode.
 #  3. Check mode (RDMASAFE_CHECK=1, RDMASAFE_CHECK_HOLD_MS=300, reports to
 #     a file): tests/preload/check_cm_bugs in each mode and
 #     tests/preload/check_cq_bugs in each mode, with =1 and with =fix.
@@ -220,6 +221,15 @@ done
 start cm_barrier_test_raw.preload.hold.run "${W[@]}" env ASAN_OPTIONS=verify_asan_link_order=0 \
 	"${PRE[@]}" "$pbin/cm_barrier_test_raw" -H
 finish cm_barrier_test_raw.preload.hold.run
+# copy mode's own books on buggy programs: a copy never freed (outstanding
+# at exit), an ack of a freed copy (refused with EINVAL, nothing freed
+# twice), rdma_destroy_id with the copy held and never freed (returns once
+# the deadline has acked librdmacm's original, instead of never)
+scenario "copy mode: check_cm_bugs leak, double, destroy"
+for m in leak double destroy; do
+	start "check_cm_bugs.$m.copy" "${W[@]}" "${PRE[@]}" "$pbin/check_cm_bugs" -m "$m"
+	finish "check_cm_bugs.$m.copy"
+done
 
 # 3. -----------------------------------------------------------------------
 # check LABEL MODE WAIT_FOR PROGRAM ARGS...: one check-mode run; with
