@@ -12,6 +12,8 @@
 //!    the man pages under share/man (`man -M` reads them, `.so` links too);
 //!    what pkg-config answers for the prefix (relocatable paths, version,
 //!    Libs.private); the in-tree C programs CMake built into `bin/`;
+//!    librdmasafe-preload.so: its six interposers exported unversioned
+//!    (`rdmasafe-preload/abi/exports.txt`), pkg-config's `preload` variable;
 //! 3. the consumers: `tests/consumer/cmake` (find_package,
 //!    rdmasafe::rdmasafe and rdmasafe::rdmasafe_static) and
 //!    `tests/consumer/make` (pkg-config, and `--static`) build the
@@ -24,7 +26,9 @@
 //! 5. all eight migration programs (before, after from CMake and make,
 //!    shared and static) run in ONE Soft-RoCE guest (tests/bed/vm-run,
 //!    tests/consumer/run-in-guest.sh); each must exit 0 with the output
-//!    that shows the exchange worked.
+//!    that shows the exchange worked; the "before" CM server also runs
+//!    unmodified under the installed librdmasafe-preload.so, with the same
+//!    output and every copy freed.
 //!
 //! `native_static_libs_match_rustc`: `rdmasafe-capi/abi/native-static-libs.txt`
 //! (what CMake links the shared library with and writes into Libs.private
@@ -492,6 +496,57 @@ fn check_abi(c: &mut Checks, l: &Layout) {
     c.that(!dynamic.contains("(RPATH)") && !dynamic.contains("(RUNPATH)"), "librdmasafe.so has no rpath/runpath");
 }
 
+/// librdmasafe-preload.so: installed in libdir, named by pkg-config's
+/// `preload` variable, exporting exactly rdmasafe-preload/abi/exports.txt
+/// and each of them unversioned (a program's versioned references bind to
+/// an unversioned definition; under a version node of its own they would
+/// not), and librdmacm / libibverbs among its DT_NEEDED.
+fn check_preload(c: &mut Checks, l: &Layout) {
+    let so = l.lib.join("librdmasafe-preload.so");
+    c.that(so.is_file() && !so.is_symlink(), format!("{} is a regular file", so.display()));
+    let listed: BTreeSet<String> = fs::read_to_string(root().join("rdmasafe-preload/abi/exports.txt"))
+        .expect("read rdmasafe-preload/abi/exports.txt")
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(String::from)
+        .collect();
+    let nm = stdout_of("nm -D --defined-only", Command::new("nm").args(["-D", "--defined-only"]).arg(&so));
+    let exported: BTreeSet<String> =
+        nm.lines().filter_map(|line| line.split_whitespace().nth(2)).map(String::from).collect();
+    c.that(exported == listed, format!("librdmasafe-preload.so exports {exported:?}, want {listed:?} (unversioned)"));
+    // `readelf -W --dyn-syms`: a versioned definition reads name@VERSION
+    let syms = stdout_of("readelf --dyn-syms", Command::new("readelf").args(["-W", "--dyn-syms"]).arg(&so));
+    for name in &listed {
+        let defs: Vec<&str> = syms
+            .lines()
+            .filter(|line| {
+                let f: Vec<&str> = line.split_whitespace().collect();
+                f.len() >= 8 && f[6] != "UND" && f[7].split('@').next() == Some(name.as_str())
+            })
+            .collect();
+        c.that(
+            defs.len() == 1 && !defs[0].contains('@'),
+            format!("librdmasafe-preload.so defines {name} once, unversioned: {defs:?}"),
+        );
+    }
+    let dynamic = stdout_of("readelf -d", Command::new("readelf").arg("-d").arg(&so));
+    for lib in ["librdmacm.so.1", "libibverbs.so.1"] {
+        c.that(dynamic.contains(&format!("[{lib}]")), format!("librdmasafe-preload.so needs {lib}"));
+    }
+    let var = stdout_of(
+        "pkg-config --variable=preload rdmasafe",
+        Command::new("pkg-config")
+            .env("PKG_CONFIG_PATH", l.lib.join("pkgconfig"))
+            .args(["--variable=preload", "rdmasafe"]),
+    );
+    let named = fs::canonicalize(shell_words(var.trim()).concat()).ok();
+    c.that(
+        named.is_some() && named == fs::canonicalize(&so).ok(),
+        format!("pkg-config --variable=preload rdmasafe names {named:?}, want {}", so.display()),
+    );
+}
+
 fn check_installed_files(c: &mut Checks, l: &Layout) {
     let root = root();
     let so = l.lib.join(&l.real);
@@ -768,6 +823,29 @@ fn run_cxx_consumers(c: &mut Checks, l: &Layout) {
     }
 }
 
+/// The unmodified "before" server under the installed preload: the same
+/// output as without it, and the preload's exit lines (one per process)
+/// show copies, all freed.
+fn check_preloaded(c: &mut Checks, label: &str, b: &Block) {
+    let (ours, own): (Vec<&str>, Vec<&str>) = b.lines().partition(|l| l.starts_with("rdmasafe["));
+    let program = Block { out: own.iter().map(|l| format!("{l}\n")).collect(), exit: b.exit };
+    check_cm_server(c, label, &program);
+    let exits: Vec<&str> = ours.iter().copied().filter(|l| l.starts_with("rdmasafe[INFO]: preload exit [")).collect();
+    let copied: u64 = exits
+        .iter()
+        .filter_map(|l| l.split_once(" copied=").and_then(|(_, r)| r.split(' ').next()?.parse::<u64>().ok()))
+        .sum();
+    c.that(
+        !exits.is_empty()
+            && exits
+                .iter()
+                .all(|l| l.contains(": mode=copy ") && l.contains(" outstanding=0 ") && l.contains(" not_copies=0 ")),
+        format!("{label}: the preload's exit lines {exits:?} (want mode=copy, outstanding=0, not_copies=0)"),
+    );
+    c.that(copied > 0, format!("{label}: no event went through the preload: {exits:?}"));
+    log(format!("{label}: {copied} events copied by the installed librdmasafe-preload.so"));
+}
+
 fn check_cm_server(c: &mut Checks, label: &str, b: &Block) {
     let prog = if label.starts_with("before") { "cm_server_before" } else { "cm_server_after" };
     c.that(
@@ -840,8 +918,14 @@ fn check_cq_rank(c: &mut Checks, label: &str, b: &Block) {
     }
 }
 
-fn run_on_device(c: &mut Checks, programs: &[(String, PathBuf)]) {
+fn run_on_device(c: &mut Checks, l: &Layout, programs: &[(String, PathBuf)]) {
     let root = root();
+    // the unmodified "before" server once more, under the installed preload
+    let mut programs = programs.to_vec();
+    if let Some((_, bin)) = programs.iter().find(|(label, _)| label == "before_cm_server").cloned() {
+        programs.push(("before_cm_server.preload".to_string(), bin));
+    }
+    c.that(programs.len() == 9, "before_cm_server is among the programs (to run it under the preload)");
     let script = root.join("tests/consumer/run-in-guest.sh");
     let hw = match (std::env::var("RDMASAFE_DEVICE"), std::env::var("RDMASAFE_ADDR")) {
         (Ok(d), Ok(a)) if !d.is_empty() && !a.is_empty() => Some((d, a)),
@@ -859,10 +943,12 @@ fn run_on_device(c: &mut Checks, programs: &[(String, PathBuf)]) {
         cmd = Command::new(root.join("tests/bed/vm-run"));
         cmd.args(["--timeout", &GUEST_TIMEOUT.to_string(), "--", "bash"]).arg(&script);
     }
-    for (label, bin) in programs {
+    for (label, bin) in &programs {
         cmd.arg(format!("{label}={}", bin.display()));
     }
-    cmd.current_dir(&root).env_remove("LD_LIBRARY_PATH");
+    cmd.current_dir(&root)
+        .env_remove("LD_LIBRARY_PATH")
+        .env("RDMASAFE_CONSUMER_PRELOAD", l.lib.join("librdmasafe-preload.so"));
     let t = Instant::now();
     let out = cmd.output().expect("run tests/consumer/run-in-guest.sh");
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -874,10 +960,12 @@ fn run_on_device(c: &mut Checks, programs: &[(String, PathBuf)]) {
     c.that(out.status.success(), format!("run-in-guest.sh exit status {}", out.status));
     c.that(stdout.contains("==== SUMMARY 0 failed"), "the script's summary does not say 0 failed");
     let empty = Block::default();
-    for (label, _) in programs {
+    for (label, _) in &programs {
         let b = runs.get(label).unwrap_or(&empty);
         c.that(b.exit == Some(0), format!("{label}: exit {:?} (want Some(0); None = did not run)", b.exit));
-        if label.contains("cm_server") {
+        if label.ends_with(".preload") {
+            check_preloaded(c, label, b);
+        } else if label.contains("cm_server") {
             check_cm_server(c, label, b);
         } else {
             check_cq_rank(c, label, b);
@@ -895,10 +983,11 @@ fn install_and_consume() {
     let mut c = Checks::default();
     check_abi(&mut c, &l);
     check_installed_files(&mut c, &l);
+    check_preload(&mut c, &l);
     let programs = build_consumers(&mut c, &l);
     run_cxx_consumers(&mut c, &l);
     if programs.len() == 8 {
-        run_on_device(&mut c, &programs);
+        run_on_device(&mut c, &l, &programs);
     } else {
         c.that(false, format!("only {} of the 8 migration programs were built: not running them", programs.len()));
     }

@@ -17,6 +17,11 @@
 //!   declared against it.
 //! * CM event types are a `u32` in rdma-sys already (constified enum); we keep
 //!   them that way (see [`crate::cm::EventType`]).
+//! * `rdma_get_cm_event` and `rdma_ack_cm_event` are not re-exported: the CM
+//!   code reaches them only through [`get_cm_event`] / [`ack_cm_event`],
+//!   which go through a table an `LD_PRELOAD` build of rdmasafe points at
+//!   librdmacm's real functions ([`set_cm_event_calls`]); inside such a
+//!   library the plain symbols are its own interposers.
 //!
 //! The C struct layouts rdmasafe relies on (`struct rdma_cm_event`, the
 //! `param` union, `struct ibv_wc`) are checked against the real C headers by
@@ -34,11 +39,11 @@ pub use rdma_sys::{
     ibv_get_cq_event, ibv_get_device_list, ibv_get_device_name, ibv_mr, ibv_pd, ibv_poll_cq, ibv_post_recv,
     ibv_post_send, ibv_qp, ibv_qp_init_attr, ibv_qp_type, ibv_recv_wr, ibv_reg_mr, ibv_req_notify_cq, ibv_send_flags,
     ibv_send_wr, ibv_sge, ibv_wc, ibv_wc_flags, ibv_wc_opcode, ibv_wc_status, ibv_wc_status_str, ibv_wr_opcode,
-    param_t, rdma_accept, rdma_ack_cm_event, rdma_bind_addr, rdma_cm_event, rdma_cm_event_type, rdma_cm_id,
-    rdma_conn_param, rdma_connect, rdma_create_event_channel, rdma_create_id, rdma_create_qp,
-    rdma_destroy_event_channel, rdma_destroy_id, rdma_destroy_qp, rdma_disconnect, rdma_event_channel,
-    rdma_free_devices, rdma_get_cm_event, rdma_get_devices, rdma_get_src_port, rdma_listen, rdma_migrate_id,
-    rdma_port_space, rdma_reject, rdma_resolve_addr, rdma_resolve_route, rdma_t, rdma_ud_param,
+    param_t, rdma_accept, rdma_bind_addr, rdma_cm_event, rdma_cm_event_type, rdma_cm_id, rdma_conn_param, rdma_connect,
+    rdma_create_event_channel, rdma_create_id, rdma_create_qp, rdma_destroy_event_channel, rdma_destroy_id,
+    rdma_destroy_qp, rdma_disconnect, rdma_event_channel, rdma_free_devices, rdma_get_devices, rdma_get_src_port,
+    rdma_listen, rdma_migrate_id, rdma_port_space, rdma_reject, rdma_resolve_addr, rdma_resolve_route, rdma_t,
+    rdma_ud_param,
 };
 
 /// `RDMA_MAX_PRIVATE_DATA` from librdmacm: the largest private data any CM
@@ -64,6 +69,68 @@ extern "C" {
     /// libibverbs' `ibv_ack_async_event`, declared with [`RawAsyncEvent`].
     #[link_name = "ibv_ack_async_event"]
     pub fn ibv_ack_async_event(event: *mut RawAsyncEvent);
+}
+
+/// `rdma_get_cm_event`'s C type.
+pub type GetCmEventFn = unsafe extern "C" fn(*mut rdma_event_channel, *mut *mut rdma_cm_event) -> c_int;
+/// `rdma_ack_cm_event`'s C type.
+pub type AckCmEventFn = unsafe extern "C" fn(*mut rdma_cm_event) -> c_int;
+
+/// The two librdmacm calls of the CM event path, as rdmasafe makes them.
+#[derive(Clone, Copy, Debug)]
+pub struct CmEventCalls {
+    /// Gets the next event (`rdma_get_cm_event`).
+    pub get: GetCmEventFn,
+    /// Acks an event `get` returned (`rdma_ack_cm_event`).
+    pub ack: AckCmEventFn,
+}
+
+/// librdmacm's functions, reached through the symbols the linker binds.
+const LIBRDMACM_CM_EVENT_CALLS: CmEventCalls =
+    CmEventCalls { get: rdma_sys::rdma_get_cm_event, ack: rdma_sys::rdma_ack_cm_event };
+
+static CM_EVENT_CALLS: std::sync::OnceLock<CmEventCalls> = std::sync::OnceLock::new();
+
+/// The table in use; the first use freezes it (default: librdmacm's symbols).
+fn cm_event_calls() -> &'static CmEventCalls {
+    CM_EVENT_CALLS.get_or_init(|| LIBRDMACM_CM_EVENT_CALLS)
+}
+
+/// Points rdmasafe's CM event path at other implementations of
+/// `rdma_get_cm_event` / `rdma_ack_cm_event`. For a library that *defines*
+/// those two symbols (the `LD_PRELOAD` interposer, `rdmasafe-preload`):
+/// there the symbols resolve to its own interposers, so rdmasafe must call
+/// librdmacm's real functions (from `dlvsym`) instead, or recurse.
+///
+/// Only the first call before any CM event is got takes effect; later it
+/// returns `Err` with the calls given, and the table stays as it was.
+///
+/// # Safety
+/// `calls.get` and `calls.ack` must behave as librdmacm's two functions of
+/// one and the same librdmacm (an event from `get` is acked by `ack`),
+/// callable from any thread for the rest of the process.
+pub unsafe fn set_cm_event_calls(calls: CmEventCalls) -> Result<(), CmEventCalls> {
+    CM_EVENT_CALLS.set(calls)?;
+    Ok(())
+}
+
+/// `rdma_get_cm_event` through the table ([`set_cm_event_calls`]).
+///
+/// # Safety
+/// As `rdma_get_cm_event`: `channel` a live event channel, `event` writable.
+pub unsafe fn get_cm_event(channel: *mut rdma_event_channel, event: *mut *mut rdma_cm_event) -> c_int {
+    // SAFETY: the table holds rdma_get_cm_event or a function that behaves
+    // as it (set_cm_event_calls' contract); the caller's contract is its.
+    unsafe { (cm_event_calls().get)(channel, event) }
+}
+
+/// `rdma_ack_cm_event` through the table ([`set_cm_event_calls`]).
+///
+/// # Safety
+/// As `rdma_ack_cm_event`: `event` from [`get_cm_event`], not acked yet.
+pub unsafe fn ack_cm_event(event: *mut rdma_cm_event) -> c_int {
+    // SAFETY: as in get_cm_event.
+    unsafe { (cm_event_calls().ack)(event) }
 }
 
 /// The calling thread's errno.

@@ -223,7 +223,7 @@ fn a_raw_librdmacm_event_held_blocks_destroy_until_acked() {
         };
         assert_eq!(sys::rdma_resolve_addr(id, null_mut(), (&mut dst as *mut libc::sockaddr_in).cast(), 5000), 0);
         let mut ev = null_mut();
-        assert_eq!(sys::rdma_get_cm_event(ch, &mut ev), 0);
+        assert_eq!(sys::get_cm_event(ch, &mut ev), 0);
         assert_eq!((*ev).event, E::ADDR_RESOLVED.0);
 
         let (tx, rx) = mpsc::channel();
@@ -236,7 +236,7 @@ fn a_raw_librdmacm_event_held_blocks_destroy_until_acked() {
         assert!(blocked, "rdma_destroy_id returned while a raw event for the id was held");
         println!("raw: rdma_destroy_id still blocked after 2 s with one unacked event");
         let acked = Instant::now();
-        sys::rdma_ack_cm_event(ev);
+        sys::ack_cm_event(ev);
         rx.recv_timeout(Duration::from_secs(60)).expect("destroy returns once the event is acked");
         println!("raw: destroy returned {:?} after the ack", acked.elapsed());
         t.join().unwrap();

@@ -15,7 +15,12 @@
 # then "==== SUMMARY <n> failed"; the exit status is 0 only if every
 # program exited 0.
 #
-# Env: RDMASAFE_TEST_ADDR (required), RDMASAFE_CONSUMER_PORT_BASE (default 7600).
+# A label ending in ".preload" runs its program with
+# LD_PRELOAD=$RDMASAFE_CONSUMER_PRELOAD (the installed librdmasafe-preload.so)
+# and RDMASAFE_LOG=info: an unmodified "before" program in copy mode.
+#
+# Env: RDMASAFE_TEST_ADDR (required), RDMASAFE_CONSUMER_PORT_BASE (default 7600),
+# RDMASAFE_CONSUMER_PRELOAD (for ".preload" labels).
 set -u
 
 addr=${RDMASAFE_TEST_ADDR:?RDMASAFE_TEST_ADDR must name the RDMA device address}
@@ -32,7 +37,15 @@ for arg in "$@"; do
 	t0=$(now_ms)
 	echo "==== BEGIN $label"
 	rc=0
-	timeout -k 5 90 "$bin" -a "$addr" -p "$port" 2>&1 || rc=$?
+	pre=()
+	if [[ $label == *.preload ]]; then
+		# LD_PRELOAD cannot quote a path with spaces: a link without any
+		links=$(mktemp -d /tmp/rdmasafe-consumer-preload.XXXXXX)
+		ln -s "${RDMASAFE_CONSUMER_PRELOAD:?for $label}" "$links/librdmasafe-preload.so"
+		pre=(env "LD_PRELOAD=$links/librdmasafe-preload.so" RDMASAFE_LOG=info)
+	fi
+	timeout -k 5 90 "${pre[@]}" "$bin" -a "$addr" -p "$port" 2>&1 || rc=$?
+	if [[ ${#pre[@]} -gt 0 ]]; then rm -rf "$links"; fi
 	echo "==== END $label exit $rc ($(($(now_ms) - t0)) ms)"
 	[[ $rc -eq 0 ]] || failed=$((failed + 1))
 	port=$((port + 1))

@@ -274,7 +274,7 @@ impl<'a> ChannelRef<'a> {
         let mut ev = null_mut();
         loop {
             // SAFETY: raw is a live channel; ev receives an event pointer.
-            if unsafe { sys::rdma_get_cm_event(self.raw.as_ptr(), &mut ev) } == 0 {
+            if unsafe { sys::get_cm_event(self.raw.as_ptr(), &mut ev) } == 0 {
                 break;
             }
             let err = Error::last("rdma_get_cm_event");
@@ -306,7 +306,7 @@ impl<'a> ChannelRef<'a> {
         if deadline.is_zero() {
             // SAFETY: ev came from rdma_get_cm_event and is acked exactly
             // once; nothing reads it afterwards (the copy is complete).
-            unsafe { sys::rdma_ack_cm_event(ev) };
+            unsafe { sys::ack_cm_event(ev) };
         } else {
             // SAFETY: as above; from now on the slot acks it, once.
             unsafe { slot.hold_original(ev, deadline) };

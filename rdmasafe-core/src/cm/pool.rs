@@ -375,7 +375,7 @@ impl Drop for SlotBox {
         if let Some(o) = held {
             ACKED_AT_FREE.fetch_add(1, Relaxed);
             // SAFETY: claimed exactly once; an un-acked original (hold_original).
-            unsafe { sys::rdma_ack_cm_event(o) };
+            unsafe { sys::ack_cm_event(o) };
         }
     }
 }
@@ -524,7 +524,7 @@ impl Reaper {
                     log::debug!(target: "rdmasafe", "{msg}");
                 }
                 // SAFETY: claimed exactly once.
-                unsafe { sys::rdma_ack_cm_event(o) };
+                unsafe { sys::ack_cm_event(o) };
             }
             q = self.q.lock().unwrap_or_else(|e| e.into_inner());
         }

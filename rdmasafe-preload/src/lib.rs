@@ -1,0 +1,302 @@
+//! `librdmasafe-preload.so`: rdmasafe for programs that cannot be rebuilt.
+//!
+//! ```sh
+//! LD_PRELOAD=/opt/rdmasafe/lib/librdmasafe-preload.so rping -s -a 10.77.0.1
+//! ```
+//!
+//! With the library preloaded, an unmodified program's `rdma_get_cm_event`
+//! and `rdma_ack_cm_event` are rdmasafe's copy and free (module `copy`):
+//! what `rdmasafe_get_event` / `rdmasafe_event_free` do for a program that
+//! renamed the two calls, with the destroy barrier kept and bounded by the
+//! ack deadline (RDMASAFE_ACK_DEADLINE_MS, default 1000 ms). librdmacm's
+//! own synchronous paths (`rdma_create_ep` ids without a channel:
+//! `rdma_get_request`, `ucma_complete` behind `rdma_connect` /
+//! `rdma_accept` / ..., `rdma_destroy_id`, `rdma_migrate_id`) call both
+//! functions through the PLT too, so they get copies as well.
+//!
+//! With `RDMASAFE_CHECK=1` (or `fix`) the same library copies nothing and
+//! reports event-handling bugs instead (module `check`).
+//!
+//! How it is wired:
+//! * the interposers below are exported unversioned (no version node), so
+//!   the loader binds the program's versioned references
+//!   (`rdma_get_cm_event@RDMACM_1.0`, `ibv_ack_cq_events@IBVERBS_1.1`, ...)
+//!   to them: a definition without a version satisfies any version;
+//! * the real functions are found with `dlvsym(RTLD_NEXT, ...)` (module
+//!   `real`), and rdmasafe-core's CM code is pointed at them
+//!   (`rdmasafe_core::sys::set_cm_event_calls`) before its first use:
+//!   inside this library the plain symbols are the interposers, so any call
+//!   through them would recurse;
+//! * state is set up at the first interposed call (a `OnceLock`); a line
+//!   with what went through is logged at exit (info level, RDMASAFE_LOG).
+//!
+//! No function unwinds into C: each interposer catches panics (`-1` with
+//! EIO, or the call passed through). The drop-in CM calls keep librdmacm's
+//! -1/errno convention and leave errno untouched on success; in check mode
+//! every call's return value and errno are librdmacm's / libibverbs' own.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+
+mod check;
+mod copy;
+mod out;
+mod real;
+
+use std::os::raw::{c_int, c_uint, c_void};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::OnceLock;
+
+use rdmasafe_core::sys::{self, ibv_comp_channel, ibv_cq, rdma_cm_event, rdma_cm_id, rdma_event_channel, CmEventCalls};
+
+use check::Checker;
+use real::Real;
+
+enum Mode {
+    /// rdmasafe's copies (the default).
+    Copy,
+    /// Watch, report, copy nothing.
+    Check(Box<Checker>),
+    /// Every call straight to the real function: copy mode could not be set
+    /// up (logged at error level).
+    Pass,
+}
+
+struct State {
+    real: Real,
+    mode: Mode,
+}
+
+static STATE: OnceLock<State> = OnceLock::new();
+
+fn init() -> State {
+    out::install_logger();
+    let real = Real::resolve();
+    let check = std::env::var("RDMASAFE_CHECK").unwrap_or_default();
+    let mut mode = match check.trim() {
+        "" | "0" => Mode::Copy,
+        "fix" => Mode::Check(Box::new(Checker::new(true))),
+        _ => Mode::Check(Box::new(Checker::new(false))),
+    };
+    if let Mode::Copy = mode {
+        let ok = match (real.get_cm_event, real.ack_cm_event) {
+            // SAFETY: librdmacm's own two functions, from one library
+            // (dlvsym of RTLD_NEXT), callable from any thread.
+            (Some(get), Some(ack)) => unsafe { sys::set_cm_event_calls(CmEventCalls { get, ack }) }.is_ok(),
+            _ => false,
+        };
+        if !ok {
+            log::error!(
+                target: "rdmasafe",
+                "preload: cannot reach librdmacm's rdma_get_cm_event / rdma_ack_cm_event: CM events pass through \
+                 uncopied"
+            );
+            mode = Mode::Pass;
+        }
+    }
+    let what = match &mode {
+        Mode::Copy => format!("copy (ack deadline {} ms)", rdmasafe_core::cm::ack_deadline().as_millis()),
+        Mode::Check(c) => c.describe(),
+        Mode::Pass => "pass-through".to_string(),
+    };
+    log::debug!(target: "rdmasafe", "preload [{}]: mode {what}", out::who());
+    State { real, mode }
+}
+
+fn state() -> &'static State {
+    STATE.get_or_init(init)
+}
+
+/// The outer panic boundary of an interposer: `on_panic()` instead of an
+/// unwind into C. (The real functions are C and never unwind.)
+fn boundary<T>(on_panic: impl FnOnce() -> T, f: impl FnOnce() -> T) -> T {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(v) => v,
+        Err(_) => {
+            log::error!(target: "rdmasafe", "preload: internal panic caught at the C boundary");
+            on_panic()
+        }
+    }
+}
+
+fn fail(errno: c_int) -> c_int {
+    sys::set_errno(errno);
+    -1
+}
+
+/// librdmacm's convention for the copy-mode calls: `Ok(v)` returns `v`
+/// with errno as it was on entry; `Err(e)` is -1 with errno `e`.
+fn errno_convention(f: impl FnOnce() -> Result<c_int, c_int>) -> c_int {
+    let saved = sys::errno_raw();
+    match f() {
+        Ok(v) => {
+            sys::set_errno(saved);
+            v
+        }
+        Err(e) => fail(e),
+    }
+}
+
+/// Interposes librdmacm's `rdma_get_cm_event`: in copy mode the event is
+/// rdmasafe's copy (see `rdmasafe_get_event`); in check mode librdmacm's
+/// own, watched.
+///
+/// # Safety
+/// As `rdma_get_cm_event`.
+#[no_mangle]
+pub unsafe extern "C" fn rdma_get_cm_event(channel: *mut rdma_event_channel, event: *mut *mut rdma_cm_event) -> c_int {
+    boundary(
+        || fail(libc::EIO),
+        || {
+            let st = state();
+            match (&st.mode, st.real.get_cm_event) {
+                // SAFETY: the program's arguments, as rdma_get_cm_event takes them.
+                (Mode::Copy, _) => errno_convention(|| unsafe { copy::get(channel, event) }),
+                // SAFETY: as above.
+                (Mode::Check(c), Some(real)) => unsafe { c.get_cm_event(real, channel, event) },
+                // SAFETY: as above.
+                (Mode::Pass, Some(real)) => unsafe { real(channel, event) },
+                (_, None) => fail(libc::ENOSYS),
+            }
+        },
+    )
+}
+
+/// Interposes librdmacm's `rdma_ack_cm_event`: in copy mode it frees the
+/// copy (see `rdmasafe_event_free`, but NULL is -1/EINVAL as with
+/// librdmacm); in check mode it acks librdmacm's event, watched.
+///
+/// # Safety
+/// As `rdma_ack_cm_event`; any pointer value is checked before use.
+#[no_mangle]
+pub unsafe extern "C" fn rdma_ack_cm_event(event: *mut rdma_cm_event) -> c_int {
+    boundary(
+        || fail(libc::EIO),
+        || {
+            let st = state();
+            match (&st.mode, st.real.ack_cm_event) {
+                (Mode::Copy, _) => errno_convention(|| copy::ack(event)),
+                // SAFETY: the program's argument, as rdma_ack_cm_event takes it.
+                (Mode::Check(c), Some(real)) => unsafe { c.ack_cm_event(real, event) },
+                // SAFETY: as above.
+                (Mode::Pass, Some(real)) => unsafe { real(event) },
+                (_, None) => fail(libc::ENOSYS),
+            }
+        },
+    )
+}
+
+/// Interposes librdmacm's `rdma_destroy_id`: passed through; check mode
+/// notes the destroy in progress (to name one that waits for an event).
+///
+/// # Safety
+/// As `rdma_destroy_id`.
+#[no_mangle]
+pub unsafe extern "C" fn rdma_destroy_id(id: *mut rdma_cm_id) -> c_int {
+    boundary(
+        || fail(libc::EIO),
+        || {
+            let st = state();
+            match (&st.mode, st.real.destroy_id) {
+                // SAFETY: the program's argument, as rdma_destroy_id takes it.
+                (Mode::Check(c), Some(real)) => unsafe { c.destroy_id(real, id) },
+                // SAFETY: as above.
+                (_, Some(real)) => unsafe { real(id) },
+                (_, None) => fail(libc::ENOSYS),
+            }
+        },
+    )
+}
+
+/// Interposes libibverbs' `ibv_get_cq_event`: passed through; check mode
+/// counts the event for its CQ.
+///
+/// # Safety
+/// As `ibv_get_cq_event`.
+#[no_mangle]
+pub unsafe extern "C" fn ibv_get_cq_event(
+    channel: *mut ibv_comp_channel,
+    cq: *mut *mut ibv_cq,
+    cq_context: *mut *mut c_void,
+) -> c_int {
+    boundary(
+        || fail(libc::EIO),
+        || {
+            let st = state();
+            match (&st.mode, st.real.get_cq_event) {
+                // SAFETY: the program's arguments, as ibv_get_cq_event takes them.
+                (Mode::Check(c), Some(real)) => unsafe { c.get_cq_event(real, channel, cq, cq_context) },
+                // SAFETY: as above.
+                (_, Some(real)) => unsafe { real(channel, cq, cq_context) },
+                (_, None) => fail(libc::ENOSYS),
+            }
+        },
+    )
+}
+
+/// Interposes libibverbs' `ibv_ack_cq_events`: passed through; check mode
+/// checks the acks against the CQ's events (and with `fix` passes on no
+/// more than it got).
+///
+/// # Safety
+/// As `ibv_ack_cq_events`.
+#[no_mangle]
+pub unsafe extern "C" fn ibv_ack_cq_events(cq: *mut ibv_cq, nevents: c_uint) {
+    boundary(
+        || (),
+        || {
+            let st = state();
+            match (&st.mode, st.real.ack_cq_events) {
+                // SAFETY: the program's arguments, as ibv_ack_cq_events takes them.
+                (Mode::Check(c), Some(real)) => unsafe { c.ack_cq_events(real, cq, nevents) },
+                // SAFETY: as above.
+                (_, Some(real)) => unsafe { real(cq, nevents) },
+                (_, None) => log::error!(target: "rdmasafe", "preload: no ibv_ack_cq_events to pass the ack to"),
+            }
+        },
+    )
+}
+
+/// Interposes libibverbs' `ibv_destroy_cq`: passed through; check mode
+/// reports unacked events first (and with `fix` acks them).
+///
+/// # Safety
+/// As `ibv_destroy_cq`.
+#[no_mangle]
+pub unsafe extern "C" fn ibv_destroy_cq(cq: *mut ibv_cq) -> c_int {
+    boundary(
+        || libc::EIO,
+        || {
+            let st = state();
+            match (&st.mode, st.real.destroy_cq) {
+                // SAFETY: the program's argument, as ibv_destroy_cq takes it.
+                (Mode::Check(c), Some(real)) => unsafe { c.destroy_cq(real, st.real.ack_cq_events, cq) },
+                // SAFETY: as above.
+                (_, Some(real)) => unsafe { real(cq) },
+                // ibv_destroy_cq returns an errno value, not -1.
+                (_, None) => libc::ENOSYS,
+            }
+        },
+    )
+}
+
+/// At exit (and only if an interposer ran): the info-level line of what
+/// went through, and check mode's exit reports.
+extern "C" fn at_exit() {
+    let _ = catch_unwind(|| {
+        let Some(st) = STATE.get() else { return };
+        match &st.mode {
+            Mode::Copy => log::info!(target: "rdmasafe", "{}", copy::exit_line()),
+            Mode::Check(c) => c.at_exit(),
+            Mode::Pass => log::info!(target: "rdmasafe", "preload exit [{}]: mode=pass", out::who()),
+        }
+    });
+}
+
+/// Runs `at_exit` when the process exits (after the program's own atexit
+/// handlers, before librdmacm's and libibverbs' destructors: they are this
+/// library's dependencies). A `.fini_array` entry, as a C library's
+/// `__attribute__((destructor))`: the function takes no arguments and
+/// catches every panic.
+#[used]
+#[link_section = ".fini_array"]
+static AT_EXIT: extern "C" fn() = at_exit;

@@ -1,0 +1,103 @@
+//! Where the preload's words go: its log (the `log` facade, to stderr at
+//! the level RDMASAFE_LOG names, off by default, as with librdmasafe) and
+//! check mode's reports (always, to stderr or to the file
+//! RDMASAFE_CHECK_FILE names, appended, one line per write).
+
+use std::fs::File;
+use std::io::Write;
+use std::sync::OnceLock;
+
+use log::{LevelFilter, Log, Metadata, Record};
+
+struct StderrLog;
+
+impl Log for StderrLog {
+    fn enabled(&self, m: &Metadata<'_>) -> bool {
+        m.level() <= log::max_level()
+    }
+
+    fn log(&self, r: &Record<'_>) {
+        if self.enabled(r.metadata()) {
+            // One write per line; a closed or broken stderr loses the line
+            // instead of panicking.
+            let line = format!("rdmasafe[{}]: {}\n", r.level(), r.args());
+            let _ = std::io::stderr().write_all(line.as_bytes());
+        }
+    }
+
+    fn flush(&self) {}
+}
+
+static LOGGER: StderrLog = StderrLog;
+
+/// RDMASAFE_LOG's value as a level (error|warn|info|debug|trace; anything
+/// else, or unset: off).
+pub(crate) fn parse_level(s: &str) -> LevelFilter {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "error" => LevelFilter::Error,
+        "warn" | "warning" => LevelFilter::Warn,
+        "info" => LevelFilter::Info,
+        "debug" => LevelFilter::Debug,
+        "trace" => LevelFilter::Trace,
+        _ => LevelFilter::Off,
+    }
+}
+
+/// Installs the stderr logger of this library (its own copy of the `log`
+/// facade: the program's logging, if any, is not affected).
+pub(crate) fn install_logger() {
+    if log::set_logger(&LOGGER).is_ok() {
+        log::set_max_level(std::env::var("RDMASAFE_LOG").map(|s| parse_level(&s)).unwrap_or(LevelFilter::Off));
+    }
+}
+
+/// The process's pid and command name, for report lines (several
+/// processes may append to one report file).
+pub(crate) fn who() -> String {
+    let comm = std::fs::read_to_string("/proc/self/comm").unwrap_or_default();
+    format!("{} {}", std::process::id(), comm.trim())
+}
+
+static REPORT_FILE: OnceLock<Option<File>> = OnceLock::new();
+
+/// Emits one check-mode report line:
+/// `rdmasafe-check[PID COMM]: KIND: TEXT`.
+pub(crate) fn report(kind: &str, text: &str) {
+    let line = format!("rdmasafe-check[{}]: {kind}: {text}\n", who());
+    let file = REPORT_FILE.get_or_init(|| {
+        let path = std::env::var_os("RDMASAFE_CHECK_FILE").filter(|p| !p.is_empty())?;
+        match std::fs::OpenOptions::new().append(true).create(true).open(&path) {
+            Ok(f) => Some(f),
+            Err(e) => {
+                let msg = format!(
+                    "rdmasafe-check[{}]: cannot open RDMASAFE_CHECK_FILE {path:?} ({e}); reporting to stderr\n",
+                    who()
+                );
+                let _ = std::io::stderr().write_all(msg.as_bytes());
+                None
+            }
+        }
+    });
+    match file {
+        Some(f) => {
+            let mut f: &File = f;
+            let _ = f.write_all(line.as_bytes());
+        }
+        None => {
+            let _ = std::io::stderr().write_all(line.as_bytes());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn levels_parse_like_librdmasafe() {
+        assert_eq!(parse_level(" Info "), LevelFilter::Info);
+        assert_eq!(parse_level("warning"), LevelFilter::Warn);
+        assert_eq!(parse_level("2"), LevelFilter::Off);
+        assert_eq!(parse_level(""), LevelFilter::Off);
+    }
+}
