@@ -56,8 +56,15 @@ impl Core {
         }
         let bits = sh.epoll.wait(ms).map_err(io_err("epoll_wait"))?;
         if bits & (1 << KEY_WAKE) != 0 {
-            sh.wake_set.store(false, SeqCst);
+            // Read first, then clear the flag: a wake() between the two is
+            // either absorbed while the flag is still set (its request is
+            // seen by this cycle, which looks at commands and the stop
+            // flag after this) or writes again. The other order could eat
+            // a wake's write and leave the flag set with the fd empty, so
+            // no later wake() would write, and an embedding poller (epoll,
+            // mio, tokio) would never see the fd readable again.
             sh.wake.drain();
+            sh.wake_set.store(false, SeqCst);
         }
         if bits & (1 << KEY_TIMER) != 0 {
             sh.timer.drain();
@@ -208,8 +215,9 @@ impl Core {
     /// drains, so completions left in a CQ at stop are delivered then),
     /// consume the stop request and its wakeup.
     pub(super) fn finish_stop(&mut self, sh: &Shared) {
-        sh.wake_set.store(false, SeqCst);
+        // Read, then clear the flag (see `sleep`).
         sh.wake.drain();
+        sh.wake_set.store(false, SeqCst);
         self.flush_all(sh);
         for r in self.entries.refs() {
             if let Some(e) = self.entries.get_mut(r) {
