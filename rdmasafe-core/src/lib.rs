@@ -96,9 +96,13 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![deny(missing_docs)]
 
+#[cfg(feature = "tokio")]
+pub mod aio;
 pub mod cm;
 pub mod cq;
 pub mod error;
+#[cfg(feature = "mio")]
+mod mio_source;
 #[doc(hidden)]
 pub mod sys;
 pub mod verbs;
