@@ -67,6 +67,7 @@ use std::future::{poll_fn, Future};
 use std::io;
 use std::pin::{pin, Pin};
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
@@ -198,6 +199,8 @@ impl std::fmt::Debug for AsyncEventChannel {
 /// from any task, thread, or handler, while it runs.
 pub struct AsyncCqLoop {
     fd: AsyncFd<CqLoop>,
+    /// A `run` future is alive (a second one gets EBUSY).
+    active: AtomicBool,
 }
 
 /// How many cycles [`AsyncCqLoop::run`] runs in a row before it lets other
@@ -209,7 +212,7 @@ impl AsyncCqLoop {
     /// runtime needs it and the time driver: `enable_all`). EINVAL outside
     /// a runtime.
     pub fn new(lp: CqLoop) -> Result<AsyncCqLoop> {
-        Ok(AsyncCqLoop { fd: register(lp)? })
+        Ok(AsyncCqLoop { fd: register(lp)?, active: AtomicBool::new(false) })
     }
 
     /// The loop (its figures, options, CQ count, ...).
@@ -225,13 +228,17 @@ impl AsyncCqLoop {
     /// Runs the loop until a stop ([`LoopControl::stop`], from anywhere):
     /// delivers completions to the handlers as their CQs' events come, and
     /// returns with every pending ack flushed and the stop request
-    /// consumed (the loop can run again). EBUSY if something else runs the
-    /// loop. Dropping the future mid-flight flushes every pending ack too;
-    /// CQ events that arrive afterwards are read by the next run (or acked
+    /// consumed (the loop can run again). EBUSY if another `run` future of
+    /// this loop is alive or a thread runs the loop ([`CqLoop::run`]).
+    /// Dropping the future mid-flight flushes every pending ack too; CQ
+    /// events that arrive afterwards are read by the next run (or acked
     /// when the loop is dropped).
     pub async fn run(&self) -> Result<()> {
         let lp = self.fd.get_ref();
-        let _flush = FlushOnDrop(lp);
+        if self.active.swap(true, SeqCst) {
+            return Err(Error::new("rdmasafe async CQ loop: another run future is alive", libc::EBUSY));
+        }
+        let _flush = FlushOnDrop(lp, &self.active);
         loop {
             // Wait for the fd, or for the loop's next deadline (the fd's
             // timer fires then too; this is the runtime's own timer for it).
@@ -305,11 +312,12 @@ impl AsyncCqLoop {
 
 /// Flushes the loop's pending acks when a run future is dropped mid-flight
 /// (never blocks: the loop is not held across an await).
-struct FlushOnDrop<'a>(&'a CqLoop);
+struct FlushOnDrop<'a>(&'a CqLoop, &'a AtomicBool);
 
 impl Drop for FlushOnDrop<'_> {
     fn drop(&mut self) {
         let _ = self.0.flush_acks();
+        self.1.store(false, SeqCst);
     }
 }
 
@@ -339,7 +347,7 @@ impl LoopTask {
         let (lp, r) = self.join.await.map_err(|_| Error::new("rdmasafe async CQ loop task", libc::EIO))?;
         // As LoopThread::stop: a stop a handler requested before ours was
         // consumed by the run; ours must not linger for the next run.
-        lp.get_ref().control().0.stop.store(false, std::sync::atomic::Ordering::SeqCst);
+        lp.get_ref().control().0.stop.store(false, SeqCst);
         r.map(|_| lp)
     }
 

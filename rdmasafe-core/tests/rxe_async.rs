@@ -23,6 +23,12 @@ use tokio::sync::mpsc::unbounded_channel;
 
 const CLIENTS: usize = 64;
 
+/// Polls a future once with a waker that does nothing.
+fn futures_poll_once<F: std::future::Future>(f: std::pin::Pin<&mut F>) -> std::task::Poll<F::Output> {
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    f.poll(&mut cx)
+}
+
 /// The CM copy counters are process-wide: one test at a time.
 fn serial() -> MutexGuard<'static, ()> {
     static L: Mutex<()> = Mutex::new(());
@@ -155,11 +161,15 @@ fn futures_dropped_mid_flight_then_a_clean_teardown() {
         assert_eq!(st.unacked_now, 0, "a dropped run flushes its acks");
         assert!(!lp.get_ref().is_running());
 
-        // The loop runs again after the drop; a stop ends that run.
+        // The loop runs again after the drop (one run at a time); a stop
+        // ends that run.
         p.send(0, &[4; 8], 8, 104);
         {
             let run = lp.run();
             tokio::pin!(run);
+            // Polled once, it holds the loop: a second run is refused.
+            assert!(futures_poll_once(run.as_mut()).is_pending());
+            assert_eq!(lp.run().await.unwrap_err().errno(), libc::EBUSY, "one run at a time");
             tokio::select! {
                 r = &mut run => panic!("run ended without a stop: {r:?}"),
                 w = rx.recv() => assert_eq!(w, Some(4)),
