@@ -2,8 +2,9 @@
 //! client connects with private data ("hi" and its index), gets the
 //! server's private data back ("ok" and the index), sends one message,
 //! reads the echo, and the connection is torn down cleanly (the server
-//! disconnects once its echo completed; both sides drain their QP and
-//! remove their CQ without blocking the runtime).
+//! disconnects once its echo completed and its id is ESTABLISHED; both
+//! sides drain their QP and remove their CQ without blocking the
+//! runtime).
 //!
 //! Every connection has a CQ of its own; the server's CQs share one
 //! completion channel and one [`AsyncCqLoop`], the clients' another, and
@@ -97,7 +98,7 @@ async fn within<T>(what: &str, f: impl std::future::Future<Output = T>) -> Resul
 }
 
 async fn expect(ch: &AsyncEventChannel, want: EventType) -> Result<CmEvent, BoxErr> {
-    let ev = within("CM event", ch.next()).await??;
+    let ev = within(&format!("waiting for {want}"), ch.next()).await??;
     if ev.event_type() != want {
         return Err(format!("expected {want}, got {} (status {})", ev.event_type(), ev.status()).into());
     }
@@ -121,16 +122,19 @@ pub async fn echo(addr: IpAddr, n: usize) -> Result<Report, BoxErr> {
     let sloop = AsyncCqLoop::new(CqLoop::new(&schan, LoopOptions::default())?)?.spawn();
     let cloop = AsyncCqLoop::new(CqLoop::new(&cchan, LoopOptions::default())?)?.spawn();
 
-    let server = tokio::spawn(serve(sch, listener, ctx, schan, sloop.control(), tally.clone(), n));
-    let mut clients = Vec::with_capacity(n);
+    // The server and the clients as tasks; the first failure ends the run.
+    let mut tasks = tokio::task::JoinSet::new();
+    let server = serve(sch, listener, ctx, schan, sloop.control(), tally.clone(), n);
+    tasks.spawn(async move { server.await.map_err(|e| format!("server: {e}")) });
     for i in 0..n as u32 {
         let (ctl, chan, tally) = (cloop.control(), cchan.clone(), tally.clone());
-        clients.push(tokio::spawn(client(addr, port, i, chan, ctl, tally)));
+        tasks.spawn(
+            async move { client(addr, port, i, chan, ctl, tally).await.map_err(|e| format!("client {i}: {e}")) },
+        );
     }
-    for (i, c) in clients.into_iter().enumerate() {
-        c.await?.map_err(|e| format!("client {i}: {e}"))?;
+    while let Some(done) = tasks.join_next().await {
+        done??;
     }
-    server.await?.map_err(|e| format!("server: {e}"))?;
     // Stopped without blocking the runtime; every ack flushed.
     let server_loop = sloop.stop().await?.get_ref().stats();
     let client_loop = cloop.stop().await?.get_ref().stats();
@@ -143,6 +147,25 @@ struct Conn {
     id: CmId,
     mr: Mr,
     cq: Cq,
+    /// ESTABLISHED came (the client's RTU was processed).
+    established: bool,
+    /// The echo's send completed.
+    echoed: bool,
+}
+
+impl Conn {
+    /// The server ends the connection once its echo is out *and* its id
+    /// is ESTABLISHED: the data path can outrun the CM (the client sends
+    /// right after its RTU, and the echo can complete before the server's
+    /// CM has processed that RTU). A disconnect before ESTABLISHED only
+    /// moves the QP to the error state: the kernel skips the DREQ, and the
+    /// client would never see DISCONNECTED.
+    fn disconnect_when_done(&self) -> Result<(), BoxErr> {
+        if self.established && self.echoed {
+            self.id.disconnect()?;
+        }
+        Ok(())
+    }
 }
 
 async fn serve(
@@ -185,9 +208,14 @@ async fn serve(
                             }
                         })?;
                         let id = req.accept(&ConnectParams { private_data: &welcome(index), ..Default::default() })?;
-                        conns.insert(key, Conn { index, id, mr, cq });
+                        conns.insert(key, Conn { index, id, mr, cq, established: false, echoed: false });
                     }
-                    EventType::ESTABLISHED => {}
+                    EventType::ESTABLISHED => {
+                        let key = ev.token().ok_or("ESTABLISHED without a token")?.get();
+                        let conn = conns.get_mut(&key).ok_or("ESTABLISHED of an unknown connection")?;
+                        conn.established = true;
+                        conn.disconnect_when_done()?;
+                    }
                     EventType::DISCONNECTED => {
                         let key = ev.token().ok_or("DISCONNECTED without a token")?.get();
                         let conn = conns.remove(&key).ok_or("DISCONNECTED of an unknown connection")?;
@@ -221,7 +249,10 @@ async fn serve(
                         conn.id.post_send(&conn.mr, MSG, MSG as u32, SEND_WR)?;
                     }
                     // The echo is out: the server ends the connection.
-                    SEND_WR => conn.id.disconnect()?,
+                    SEND_WR => {
+                        conn.echoed = true;
+                        conn.disconnect_when_done()?;
+                    }
                     other => return Err(format!("server: completion of wr {other}").into()),
                 }
             }
@@ -255,8 +286,9 @@ async fn client(
     let mut mr = Mr::new(&pd, 2 * MSG)?;
     id.post_recv(&mr, MSG, MSG as u32, RECV_WR)?;
     let (tx, mut rx) = unbounded_channel::<Wc>();
+    let t2 = tally.clone();
     ctl.add_cq(&cq, ctl.default_cq_options(), move |wcs, _| {
-        tally.note('c', i, wcs);
+        t2.note('c', i, wcs);
         for wc in wcs {
             let _ = tx.send(wc.clone());
         }
@@ -289,7 +321,13 @@ async fn client(
         }
     }
     // The server disconnects; answer, then drain and leave the loop.
-    expect(&ch, EventType::DISCONNECTED).await?;
+    if let Err(e) = expect(&ch, EventType::DISCONNECTED).await {
+        // What the peer got to (diagnostics for a run that hangs here).
+        let late = ch.channel().try_get().map(|o| o.map(|ev| ev.event_type()));
+        let c = tally.counts();
+        let srv = (c.get(&('s', i, RECV_WR)).copied(), c.get(&('s', i, SEND_WR)).copied());
+        return Err(format!("{e} (a get now: {late:?}; server's recv, send completions seen: {srv:?})").into());
+    }
     id.disconnect()?;
     within("client drain", aio::drain_id(&ctl, &id, STEP)?).await??;
     within("client remove_cq", aio::remove_cq(&ctl, &cq)?).await??;
