@@ -197,6 +197,11 @@ impl std::fmt::Debug for AsyncEventChannel {
 /// future that runs the loop until a stop, [`AsyncCqLoop::spawn`] runs it
 /// as a task. CQs are added and removed through [`AsyncCqLoop::control`]
 /// from any task, thread, or handler, while it runs.
+///
+/// Meant for [`Mode::Event`](crate::cq::Mode) (the default): the future
+/// sleeps until the loop has work. In busy-poll mode it never sleeps, and
+/// in adaptive mode not while it spins: it then keeps a runtime thread
+/// busy, letting the thread's other tasks run every few cycles.
 pub struct AsyncCqLoop {
     fd: AsyncFd<CqLoop>,
     /// A `run` future is alive (a second one gets EBUSY).
@@ -327,7 +332,9 @@ impl std::fmt::Debug for AsyncCqLoop {
     }
 }
 
-/// A loop running as a tokio task ([`AsyncCqLoop::spawn`]).
+/// A loop running as a tokio task ([`AsyncCqLoop::spawn`]). Dropping it
+/// detaches the task: the loop keeps running until a stop through one of
+/// its controls (then the loop is dropped with the task's result).
 pub struct LoopTask {
     ctl: LoopControl,
     join: tokio::task::JoinHandle<(AsyncCqLoop, Result<()>)>,
