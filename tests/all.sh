@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test: sets up (tests/setup.sh), checks formatting, lints,
-# then `cargo test` for the whole workspace. Integration tests named rxe_*
+# then `cargo test` for the whole workspace with every feature on (the
+# `tokio` and `mio` features of rdmasafe-core, so their tests rxe_async and
+# rxe_mio run too). Integration tests named rxe_*
 # run inside a throw-away Soft-RoCE guest (one boot per test binary, see
 # tests/bed/); a test that needs RDMA and finds none fails.
 set -euo pipefail
@@ -15,17 +17,18 @@ tests/setup.sh
 step "cargo fmt --check"
 cargo fmt --all -- --check
 step "cargo clippy -D warnings"
-cargo clippy --locked --workspace --all-targets -q -- -D warnings
+cargo clippy --locked --workspace --all-targets --all-features -q -- -D warnings
 step "cargo test (rxe_* in the Soft-RoCE guest)"
 cargo test --locked --workspace --all-targets -- --skip preload_on_rdma
-step "cargo test --features sideway (rxe_interop: sideway's data path over rdmasafe's CM and CQ loop)"
-cargo test --locked -p rdmasafe-core --features sideway --test rxe_interop
+step "rdmasafe-core's features: tokio and mio (rxe_async, rxe_mio), sideway (rxe_interop)"
+cargo test --locked -p rdmasafe-core --all-features --lib --test rxe_async --test rxe_mio --test rxe_interop
 step "librdmasafe-preload.so: stock tools under the preload, check mode on the bug programs (one guest)"
 cargo test --locked -p rdmasafe-capi --test preload
 step "rustdoc (warnings are errors)"
-RUSTDOCFLAGS="-D warnings" cargo doc --locked --no-deps -q -p rdmasafe-core -p rdmasafe-capi -p rdmasafe-preload
+RUSTDOCFLAGS="-D warnings" cargo doc --locked --no-deps -q --all-features -p rdmasafe-core -p rdmasafe-capi -p rdmasafe-preload
 step "doc tests"
 cargo test --locked --workspace --doc
+cargo test --locked -p rdmasafe-core --doc --all-features
 step "loom: every interleaving of the work queue's sleep/wake protocol"
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --locked --release -p rdmasafe-core --lib loom_tests
 step "all tests passed"

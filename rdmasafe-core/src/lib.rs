@@ -89,9 +89,17 @@
 //!
 //! # Async
 //!
-//! With the `tokio` feature, the CM channel and the CQ loop run on a tokio
-//! runtime; with `mio`, they are `mio::event::Source`s for any runtime (see
-//! the README).
+//! With the `tokio` feature, `aio` runs the CM channel and the CQ loop on
+//! a tokio runtime: `aio::AsyncEventChannel::next` awaits the next owned
+//! event, `aio::AsyncCqLoop` runs the loop as a future or a task (woken by
+//! the loop's fd and its next deadline, never a polling timer), and
+//! `aio::drain_id` / `aio::remove_cq` are futures that never block the
+//! runtime. With `mio`, [`cm::EventChannel`] and [`cq::CqLoop`] are
+//! `mio::event::Source`s for any runtime or a hand-made poll loop, driven
+//! with [`cm::EventChannel::try_get`] and [`cq::CqLoop::process_ready`]
+//! (edge-triggered: until nothing is ready). Both keep every guarantee of
+//! the blocking paths: they run the same code one non-blocking step at a
+//! time. `examples/rxe_async_echo.rs` is an echo server with many clients.
 //!
 //! # Errors, logging, raw access
 //!
@@ -107,9 +115,13 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![deny(missing_docs)]
 
+#[cfg(feature = "tokio")]
+pub mod aio;
 pub mod cm;
 pub mod cq;
 pub mod error;
+#[cfg(feature = "mio")]
+mod mio_source;
 #[cfg(feature = "sideway")]
 pub mod sideway;
 #[doc(hidden)]

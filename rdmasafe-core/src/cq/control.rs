@@ -532,6 +532,12 @@ impl LoopControl {
         Ok((qp, (send_cq, recv_cq)))
     }
 
+    /// The options [`super::CqLoop::add_cq`] gives a CQ added without its
+    /// own (the loop's defaults), for [`LoopControl::add_cq`].
+    pub fn default_cq_options(&self) -> CqOptions {
+        self.0.opts.cq_defaults()
+    }
+
     /// The options a CQ added without its own gets.
     pub(crate) fn cq_defaults(&self) -> CqOptions {
         self.0.opts.cq_defaults()

@@ -53,6 +53,19 @@ pub enum RunEnd {
     TimedOut,
 }
 
+/// What one [`CqLoop::process_ready`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Progress {
+    /// Completions delivered to handlers.
+    pub delivered: usize,
+    /// A stop request ended the call (consumed; every ack flushed).
+    pub stopped: bool,
+    /// The loop has more to do right away (work of its own, or its fd is
+    /// still readable): call again before waiting for the fd. `false`
+    /// means an edge-triggered poller may clear the fd's readiness.
+    pub more: bool,
+}
+
 /// The loop; see the module docs. Thread-safe: it may be run by one thread
 /// at a time ([`CqLoop::run`], [`CqLoop::process_once`], or
 /// [`CqLoop::spawn`]; a second runner gets EBUSY) and changed from any
@@ -308,6 +321,52 @@ impl CqLoop {
                     ctl.0.wake();
                 }
                 r
+            }
+        };
+        self.leave(held);
+        r
+    }
+
+    /// One cycle that never waits, for an edge-triggered poller (mio,
+    /// tokio's `AsyncFd`, an epoll with `EPOLLET`) that watches
+    /// [`CqLoop::as_raw_fd`]: call it when the fd was reported readable,
+    /// and again while [`Progress::more`] says so. Once it reports
+    /// `more == false` the fd has nothing ready, so the poller may clear
+    /// its readiness: any later work (a CQ event, a change or a stop from
+    /// another thread, a deadline of the loop's timer) makes the fd
+    /// readable anew, which an edge-triggered poller reports as a new
+    /// edge.
+    ///
+    /// A stop request ends the call at once, as in
+    /// [`CqLoop::process_once`] (every ack flushed, the request consumed),
+    /// and is reported in [`Progress::stopped`]. EINTR from the wait is
+    /// reported as `more` (call again), never as an error.
+    pub fn process_ready(&self) -> Result<Progress> {
+        let mut held = self.enter()?;
+        let r = {
+            let (core, ctl) = held.parts();
+            let sh = &*ctl.0;
+            if sh.stop.load(SeqCst) {
+                core.finish_stop(sh);
+                Ok(Progress { delivered: 0, stopped: true, more: false })
+            } else {
+                match core.cycle(ctl, Wait::None, true) {
+                    Err(e) if e.errno() != libc::EINTR => Err(e),
+                    r => {
+                        let delivered = *r.as_ref().unwrap_or(&0);
+                        if sh.stop.load(SeqCst) {
+                            core.finish_stop(sh);
+                            Ok(Progress { delivered, stopped: true, more: false })
+                        } else {
+                            // Work the loop knows of, or anything its epoll
+                            // holds (read by the next cycle).
+                            let more = r.is_err()
+                                || core.has_work_now(sh)
+                                || sys::poll_readable([sh.epoll.fd()], Wait::None).map_or(true, |[ready]| ready);
+                            Ok(Progress { delivered, stopped: false, more })
+                        }
+                    }
+                }
             }
         };
         self.leave(held);

@@ -95,6 +95,13 @@ impl Keepalives {
             }
             if wc.wr_id() == e.cfg.wr_id && matches!(e.probe, Probe::Sent(_)) {
                 e.probe = Probe::Idle;
+                if ok {
+                    // The next probe is due a period from now, not at the
+                    // bound of the one that just came back (the deadline
+                    // the timer was set for while it was out).
+                    let d = sys::deadline_after(now, e.cfg.period);
+                    self.next = Some(self.next.map_or(d, |n| n.min(d)));
+                }
                 if !ok && !e.dead {
                     // Retry exceeded or the like: the timer need not wait.
                     e.probe = Probe::Sent(now.checked_sub(e.cfg.bound).unwrap_or(now));

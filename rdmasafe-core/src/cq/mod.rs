@@ -37,7 +37,7 @@ pub use crate::wc::{Wc, WcOpcode, WcStatus};
 pub use async_events::{AsyncElement, AsyncEvent, AsyncEventType, AsyncEvents, AsyncThread};
 pub use control::{LoopControl, Outcome};
 pub use drain::{DRAIN_RECV_WR_ID, DRAIN_SEND_WR_ID};
-pub use event_loop::{CqLoop, LoopThread, RunEnd};
+pub use event_loop::{CqLoop, LoopThread, Progress, RunEnd};
 pub use local::{LocalControl, LocalCqLoop, StopHandle};
 pub use options::{CqOptions, Keepalive, LoopOptions, Mode};
 pub use stats::{LoopStats, BUCKETS};

@@ -1,0 +1,278 @@
+//! The tokio feature on Soft-RoCE: the async echo server of
+//! examples/rxe_async_echo.rs with 64 clients on a current-thread and on a
+//! multi-thread runtime (every completion exactly once, nothing unacked,
+//! no CM copy outstanding), and futures dropped mid-flight (a pending
+//! `next()`, the loop's `run()`, a pending drain, a spawned loop aborted)
+//! followed by a teardown that neither hangs nor leaks.
+
+mod common;
+
+#[allow(dead_code)]
+#[path = "../examples/rxe_async_echo.rs"]
+mod echo;
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use common::rc::{rc_pair, SLOT};
+use rdmasafe_core::aio::{self, AsyncCqLoop, AsyncEventChannel};
+use rdmasafe_core::cm::{self, EventChannel, EventType, PortSpace};
+use rdmasafe_core::cq::{CqLoop, Keepalive, LoopOptions, DRAIN_RECV_WR_ID, DRAIN_SEND_WR_ID};
+use rdmasafe_core::verbs::{CompChannel, WcStatus};
+use tokio::sync::mpsc::unbounded_channel;
+
+const CLIENTS: usize = 64;
+
+/// Polls a future once with a waker that does nothing.
+fn futures_poll_once<F: std::future::Future>(f: std::pin::Pin<&mut F>) -> std::task::Poll<F::Output> {
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    f.poll(&mut cx)
+}
+
+/// The CM copy counters are process-wide: one test at a time.
+fn serial() -> MutexGuard<'static, ()> {
+    static L: Mutex<()> = Mutex::new(());
+    L.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn run_echo(rt: tokio::runtime::Runtime, what: &str) {
+    let bed = common::bed();
+    let t0 = Instant::now();
+    let report = rt.block_on(echo::echo(bed.addr, CLIENTS)).unwrap_or_else(|e| panic!("{what}: {e}"));
+    drop(rt);
+    echo::check(&report, CLIENTS).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let copies = cm::counters();
+    let total: u32 = report.completions.values().sum();
+    println!(
+        "{what}: {CLIENTS} clients, {total} completions each exactly once; server loop {} completions, {} CQ events, \
+         {} wakeups, {} ack calls, {} unacked; client loop {} completions, {} CQ events, {} wakeups, {} ack calls, \
+         {} unacked; CM copies: {} made, {} outstanding; {:.2?}",
+        report.server_loop.completions,
+        report.server_loop.cq_events,
+        report.server_loop.wakeups,
+        report.server_loop.ack_calls,
+        report.server_loop.unacked_now,
+        report.client_loop.completions,
+        report.client_loop.cq_events,
+        report.client_loop.wakeups,
+        report.client_loop.ack_calls,
+        report.client_loop.unacked_now,
+        copies.copied,
+        copies.outstanding,
+        t0.elapsed()
+    );
+    assert_eq!(total as usize, 4 * CLIENTS);
+    assert_eq!(copies.outstanding, 0, "every CM event copy was freed");
+}
+
+#[test]
+fn echo_64_clients_on_a_current_thread_runtime() {
+    let _s = serial();
+    let _dog = common::watchdog("async echo, current-thread", Duration::from_secs(300));
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    run_echo(rt, "current-thread");
+}
+
+#[test]
+fn echo_64_clients_on_a_multi_thread_runtime() {
+    let _s = serial();
+    let _dog = common::watchdog("async echo, multi-thread", Duration::from_secs(300));
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(3).enable_all().build().unwrap();
+    run_echo(rt, "multi-thread");
+}
+
+/// Outside a runtime the constructors fail (EINVAL), never panic.
+#[test]
+fn outside_a_runtime_registration_fails_cleanly() {
+    let _s = serial();
+    let err = AsyncEventChannel::new(EventChannel::new().unwrap()).unwrap_err();
+    assert_eq!(err.errno(), libc::EINVAL);
+}
+
+#[test]
+fn futures_dropped_mid_flight_then_a_clean_teardown() {
+    let _s = serial();
+    let bed = common::bed();
+    let _dog = common::watchdog("dropped futures", Duration::from_secs(300));
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let short = Duration::from_millis(50);
+    rt.block_on(async {
+        // 1. A pending next() dropped: nothing could come yet (no id on
+        // the channel), and the event that comes later is not lost.
+        let ch = AsyncEventChannel::new(EventChannel::new().unwrap()).unwrap();
+        assert!(tokio::time::timeout(short, ch.next()).await.is_err(), "nothing to get: still pending when dropped");
+        let id = ch.channel().create_id(PortSpace::Tcp).unwrap();
+        id.resolve_addr(None, (bed.addr, 7).into(), Duration::from_secs(10)).unwrap();
+        let ev = tokio::time::timeout(echo::STEP, ch.next()).await.expect("the event came").unwrap();
+        assert_eq!(ev.event_type(), EventType::ADDR_RESOLVED);
+        assert_eq!(ev.token(), Some(id.token()));
+        drop(ev);
+        // A next() pending on a channel that is then dropped with its id.
+        {
+            let pending = ch.next();
+            assert!(tokio::time::timeout(short, pending).await.is_err());
+        }
+        drop(id);
+        drop(ch);
+
+        // 2. The loop's run() dropped mid-flight.
+        let ctx = {
+            let ch = EventChannel::new().unwrap();
+            let id = ch.create_id(PortSpace::Tcp).unwrap();
+            id.bind_addr((bed.addr, 0).into()).unwrap();
+            id.device_context().unwrap()
+        };
+        let chan = CompChannel::new(&ctx).unwrap();
+        let p = rc_pair(bed.addr, &chan, false, 16);
+        let lp = AsyncCqLoop::new(CqLoop::new(&chan, LoopOptions::default()).unwrap()).unwrap();
+        let ctl = lp.control();
+        let (tx, mut rx) = unbounded_channel();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let s2 = seen.clone();
+        ctl.add_cq(&p.server_cq, ctl.default_cq_options(), move |wcs, _| {
+            for wc in wcs {
+                s2.lock().unwrap().push((wc.wr_id(), wc.status()));
+                let _ = tx.send(wc.wr_id());
+            }
+        })
+        .unwrap();
+        for i in 1..=5u64 {
+            p.recv(i as usize * SLOT, SLOT as u32, i);
+        }
+        for i in 1..=3u64 {
+            p.send(0, &[i as u8; 8], 8, 100 + i);
+        }
+        let got = {
+            let run = lp.run();
+            tokio::pin!(run);
+            let mut got = Vec::new();
+            while got.len() < 3 {
+                tokio::select! {
+                    r = &mut run => panic!("run ended without a stop: {r:?}"),
+                    w = rx.recv() => got.push(w.unwrap()),
+                    _ = tokio::time::sleep(echo::STEP) => panic!("completions did not come: {got:?}"),
+                }
+            }
+            got
+            // the run future is dropped here, in the middle of its loop
+        };
+        assert_eq!(got, vec![1, 2, 3]);
+        let st = lp.get_ref().stats();
+        assert_eq!(st.unacked_now, 0, "a dropped run flushes its acks");
+        assert!(!lp.get_ref().is_running());
+
+        // The loop runs again after the drop (one run at a time); a stop
+        // ends that run.
+        p.send(0, &[4; 8], 8, 104);
+        {
+            let run = lp.run();
+            tokio::pin!(run);
+            // Polled once, it holds the loop: a second run is refused.
+            assert!(futures_poll_once(run.as_mut()).is_pending());
+            assert_eq!(lp.run().await.unwrap_err().errno(), libc::EBUSY, "one run at a time");
+            tokio::select! {
+                r = &mut run => panic!("run ended without a stop: {r:?}"),
+                w = rx.recv() => assert_eq!(w, Some(4)),
+            }
+            ctl.stop();
+            tokio::time::timeout(echo::STEP, run).await.expect("a stop ends the run").unwrap();
+        }
+
+        // 3. A drain whose future is dropped while pending: nobody drives
+        // the loop, so it cannot be done yet. It keeps going: once the loop
+        // runs, the QP's receive left over (wr 5) is flushed to the
+        // handler, and the drain's markers are consumed, never delivered.
+        let mut d = {
+            let s = p.server.lock().unwrap();
+            aio::drain_id(&ctl, &s.id, echo::STEP).unwrap()
+        };
+        assert!(tokio::time::timeout(short, &mut d).await.is_err(), "pending: nobody runs the loop");
+        drop(d);
+        let task = AsyncCqLoop::spawn(lp);
+        let w = tokio::time::timeout(echo::STEP, rx.recv()).await.expect("the flush came");
+        assert_eq!(w, Some(5));
+        // A second drain, awaited: its markers come after the first's on
+        // each queue, so when it is done the first one is too.
+        let d2 = {
+            let s = p.server.lock().unwrap();
+            aio::drain_id(&ctl, &s.id, echo::STEP).unwrap()
+        };
+        tokio::time::timeout(echo::STEP, d2).await.expect("the second drain ended").expect("drained");
+
+        // 4. The spawned loop aborted: the loop is dropped in its task,
+        // which flushes its acks and drops its handlers.
+        task.abort();
+        let err = tokio::time::timeout(echo::STEP, task.stop()).await.expect("the aborted task ended").err();
+        assert_eq!(err.map(|e| e.errno()), Some(libc::EIO), "stop of an aborted task reports it");
+        assert_eq!(Arc::strong_count(&seen), 1, "the handler went with the loop");
+        assert!(rx.recv().await.is_none(), "the handler's sender is gone");
+        let seen = seen.lock().unwrap().clone();
+        let ids: Vec<u64> = seen.iter().map(|s| s.0).collect();
+        assert_eq!(ids, vec![1, 2, 3, 4, 5], "each once, in order, no marker ({DRAIN_SEND_WR_ID}, {DRAIN_RECV_WR_ID})");
+        assert!(seen[..4].iter().all(|s| s.1.is_success()));
+        assert_eq!(seen[4].1, WcStatus::WR_FLUSH_ERR);
+        // Teardown: ids, QPs, CQs, channel; the watchdog turns a hang into
+        // a failure.
+        drop(p);
+        drop(chan);
+    });
+    drop(rt);
+    assert_eq!(cm::counters().outstanding, 0, "no CM copy left");
+}
+
+/// The loop's own deadlines drive an idle async loop: keepalive probes
+/// are posted at their deadline (no CQ event, no change, nothing else
+/// makes the loop's fd readable before), complete, and are consumed by
+/// the loop, never delivered. Without deadlines honoured this hangs (the
+/// watchdog fails it).
+#[test]
+fn keepalive_deadlines_drive_an_idle_async_loop() {
+    let _s = serial();
+    let bed = common::bed();
+    let _dog = common::watchdog("async keepalive", Duration::from_secs(240));
+    let t0 = Instant::now();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let ctx = {
+            let ch = EventChannel::new().unwrap();
+            let id = ch.create_id(PortSpace::Tcp).unwrap();
+            id.bind_addr((bed.addr, 0).into()).unwrap();
+            id.device_context().unwrap()
+        };
+        let chan = CompChannel::new(&ctx).unwrap();
+        let p = rc_pair(bed.addr, &chan, false, 16);
+        let task = AsyncCqLoop::new(CqLoop::new(&chan, LoopOptions::default()).unwrap()).unwrap().spawn();
+        let ctl = task.control();
+        let delivered = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let d2 = delivered.clone();
+        ctl.add_cq(&p.server_cq, ctl.default_cq_options(), move |wcs, _| {
+            d2.fetch_add(wcs.len(), std::sync::atomic::Ordering::SeqCst);
+        })
+        .unwrap();
+        let cfg = Keepalive { period: Duration::from_millis(100), bound: Duration::from_secs(60), wr_id: 0xa11e };
+        {
+            let s = p.server.lock().unwrap();
+            ctl.add_keepalive_id(&s.id, cfg, Box::new(|qpn, _| panic!("QP {qpn} declared dead"))).unwrap();
+        }
+        // Watch the figures (the test's own polling, not the loop's).
+        while ctl.stats().keepalive_probes_ok < 3 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let st = ctl.stats();
+        let lp = task.stop().await.unwrap();
+        println!(
+            "async keepalive: {} probes posted, {} completed, {} dead, {} CQ events, {} wakeups; {:.2?}",
+            st.keepalive_probes,
+            st.keepalive_probes_ok,
+            st.keepalive_dead,
+            st.cq_events,
+            st.wakeups,
+            t0.elapsed()
+        );
+        assert_eq!(st.keepalive_dead, 0);
+        assert_eq!(delivered.load(std::sync::atomic::Ordering::SeqCst), 0, "probes never reach the handler");
+        assert_eq!(lp.get_ref().stats().unacked_now, 0);
+        drop(lp);
+        drop(p);
+    });
+}
