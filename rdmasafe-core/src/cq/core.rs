@@ -53,6 +53,56 @@ pub(crate) struct Core {
     pub(super) last_stamp: Option<Instant>,
     /// Torn down (the fd has its own flags back: never read it again).
     pub(super) shut: bool,
+    /// Event mode: read the channel before sleeping, or sleep first.
+    pub(super) read_first: ReadFirst,
+}
+
+/// Whether event mode reads the channel before it sleeps. Reading first
+/// costs nothing when the event is already there (no `epoll_wait`: the
+/// hand-written loop's one `read()`), and one `read()` that says EAGAIN
+/// when it is not; sleeping first costs the `epoll_wait` either way. So:
+/// read first while the last read-first attempt found an event; after one
+/// that found nothing, sleep first and probe again after 1, 2, 4 ... 64
+/// sleeps (the wait doubles with every probe that finds nothing, back to 1
+/// after one that finds an event). In steady state a loop that must always
+/// sleep makes one probing read per 64 sleeps; one under load whose events
+/// are always pending never sleeps.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct ReadFirst {
+    on: bool,
+    /// Sleeps left before the next probe.
+    wait: u32,
+    /// The wait after the next probe that finds nothing.
+    backoff: u32,
+}
+
+impl ReadFirst {
+    pub(super) const MAX_BACKOFF: u32 = 64;
+
+    pub(super) fn new() -> ReadFirst {
+        ReadFirst { on: true, wait: 0, backoff: 1 }
+    }
+
+    /// Read before this sleep?
+    pub(super) fn choose(&self) -> bool {
+        self.on || self.wait == 0
+    }
+
+    /// A read before a sleep found an event (`true`) or nothing.
+    pub(super) fn outcome(&mut self, found: bool) {
+        if found {
+            *self = ReadFirst::new();
+        } else {
+            self.on = false;
+            self.wait = self.backoff;
+            self.backoff = (self.backoff * 2).min(Self::MAX_BACKOFF);
+        }
+    }
+
+    /// Slept without reading first.
+    pub(super) fn slept(&mut self) {
+        self.wait = self.wait.saturating_sub(1);
+    }
 }
 
 pub(super) fn io_err(op: &'static str) -> impl Fn(std::io::Error) -> Error {
@@ -83,6 +133,7 @@ impl Core {
             cycle_start: None,
             last_stamp: None,
             shut: false,
+            read_first: ReadFirst::new(),
         })
     }
 
@@ -192,16 +243,22 @@ impl Core {
     /// Reads every ready CQ event; counts an ack on the CQ each names and
     /// marks it fired. An event for a CQ whose add is still queued is
     /// credited to it; one for a CQ not in the loop is acked at once,
-    /// counted and logged (once per CQ).
-    pub(super) fn read_events(&mut self, ctl: &LoopControl) -> Result<()> {
+    /// counted and logged (once per CQ). Returns the events read.
+    pub(super) fn read_events(&mut self, ctl: &LoopControl) -> Result<usize> {
         let sh = &*ctl.0;
+        let mut read = 0;
         loop {
             // Each arm raises at most one event: once every armed CQ has
             // fired, the read could only say EAGAIN.
             if self.armed == 0 && !self.fired.is_empty() {
-                return Ok(());
+                return Ok(read);
             }
-            let Some(ev) = self.chan.get_event()? else { return Ok(()) };
+            sh.counters.channel_reads.fetch_add(1, Relaxed);
+            let Some(ev) = self.chan.get_event()? else {
+                sh.counters.channel_reads_empty.fetch_add(1, Relaxed);
+                return Ok(read);
+            };
+            read += 1;
             sh.counters.cq_events.fetch_add(1, Relaxed);
             sh.counters.unacked.fetch_add(1, Relaxed);
             let mut found = self.entries.find(ev.cq_addr());
@@ -285,12 +342,13 @@ impl Core {
     /// Takes the loop's own completions (keepalive probes, drain markers)
     /// out of `wcs[..n]`, notes activity; returns how many are left.
     pub(super) fn filter(&mut self, sh: &Shared, n: usize) -> usize {
-        let now = Instant::now();
+        // Only keepalives need the time (a drain's markers do not).
+        let now = if self.keepalives.is_empty() { None } else { Some(Instant::now()) };
         let mut kept = 0;
         for j in 0..n {
             let wc = &self.wcs[j];
             let mut ours = self.drains.note(wc);
-            if !ours && !self.keepalives.is_empty() {
+            if let (false, Some(now)) = (ours, now) {
                 let (probe, ok) = self.keepalives.note(wc, now);
                 ours = probe;
                 if probe && ok {
@@ -312,21 +370,27 @@ impl Core {
         let c = &sh.counters;
         c.completions.fetch_add(n as u64, Relaxed);
         c.error_completions.fetch_add(errors as u64, Relaxed);
-        let t = match self.last_stamp {
-            Some(t) => t,
-            None => {
+        // Timing statistics: one clock read before a cycle's first handler
+        // call, one after each (none at all when they are off).
+        let timing = self.opts.timing_stats;
+        let t = match (timing, self.last_stamp) {
+            (false, _) => None,
+            (true, Some(t)) => Some(t),
+            (true, None) => {
                 let now = Instant::now();
                 self.cycle_start.get_or_insert(now);
-                now
+                Some(now)
             }
         };
         let Some(mut handler) = self.entries.get_mut(r).and_then(|e| e.handler.take()) else { return };
         sh.in_handler.store(true, SeqCst);
         let result = catch_unwind(AssertUnwindSafe(|| handler(&self.wcs[..n], ctl)));
         sh.in_handler.store(false, SeqCst);
-        let after = Instant::now();
-        c.handler_time(after.duration_since(t));
-        self.last_stamp = Some(after);
+        if let Some(t) = t {
+            let after = Instant::now();
+            c.handler_time(after.duration_since(t));
+            self.last_stamp = Some(after);
+        }
         if let Some(e) = self.entries.get_mut(r) {
             e.handler = Some(handler);
         }

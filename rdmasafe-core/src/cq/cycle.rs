@@ -26,10 +26,12 @@ impl Core {
             c.empty_wakeups.fetch_add(1, Relaxed);
         }
         c.per_wakeup.record(n as u64);
-        if let (Some(a), Some(b)) = (self.cycle_start, self.last_stamp) {
-            c.cycle_us.record(b.duration_since(a).as_micros() as u64);
-        } else {
-            c.cycle_us.record(0);
+        if self.opts.timing_stats {
+            let us = match (self.cycle_start, self.last_stamp) {
+                (Some(a), Some(b)) => b.duration_since(a).as_micros() as u64,
+                _ => 0,
+            };
+            c.cycle_us.record(us);
         }
         log::trace!(target: "rdmasafe", "CQ loop wakeup: {n} completions");
     }
@@ -54,6 +56,7 @@ impl Core {
         if let Some(h) = self.hook.as_mut() {
             h();
         }
+        sh.counters.sleeps.fetch_add(1, Relaxed);
         let bits = sh.epoll.wait(ms).map_err(io_err("epoll_wait"))?;
         if bits & (1 << KEY_WAKE) != 0 {
             sh.wake_set.store(false, SeqCst);
@@ -93,7 +96,24 @@ impl Core {
             self.record_wakeup(sh, n);
             return Ok(n);
         }
-        let bits = if self.has_work_now(sh) { 1 << KEY_CHANNEL } else { self.sleep(ctl, wait)? };
+        let bits = if self.has_work_now(sh) {
+            1 << KEY_CHANNEL
+        } else if self.armed > 0 && self.read_first.choose() {
+            // Read first: an event already in the channel costs the one
+            // read the hand-written loop makes, and no epoll_wait.
+            let found = self.read_events(ctl)? > 0;
+            self.read_first.outcome(found);
+            if found {
+                0
+            } else {
+                self.sleep(ctl, wait)?
+            }
+        } else {
+            if self.armed > 0 {
+                self.read_first.slept();
+            }
+            self.sleep(ctl, wait)?
+        };
         self.begin_cycle();
         self.apply_cmds(ctl);
         if bits & (1 << KEY_CHANNEL) != 0 {
@@ -120,22 +140,40 @@ impl Core {
         honor_stop: bool,
     ) -> Result<usize> {
         let sh = &*ctl.0;
-        let start = Instant::now();
-        let deadline = match wait {
-            Wait::For(d) => Some(sys::deadline_after(start, d)),
-            Wait::None => Some(start),
-            Wait::Forever => None,
+        if wait == Wait::None {
+            // One pass, no clock.
+            self.begin_cycle();
+            let mut n = self.poll_all(ctl, honor_stop)?;
+            n += self.tick(ctl, honor_stop)?;
+            if n > 0 {
+                if spin.is_some() {
+                    self.polling_since = self.last_stamp.or_else(|| Some(Instant::now()));
+                }
+                self.record_wakeup(sh, n);
+            } else if let (Some(s), Some(since)) = (spin, self.polling_since) {
+                if Instant::now().saturating_duration_since(since) >= s {
+                    self.polling_since = None;
+                }
+            }
+            return Ok(n);
+        }
+        // Only a deadline, a spin limit or a timer needs the clock; plain
+        // busy polling never reads it (timing statistics aside).
+        let timed = matches!(wait, Wait::For(_)) || spin.is_some() || self.next_deadline(sh).is_some();
+        let start = timed.then(Instant::now);
+        let deadline = match (wait, start) {
+            (Wait::For(d), Some(start)) => Some(sys::deadline_after(start, d)),
+            _ => None,
         };
-        // Only a deadline, a spin limit or a timer needs the clock while
-        // spinning; plain busy polling reads it when it delivers.
-        let timed = deadline.is_some() || spin.is_some() || self.next_deadline(sh).is_some();
-        let idle_from = self.polling_since.unwrap_or(start);
+        let idle_from = self.polling_since.or(start);
         loop {
             self.begin_cycle();
             let mut n = self.poll_all(ctl, honor_stop)?;
             n += self.tick(ctl, honor_stop)?;
             if n > 0 {
-                self.polling_since = self.last_stamp.or(Some(start));
+                if spin.is_some() {
+                    self.polling_since = self.last_stamp.or(start);
+                }
                 self.record_wakeup(sh, n);
                 return Ok(n);
             }
@@ -144,9 +182,11 @@ impl Core {
             }
             if timed {
                 let now = Instant::now();
-                if spin.is_some_and(|s| now.saturating_duration_since(idle_from) >= s) {
-                    self.polling_since = None;
-                    return Ok(0);
+                if let (Some(s), Some(idle)) = (spin, idle_from) {
+                    if now.saturating_duration_since(idle) >= s {
+                        self.polling_since = None;
+                        return Ok(0);
+                    }
                 }
                 if deadline.is_some_and(|d| now >= d) {
                     return Ok(0);
