@@ -6,10 +6,13 @@
 //! any C code of the process call it).
 //!
 //! The hand-written loop this is held against makes one `read()` per
-//! wakeup (`ibv_get_cq_event`) and reads no clock.
+//! wakeup (`ibv_get_cq_event`), reads no clock and allocates nothing; heap
+//! allocations of the thread that runs the cycle are counted by this
+//! binary's global allocator (the system allocator, counted per thread).
 
 mod common;
 
+use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
@@ -18,7 +21,7 @@ use std::time::Duration;
 
 use common::rc::{rc_pair, RcPair, SLOT};
 use rdmasafe_core::cm::{EventChannel, PortSpace};
-use rdmasafe_core::cq::{CqLoop, LoopOptions, LoopStats};
+use rdmasafe_core::cq::{CqLoop, LoopOptions, LoopStats, Mode};
 use rdmasafe_core::sys::{self, ibv_wc_status, Wait};
 use rdmasafe_core::verbs::{empty_wc, CompChannel, DeviceContext};
 
@@ -37,6 +40,48 @@ pub unsafe extern "C" fn clock_gettime(clk: libc::clockid_t, tp: *mut libc::time
     CLOCK_READS.with(|c| c.set(c.get() + 1));
     // SAFETY: the caller's arguments, passed on unchanged to the kernel.
     unsafe { libc::syscall(libc::SYS_clock_gettime, clk, tp) as libc::c_int }
+}
+
+thread_local! {
+    static ALLOCS: Cell<u64> = const { Cell::new(0) };
+}
+
+/// The system allocator, with each allocation counted on its thread.
+struct Counting;
+
+// SAFETY: every call is forwarded unchanged to `System`, which upholds
+// GlobalAlloc's contract; the count is a thread-local Cell (const
+// initialised, no destructor: usable at any time, allocates nothing).
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        ALLOCS.with(|c| c.set(c.get() + 1));
+        // SAFETY: forwarded contract.
+        unsafe { System.alloc(l) }
+    }
+
+    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
+        ALLOCS.with(|c| c.set(c.get() + 1));
+        // SAFETY: forwarded contract.
+        unsafe { System.alloc_zeroed(l) }
+    }
+
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, new_size: usize) -> *mut u8 {
+        ALLOCS.with(|c| c.set(c.get() + 1));
+        // SAFETY: forwarded contract.
+        unsafe { System.realloc(p, l, new_size) }
+    }
+
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        // SAFETY: forwarded contract.
+        unsafe { System.dealloc(p, l) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+fn allocs() -> u64 {
+    ALLOCS.with(|c| c.get())
 }
 
 fn clock_reads() -> u64 {
@@ -206,4 +251,45 @@ fn timing_statistics_on_read_the_clock_at_most_once_per_handler_call_more() {
     println!("timing on: {clocks} clock reads in {K} wakeups; cycle histogram {:?}", s.cycle_time_us);
     assert_eq!(s.cycle_time_us.iter().sum::<u64>(), s.wakeups, "every wakeup timed");
     assert!(clocks >= K, "the handlers were timed");
+}
+
+/// No heap allocation in a wakeup, in any mode (the loop keeps its lists'
+/// storage from cycle to cycle, and walks its CQs without collecting
+/// them): counted on the thread that runs `process_once`, after a
+/// warm-up. Adaptive mode with a zero spin goes from polling back to
+/// sleeping after every message.
+#[test]
+fn no_heap_allocation_per_wakeup_in_any_mode() {
+    let bed = common::bed();
+    let _dog = common::watchdog("allocations", Duration::from_secs(300));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = rc_pair(bed.addr, &chan, false, 8);
+    for mode in [Mode::Event, Mode::BusyPoll, Mode::Adaptive { spin: Duration::ZERO }] {
+        let lp = CqLoop::new(&chan, LoopOptions { mode, ..Default::default() }).unwrap();
+        let got = Arc::new(AtomicU64::new(0));
+        let g = got.clone();
+        lp.add_cq(&p.server_cq, move |wcs, _| {
+            g.fetch_add(wcs.len() as u64, SeqCst);
+        })
+        .unwrap();
+        let wait = if mode == Mode::BusyPoll { Wait::None } else { Wait::Forever };
+        const WARM: u64 = 8;
+        const K: u64 = 30;
+        let mut counted_allocs = 0;
+        for seq in 0..WARM + K {
+            one_message(&p, seq);
+            while got.load(SeqCst) <= seq {
+                let a0 = allocs();
+                lp.process_once(wait).unwrap();
+                if seq >= WARM {
+                    counted_allocs += allocs() - a0;
+                }
+            }
+        }
+        let s = lp.stats();
+        println!("{mode:?}: {counted_allocs} allocations in {K} wakeups ({} wakeups in all)", s.wakeups);
+        assert_eq!(counted_allocs, 0, "{mode:?}: no allocation per wakeup");
+        drop(lp);
+    }
 }

@@ -105,6 +105,15 @@ impl ReadFirst {
     }
 }
 
+/// The lists of CQs a cycle works through.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum List {
+    /// New CQs, or CQs to arm again after a stop or an adaptive spin.
+    Unarmed,
+    /// CQs whose event was read this cycle.
+    Fired,
+}
+
 pub(super) fn io_err(op: &'static str) -> impl Fn(std::io::Error) -> Error {
     move |e| Error::new(op, e.raw_os_error().unwrap_or(libc::EIO))
 }
@@ -404,15 +413,30 @@ impl Core {
         }
     }
 
-    pub(super) fn work_list(
-        &mut self,
-        ctl: &LoopControl,
-        list: Vec<Ref>,
-        arm: bool,
-        honor_stop: bool,
-    ) -> Result<usize> {
+    /// Arms (if `arm`) and drains every CQ of the `which` list, emptying
+    /// it. The list's storage is kept for its next use (no allocation per
+    /// cycle).
+    pub(super) fn work_list(&mut self, ctl: &LoopControl, which: List, arm: bool, honor_stop: bool) -> Result<usize> {
+        let mut list = std::mem::take(self.list_mut(which));
+        let r = self.work_refs(ctl, &list, arm, honor_stop);
+        list.clear();
+        let slot = self.list_mut(which);
+        if slot.is_empty() && slot.capacity() < list.capacity() {
+            *slot = list;
+        }
+        r
+    }
+
+    fn list_mut(&mut self, which: List) -> &mut Vec<Ref> {
+        match which {
+            List::Unarmed => &mut self.unarmed,
+            List::Fired => &mut self.fired,
+        }
+    }
+
+    fn work_refs(&mut self, ctl: &LoopControl, list: &[Ref], arm: bool, honor_stop: bool) -> Result<usize> {
         let mut n = 0;
-        for r in list {
+        for &r in list {
             let Some(e) = self.entries.get_mut(r) else { continue };
             e.in_unarmed = false;
             e.in_fired = false;
@@ -446,7 +470,11 @@ impl Core {
     /// Polls every CQ once (busy-poll and adaptive's spin: O(CQs)).
     pub(super) fn poll_all(&mut self, ctl: &LoopControl, honor_stop: bool) -> Result<usize> {
         let mut n = 0;
-        for r in self.entries.refs() {
+        // By slot index, allocating nothing (a handler may add or remove
+        // CQs meanwhile: a removed one is skipped, a new one in a slot not
+        // visited yet is polled too).
+        for i in 0..self.entries.slot_count() {
+            let Some(r) = self.entries.ref_at(i) else { continue };
             if let Some(e) = self.entries.get_mut(r) {
                 e.in_ready = false;
             }

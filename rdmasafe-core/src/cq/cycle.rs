@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering::*;
 use std::time::{Duration, Instant};
 
 use super::control::{Completion, LoopControl, Shared, KEY_CHANNEL, KEY_TIMER, KEY_WAKE};
-use super::core::{io_err, Core};
+use super::core::{io_err, Core, List};
 use super::options::Mode;
 use crate::sys::{self, Wait};
 use crate::Result;
@@ -88,8 +88,7 @@ impl Core {
     pub(super) fn event_cycle(&mut self, ctl: &LoopControl, wait: Wait, honor_stop: bool) -> Result<usize> {
         let sh = &*ctl.0;
         self.begin_cycle();
-        let unarmed = std::mem::take(&mut self.unarmed);
-        let mut n = self.work_list(ctl, unarmed, true, honor_stop)?;
+        let mut n = if self.unarmed.is_empty() { 0 } else { self.work_list(ctl, List::Unarmed, true, honor_stop)? };
         n += self.work_ready(ctl, honor_stop)?;
         if n > 0 {
             n += self.tick(ctl, honor_stop)?;
@@ -119,10 +118,9 @@ impl Core {
         if bits & (1 << KEY_CHANNEL) != 0 {
             self.read_events(ctl)?;
         }
-        let fired = std::mem::take(&mut self.fired);
-        let woke = !fired.is_empty();
+        let woke = !self.fired.is_empty();
         let rearm = self.polling_since.is_none() && self.opts.mode == Mode::Event;
-        let mut n = self.work_list(ctl, fired, rearm, honor_stop)?;
+        let mut n = if woke { self.work_list(ctl, List::Fired, rearm, honor_stop)? } else { 0 };
         n += self.tick(ctl, honor_stop)?;
         if woke || n > 0 {
             self.record_wakeup(sh, n);
@@ -216,9 +214,11 @@ impl Core {
             for e in self.entries.iter_mut() {
                 e.in_fired = false;
             }
-            for r in self.entries.refs() {
-                if self.entries.get(r).is_some_and(|e| !e.armed) {
-                    self.push_unarmed(r);
+            for i in 0..self.entries.slot_count() {
+                if let Some(r) = self.entries.ref_at(i) {
+                    if self.entries.get(r).is_some_and(|e| !e.armed) {
+                        self.push_unarmed(r);
+                    }
                 }
             }
         }
