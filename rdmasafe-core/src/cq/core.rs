@@ -149,7 +149,15 @@ impl Core {
     // ------------------------------------------------------------ changes
 
     /// Applies every queued change (FIFO).
+    #[inline]
     pub(crate) fn apply_cmds(&mut self, ctl: &LoopControl) {
+        if ctl.0.cmds_pending.load(SeqCst) {
+            self.apply_queued(ctl);
+        }
+    }
+
+    #[cold]
+    fn apply_queued(&mut self, ctl: &LoopControl) {
         let sh = &*ctl.0;
         while sh.cmds_pending.load(SeqCst) {
             for cmd in sh.take_cmds() {
