@@ -23,6 +23,12 @@
 #   --results FILE     where to keep the guest's output
 #   --from FILE        skip build and guest: regenerate the docs from FILE
 #   --repeats N        repeats of the timed part (default 5)
+#   --before-lib DIR   also run the programs built against the librdmasafe.so
+#                      in DIR (an earlier build, e.g. of the commit before a
+#                      change) as variant "before", side by side with the
+#                      current library in the same guest
+#   --counts-only      the counts phase only (strace, callgrind, allocations);
+#                      implies --no-docs
 # Exit status: 0 only if every benchmark ran (guest.sh reports failures).
 set -euo pipefail
 
@@ -30,7 +36,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 cd "$repo"
 
-quick=0 docs=1 profile=release results= from= repeats=5
+quick=0 docs=1 profile=release results= from= repeats=5 before_lib= only=
 while [[ $# -gt 0 ]]; do
 	case $1 in
 	--quick) quick=1 ;;
@@ -39,7 +45,9 @@ while [[ $# -gt 0 ]]; do
 	--results) results=$2; shift ;;
 	--from) from=$2; shift ;;
 	--repeats) repeats=$2; shift ;;
-	-h | --help) sed -n '2,26p' "$0"; exit 0 ;;
+	--before-lib) before_lib=$(cd "$2" && pwd); shift ;;
+	--counts-only) only=counts docs=0 ;;
+	-h | --help) sed -n '2,32p' "$0"; exit 0 ;;
 	*) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
 	esac
 	shift
@@ -61,6 +69,12 @@ if [[ -z $from ]]; then
 	cargo "${cargo_args[@]}"
 	bin=$target/bench/$profile
 	make -s -C "$here" LIBDIR="$target/$profile" OUT="$bin" >&2
+	before_bin=
+	if [[ -n $before_lib ]]; then
+		before_bin=$target/bench/before-$profile
+		msg "building the programs against the earlier library in $before_lib"
+		make -s -C "$here" LIBDIR="$before_lib" OUT="$before_bin" >&2
+	fi
 
 	timeout=2400
 	[[ $quick == 1 ]] && timeout=300
@@ -77,7 +91,8 @@ if [[ -z $from ]]; then
 	) >"$load_log" 2>/dev/null &
 	sampler=$!
 	tests/bed/vm-run --timeout "$timeout" -- env RDMASAFE_BENCH_BIN="$bin" RDMASAFE_BENCH_QUICK="$quick" \
-		RDMASAFE_BENCH_REPEATS="$repeats" bash tests/bench/guest.sh >"$results" || rc=$?
+		RDMASAFE_BENCH_REPEATS="$repeats" RDMASAFE_BENCH_BEFORE_BIN="$before_bin" RDMASAFE_BENCH_ONLY="$only" \
+		bash tests/bench/guest.sh >"$results" || rc=$?
 	guest_s=$(($(now_s) - t_guest))
 	kill "$sampler" 2>/dev/null || true
 	wait "$sampler" 2>/dev/null || true
