@@ -470,6 +470,13 @@ if [[ -n $BEFORE ]]; then
 	evcost before 0 strace "$ST_EV_K" 1
 	pp before event pp "$ST_PP_N" 0 strace
 	pp before event stream "$ST_STREAM_N" 0 strace_server
+fi
+# untraced stream: the receiver's own figures of how it waited (sleeps,
+# channel reads, EAGAIN reads per wakeup)
+for v in rdmasafe raw; do
+	pp "$v" event stream "$STREAM_N" 0 loopstats
+done
+if [[ -n $BEFORE ]]; then
 	if [[ $CALLGRIND == 1 ]]; then
 		evcost before 0 callgrind 300 2
 		pp before event pp 200 0 callgrind

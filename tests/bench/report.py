@@ -483,6 +483,16 @@ def build(d, png_name):
                      "without clock_gettime", "read / message", "epoll_wait + poll / message",
                      "epoll_wait + poll per read", "by call"], rows))
             w("")
+        r = d.one(f"stream_{rs}_event_loopstats", "server")
+        if r and r.get("wakeups"):
+            wk = r["wakeups"]
+            w(f"Untraced stream of {r['n']:,} sends, the receiver's own figures (`rdmasafe_cq_loop_stats`): "
+              f"{wk} wakeups, {r.get('cq_events')} CQ events, {r.get('sleeps', 0)} `epoll_wait` "
+              f"({fnum(r.get('sleeps', 0) / wk)} per wakeup), {r.get('channel_reads', 0)} channel reads "
+              f"({fnum(r.get('channel_reads', 0) / wk)} per wakeup), of which {r.get('channel_reads_empty', 0)} "
+              "found nothing (EAGAIN); the hand-written loop makes one blocking `read()` per wakeup and no "
+              "`epoll_wait`.")
+            w("")
         rows = []
         for v in (bf, rs, raw):
             c = d.syscalls.get(f"evcost_{v}_strace")
