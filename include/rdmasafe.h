@@ -282,6 +282,15 @@ struct rdmasafe_cq_loop_options {
    * outstanding work is reported (0: off).
    */
   int watchdog_ms;
+  /**
+   * Non-zero: time callbacks and cycles (`longest_handler_ns`,
+   * `cycle_time_us` of the stats; both stay 0 without). Default 0, off:
+   * timing reads the clock n + 1 times per n callbacks, and where the
+   * clocksource is not the TSC (many VMs) each read is a system call.
+   * Off, the loop reads the clock only for keepalives, the watchdog,
+   * drain and call timeouts, and adaptive mode's spin.
+   */
+  int timing_stats;
 };
 
 /**
@@ -431,6 +440,22 @@ struct rdmasafe_cq_loop_stats {
    * Times a CQ used up its budget with completions left.
    */
   uint64_t budget_yields;
+  /**
+   * epoll_wait calls the loop made to sleep. Event mode makes none in a
+   * cycle that finds its CQ event already in the channel.
+   */
+  uint64_t sleeps;
+  /**
+   * read()s of the completion channel, those that found nothing included.
+   */
+  uint64_t channel_reads;
+  /**
+   * Of those, reads that found nothing (EAGAIN): event mode reads
+   * before sleeping while recent cycles found their event pending and
+   * sleeps first otherwise, probing at most once per 64 sleeps in
+   * steady state.
+   */
+  uint64_t channel_reads_empty;
 };
 
 /**
@@ -642,7 +667,9 @@ const char *rdmasafe_event_str(int event);
 /**
  * Sets how long librdmacm's original event stays un-acked after a get
  * (the destroy barrier, see `rdmasafe_get_event`): until the copy is
- * freed, at most `ms` milliseconds. 0 acks at once (a held copy then never
+ * freed, at most `ms` milliseconds (a background thread acks it within a
+ * quarter of the shortest deadline in use after that, at most 250 ms
+ * later; a get takes no lock for it). 0 acks at once (a held copy then never
  * delays `rdma_destroy_id`, and `ev->id` may be destroyed while the copy is
  * held). Applies to gets from now on. The default is 1000 ms, or
  * RDMASAFE_ACK_DEADLINE_MS from the environment. Thread-safe.

@@ -277,7 +277,9 @@ pub extern "C" fn rdmasafe_event_str(event: c_int) -> *const c_char {
 
 /// Sets how long librdmacm's original event stays un-acked after a get
 /// (the destroy barrier, see `rdmasafe_get_event`): until the copy is
-/// freed, at most `ms` milliseconds. 0 acks at once (a held copy then never
+/// freed, at most `ms` milliseconds (a background thread acks it within a
+/// quarter of the shortest deadline in use after that, at most 250 ms
+/// later; a get takes no lock for it). 0 acks at once (a held copy then never
 /// delays `rdma_destroy_id`, and `ev->id` may be destroyed while the copy is
 /// held). Applies to gets from now on. The default is 1000 ms, or
 /// RDMASAFE_ACK_DEADLINE_MS from the environment. Thread-safe.

@@ -184,6 +184,7 @@ pub fn c_args_case(data: &[u8]) {
                     adaptive_spin_us: b.i32(),
                     watchdog_ms: b.i32(),
                     solicited_only: b.i32(),
+                    timing_stats: b.i32(),
                 };
                 let mut out = std::ptr::null_mut();
                 assert_eq!(rdmasafe_cq_loop_create(std::ptr::null_mut(), &opts, &mut out), -libc::EINVAL);

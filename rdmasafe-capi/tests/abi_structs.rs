@@ -45,6 +45,8 @@ int main(void)
 	LAYOUT(rdmasafe_cq_loop_stats, wakeups); LAYOUT(rdmasafe_cq_loop_stats, cycle_time_us);
 	SIZE(rdmasafe_cq_loop_options); LAYOUT(rdmasafe_cq_loop_options, size);
 	LAYOUT(rdmasafe_cq_loop_options, mode); LAYOUT(rdmasafe_cq_loop_options, watchdog_ms);
+	LAYOUT(rdmasafe_cq_loop_options, timing_stats); LAYOUT(rdmasafe_cq_loop_stats, budget_yields);
+	LAYOUT(rdmasafe_cq_loop_stats, sleeps); LAYOUT(rdmasafe_cq_loop_stats, channel_reads_empty);
 	SIZE(rdmasafe_async_event); LAYOUT(rdmasafe_async_event, size);
 	LAYOUT(rdmasafe_async_event, element); LAYOUT(rdmasafe_async_event, port_num);
 
@@ -144,6 +146,10 @@ fn sized_structs_and_version_from_c() {
         ("rdmasafe_cq_loop_options.size", offset_of!(rdmasafe_cq_loop_options, size)),
         ("rdmasafe_cq_loop_options.mode", offset_of!(rdmasafe_cq_loop_options, mode)),
         ("rdmasafe_cq_loop_options.watchdog_ms", offset_of!(rdmasafe_cq_loop_options, watchdog_ms)),
+        ("rdmasafe_cq_loop_options.timing_stats", offset_of!(rdmasafe_cq_loop_options, timing_stats)),
+        ("rdmasafe_cq_loop_stats.budget_yields", offset_of!(rdmasafe_cq_loop_stats, budget_yields)),
+        ("rdmasafe_cq_loop_stats.sleeps", offset_of!(rdmasafe_cq_loop_stats, sleeps)),
+        ("rdmasafe_cq_loop_stats.channel_reads_empty", offset_of!(rdmasafe_cq_loop_stats, channel_reads_empty)),
         ("rdmasafe_async_event", size_of::<rdmasafe_async_event>()),
         ("rdmasafe_async_event.size", offset_of!(rdmasafe_async_event, size)),
         ("rdmasafe_async_event.element", offset_of!(rdmasafe_async_event, element)),

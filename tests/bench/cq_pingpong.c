@@ -273,6 +273,10 @@ static void loop_report(struct app *a, struct jline *j)
 		j_raw(j, "%s%llu", i ? "," : "", (unsigned long long)s.completions_per_wakeup[i]);
 	j_raw(j, "]");
 	j_u64(j, "longest_handler_ns", s.longest_handler_ns);
+	/* 0 from a library older than these fields (it fills less of s) */
+	j_u64(j, "sleeps", s.sleeps);
+	j_u64(j, "channel_reads", s.channel_reads);
+	j_u64(j, "channel_reads_empty", s.channel_reads_empty);
 }
 
 static void loop_teardown(struct app *a)

@@ -24,7 +24,11 @@
 # Env: RDMASAFE_TEST_ADDR (set by vm-run), RDMASAFE_BENCH_BIN (the programs,
 # default <repo>/target/bench), RDMASAFE_BENCH_QUICK=1 (tiny sizes, one
 # repeat, no callgrind but for the scale case, no 1M stream),
-# RDMASAFE_BENCH_REPEATS, RDMASAFE_BENCH_ONLY=scale (only the scale case).
+# RDMASAFE_BENCH_REPEATS, RDMASAFE_BENCH_BEFORE_BIN (optional: the same
+# programs built against an earlier librdmasafe; they run as variant
+# "before" next to "rdmasafe" and "raw" in the CQ event-mode and CM event
+# counts, and in the event-mode ping-pong times), RDMASAFE_BENCH_ONLY=scale
+# (only the scale case) or =counts (the counts phase only).
 set -u
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -44,6 +48,18 @@ ln -s "$BIN/allocount.so" "$P/allocount.so"
 ln -s "$BIN/fastclock.so" "$P/fastclock.so"
 failures=0
 port=7700
+BEFORE=${RDMASAFE_BENCH_BEFORE_BIN:-}
+ONLY=${RDMASAFE_BENCH_ONLY:-}
+
+# prog NAME VARIANT: the program of a variant (rdmasafe, raw, or before:
+# the rdmasafe program built against the earlier library)
+prog() {
+	if [[ $2 == before ]]; then
+		echo "$BEFORE/$1_rdmasafe"
+	else
+		echo "$BIN/$1_$2"
+	fi
+}
 
 if [[ $QUICK == 1 ]]; then
 	REPEATS=1
@@ -228,16 +244,20 @@ callgrind_dumps() {
 
 # ---- our client/server pairs --------------------------------------------
 # S=(server command) C=(client command) run_pair CASE REP [KIND]
-# KIND: "" (plain), strace (client under strace), callgrind (client under
-# callgrind), callgrind_dumps (the same, one record per window the program
-# dumped), allocs (both with allocount.so)
+# KIND: "" (plain), strace (client under strace), strace_server (server under
+# strace), callgrind (client under callgrind), callgrind_dumps (the same, one
+# record per window the program dumped), allocs (both with allocount.so)
 run_pair() {
 	local case=$1 rep=$2 kind=${3:-} sp crc src pre=() t0
 	t0=$(now_ms)
 	rm -f "$W"/*.out "$W"/*.err "$W"/st.log "$W"/cg.log*
 	[[ $kind == allocs ]] && pre=(env "LD_PRELOAD=$P/allocount.so")
 	[[ $kind == fastclock ]] && pre=(env "LD_PRELOAD=$P/fastclock.so")
-	"${pre[@]}" "${S[@]}" >"$W/s.out" 2>"$W/s.err" &
+	if [[ $kind == strace_server ]]; then
+		strace -f -o "$W/st.log" "${S[@]}" >"$W/s.out" 2>"$W/s.err" &
+	else
+		"${pre[@]}" "${S[@]}" >"$W/s.out" 2>"$W/s.err" &
+	fi
 	sp=$!
 	if ! wait_ready "$W/s.out" "$sp"; then
 		kill "$sp" 2>/dev/null
@@ -263,8 +283,10 @@ run_pair() {
 	wait "$sp"
 	src=$?
 	emit "$case" "$rep" "$W/s.out" "$W/c.out"
-	if [[ $kind == strace && -s $W/st.log ]]; then
-		echo "@@ {\"case\":\"$case\",\"rep\":$rep,\"kind\":\"syscalls\",\"role\":\"client\",\"counts\":$(syscall_counts "$W/st.log")}"
+	if [[ ($kind == strace || $kind == strace_server) && -s $W/st.log ]]; then
+		local role=client
+		[[ $kind == strace_server ]] && role=server
+		echo "@@ {\"case\":\"$case\",\"rep\":$rep,\"kind\":\"syscalls\",\"role\":\"$role\",\"counts\":$(syscall_counts "$W/st.log")}"
 	fi
 	if [[ $kind == callgrind && -s $W/cg.log ]]; then
 		echo "@@ {\"case\":\"$case\",\"rep\":$rep,\"kind\":\"callgrind\",\"role\":\"client\",\"ir\":$(callgrind_ir "$W/cg.log"),\"top\":[$(callgrind_top "$W/cg.log")]}"
@@ -306,8 +328,8 @@ run_single() {
 storm() { # VARIANT N REP [KIND]
 	local v=$1 n=$2 rep=$3 kind=${4:-}
 	next_port
-	S=("$BIN/cm_storm_$v" -S -a "$ADDR" -p "$port" -c "$n" -t 300)
-	C=("$BIN/cm_storm_$v" -a "$ADDR" -p "$port" -c "$n" -t 300)
+	S=("$(prog cm_storm "$v")" -S -a "$ADDR" -p "$port" -c "$n" -t 300)
+	C=("$(prog cm_storm "$v")" -a "$ADDR" -p "$port" -c "$n" -t 300)
 	run_pair "storm_${v}_$n${kind:+_$kind}" "$rep" "$kind"
 }
 
@@ -343,7 +365,7 @@ storm_cmtime() { # N REP
 
 evcost() { # VARIANT REP [KIND] [K] [ROUNDS]
 	local v=$1 rep=$2 kind=${3:-} k=${4:-$EV_K} r=${5:-$EV_R}
-	C=("$BIN/cm_evcost_$v" -a "$ADDR" -k "$k" -r "$r" -w 1)
+	C=("$(prog cm_evcost "$v")" -a "$ADDR" -k "$k" -r "$r" -w 1)
 	run_single "evcost_$v${kind:+_$kind}" "$rep" "$kind"
 }
 
@@ -354,8 +376,8 @@ pp() { # VARIANT MODE WORKLOAD N REP [KIND] [EXTRA...]
 	[[ $kind == _ ]] && kind=
 	[[ ${#extra[@]} -gt 0 ]] && tag=_$(printf '%s' "${extra[*]}" | tr -d ' -')
 	next_port
-	S=("$BIN/cq_pingpong_$v" -S -a "$ADDR" -p "$port" -w "$w" -m "$m" -n "$n" -W "$PP_WARM" -t 300 "${extra[@]}")
-	C=("$BIN/cq_pingpong_$v" -a "$ADDR" -p "$port" -w "$w" -m "$m" -n "$n" -W "$PP_WARM" -t 300 "${extra[@]}")
+	S=("$(prog cq_pingpong "$v")" -S -a "$ADDR" -p "$port" -w "$w" -m "$m" -n "$n" -W "$PP_WARM" -t 300 "${extra[@]}")
+	C=("$(prog cq_pingpong "$v")" -a "$ADDR" -p "$port" -w "$w" -m "$m" -n "$n" -W "$PP_WARM" -t 300 "${extra[@]}")
 	run_pair "${w}_${v}_$m$tag${kind:+_$kind}" "$rep" "$kind"
 }
 
@@ -519,12 +541,38 @@ for vm in rdmasafe:event rdmasafe:busy rdmasafe:adaptive raw:event raw:busy; do
 done
 for v in rdmasafe raw; do
 	pp "$v" event stream "$ST_STREAM_N" 0 strace
+	# the receiver: wakeups under load, whose CQ event is often pending
+	pp "$v" event stream "$ST_STREAM_N" 0 strace_server
 done
 if [[ $CALLGRIND == 1 ]]; then
 	for v in rdmasafe raw; do
 		evcost "$v" 0 callgrind 300 2
 		pp "$v" event pp 200 0 callgrind
 	done
+fi
+if [[ -n $BEFORE ]]; then
+	# the earlier library, same programs: before/after side by side
+	evcost before 0 strace "$ST_EV_K" 1
+	pp before event pp "$ST_PP_N" 0 strace
+	pp before event stream "$ST_STREAM_N" 0 strace_server
+fi
+# untraced stream: the receiver's own figures of how it waited (sleeps,
+# channel reads, EAGAIN reads per wakeup)
+for v in rdmasafe raw; do
+	pp "$v" event stream "$STREAM_N" 0 loopstats
+done
+if [[ -n $BEFORE ]]; then
+	if [[ $CALLGRIND == 1 ]]; then
+		evcost before 0 callgrind 300 2
+		pp before event pp 200 0 callgrind
+	fi
+fi
+if [[ $ONLY == counts ]]; then
+	section
+	say "done (counts only): $failures failed"
+	echo "@@ {\"kind\":\"summary\",\"failures\":$failures,\"seconds\":$((($(now_ms) - t_start) / 1000))}"
+	[[ $failures -eq 0 ]]
+	exit
 fi
 
 # ---- times (alternated repeats) --------------------------------------------
@@ -535,8 +583,10 @@ for ((rep = 1; rep <= REPEATS; rep++)); do
 		alternate "$rep" "storm rdmasafe $n $rep" "storm raw $n $rep" "storm_cmtime $n $rep"
 	done
 	alternate "$rep" "evcost rdmasafe $rep" "evcost raw $rep"
+	before_pp=()
+	[[ -n $BEFORE ]] && before_pp=("pp before event pp $PP_N $rep")
 	alternate "$rep" \
-		"pp rdmasafe event pp $PP_N $rep" "pp raw event pp $PP_N $rep" \
+		"pp rdmasafe event pp $PP_N $rep" "pp raw event pp $PP_N $rep" "${before_pp[@]}" \
 		"pp rdmasafe busy pp $PP_N $rep" "pp raw busy pp $PP_N $rep" \
 		"pp rdmasafe adaptive pp $PP_N $rep" \
 		"rc_pingpong $RCPP_N $rep" "send_lat $SENDLAT_N $rep"

@@ -396,6 +396,44 @@ def build(d, png_name):
                      + (f"; separate run of {d.scale_data.host.get('date', '?')}, see the scale section"
                         if d.scale_data is not d else ""),
                      verdict(hi / lo <= 1.10)])
+    # issue 14, targets 1-3 (counts; the before/after table in section 1).
+    # Per wakeup: a wakeup re-arms its CQ once (the ioctl of
+    # ibv_req_notify_cq on rxe), so wakeups = ioctl calls; the loop's own
+    # calls are everything but the program's clock stamps and its
+    # post_send write()s.
+    def loop_calls_per_wakeup(c):
+        if not c or not c.get("ioctl"):
+            return None, None
+        own = sum(v for k, v in c.items() if k not in ("clock_gettime", "write", "getrusage"))
+        return own / c["ioctl"], c["ioctl"]
+
+    for case, label in ((f"pp_{{}}_event_strace", "ping-pong client"),
+                        (f"stream_{{}}_event_strace_server", "stream receiver (under load)")):
+        a, wa = loop_calls_per_wakeup(d.syscalls.get(case.format(rs)))
+        b, wb = loop_calls_per_wakeup(d.syscalls.get(case.format(raw)))
+        if a is None or b is None:
+            continue
+        c1 = d.syscalls.get(case.format(rs))
+        sleeps = (c1.get("epoll_wait", 0) + c1.get("poll", 0)) / wa
+        rows.append([f"Issue 14 #1: event mode, {label}: the loop's system calls per wakeup at most +1 over the "
+                     "hand-written loop's (none extra when the event is already pending)",
+                     f"{fnum(a)} vs raw {fnum(b)} per wakeup; epoll_wait in {fnum(100 * sleeps)}% of wakeups "
+                     f"({wa} vs {wb} wakeups)", verdict(a - b <= 1 + 1e-9)])
+    c_rs, n_rs, _ = pp_sc.get((rs, "event"), (None, None, None))
+    c_raw, n_raw, _ = pp_sc.get((raw, "event"), (None, None, None))
+    if c_rs and c_raw:
+        ca, cb = c_rs.get("clock_gettime", 0) / n_rs, c_raw.get("clock_gettime", 0) / n_raw
+        rows.append(["Issue 14 #1: timing statistics off (default): no clock read of the loop's own "
+                     "(clock_gettime per round trip = the program's own stamps, as raw)",
+                     f"{fnum(ca)} vs raw {fnum(cb)}", verdict(ca <= cb + 1e-9)])
+    if pp_ir[rs] is not None and pp_ir[raw] is not None:
+        x = pp_ir[rs] - pp_ir[raw]
+        rows.append(["Issue 14 #2: CQ event mode: instructions per completion within +150 of the hand-written loop",
+                     f"+{fnum(x)} (rdmasafe {fnum(pp_ir[rs])}, raw {fnum(pp_ir[raw])})", verdict(x <= 150)])
+    if ir_ev[rs] is not None and ir_ev[raw] is not None:
+        x = ir_ev[rs] - ir_ev[raw]
+        rows.append(["Issue 14 #3: CM: instructions per get + free within +200 of raw librdmacm",
+                     f"+{fnum(x)} (rdmasafe {fnum(ir_ev[rs])}, raw {fnum(ir_ev[raw])})", verdict(x <= 200)])
     w(table(["target", "measured", "verdict"], rows))
     w("")
 
@@ -444,6 +482,110 @@ def build(d, png_name):
     w(table(["loop", "syscalls / round trip", "without clock_gettime", "by call",
              "instructions / completion"], rows))
     w("")
+    # before / after: the same programs against an earlier librdmasafe
+    # (tests/bench/run.sh --before-lib), counted in the same guest run
+    bf = "before"
+    if d.syscalls.get(f"pp_{bf}_event_strace") or d.syscalls.get(f"stream_{bf}_event_strace_server"):
+        w("### Before / after: the same programs against the earlier library, in this run")
+        w("")
+        w(f"`{bf}` is `cq_pingpong_rdmasafe` / `cm_evcost_rdmasafe` built from the same sources "
+          "against the librdmasafe given to `run.sh --before-lib` (see the hand-written section for "
+          "which commit), run in this guest next to the current library (`rdmasafe`) and the "
+          "hand-written loop (`raw`). Counts first; the ratio columns are count / raw's count.")
+        w("")
+        rows = []
+        for v in (bf, rs, raw):
+            c = d.syscalls.get(f"pp_{v}_event_strace")
+            r = d.one(f"pp_{v}_event_strace")
+            n = r["n"] if r else None
+            ir = d.callgrind.get(f"pp_{v}_event_callgrind")
+            rc = d.one(f"pp_{v}_event_callgrind")
+            irc = ir / (2 * rc["n"]) if ir and rc else None
+            if not c:
+                continue
+            rows.append([v, fnum(per(c, n)), fnum(per(no_clock(c), n)),
+                         fnum((c.get("clock_gettime", 0) / n) if n else None), per_name(c, n), fnum(irc)])
+        w(table(["loop (event mode, ping-pong client)", "syscalls / round trip", "without clock_gettime",
+                 "clock_gettime / round trip", "by call", "instructions / completion"], rows))
+        w("")
+        ratios = []
+        for v in (bf, rs):
+            c, cr = d.syscalls.get(f"pp_{v}_event_strace"), d.syscalls.get(f"pp_{raw}_event_strace")
+            r, rr = d.one(f"pp_{v}_event_strace"), d.one(f"pp_{raw}_event_strace")
+            ir, irr = d.callgrind.get(f"pp_{v}_event_callgrind"), d.callgrind.get(f"pp_{raw}_event_callgrind")
+            rc, rrc = d.one(f"pp_{v}_event_callgrind"), d.one(f"pp_{raw}_event_callgrind")
+            if not (c and cr and r and rr):
+                continue
+            a, b = per(c, r["n"]), per(cr, rr["n"])
+            a2, b2 = per(no_clock(c), r["n"]), per(no_clock(cr), rr["n"])
+            ia = ir / (2 * rc["n"]) if ir and rc else None
+            ib = irr / (2 * rrc["n"]) if irr and rrc else None
+            ratios.append([v, fnum(a / b) + "x", fnum(a2 / b2) + "x", fnum(a2 - b2),
+                           fnum(ia / ib) + "x" if ia and ib else "n/a", fnum(ia - ib) if ia and ib else "n/a"])
+        if ratios:
+            w(table(["loop", "syscalls vs raw", "without clock vs raw", "extra syscalls / round trip (no clock)",
+                     "instructions vs raw", "extra instructions / completion"], ratios))
+            w("")
+        pr = paired(pp_rate(f"pp_{rs}_event"), pp_rate(f"pp_{bf}_event"))
+        pc = paired(pp_cpu(f"pp_{rs}_event"), pp_cpu(f"pp_{bf}_event"))
+        if pr:
+            w(f"Times, for completeness (noisy, see Noise): event-mode ping-pong, now / before, per repeat: "
+              f"rate {mmm(pr)}x at CPU per message {mmm(pc)}x.")
+            w("")
+        rows = []
+        for v in (bf, rs, raw):
+            c = d.syscalls.get(f"stream_{v}_event_strace_server")
+            r = d.one(f"stream_{v}_event_strace_server", "server")
+            if not c or not r:
+                continue
+            n = r["n"]
+            reads = c.get("read", 0)
+            waits = c.get("epoll_wait", 0) + c.get("poll", 0)
+            rows.append([v, n, fnum(per(c, n)), fnum(per(no_clock(c), n)), fnum(reads / n),
+                         fnum(waits / n), fnum(waits / reads) if reads else "n/a", per_name(c, n)])
+        if rows:
+            w("Under load, the receiver of a stream (server under strace; its CQ event is often already "
+              "pending when the loop would sleep):")
+            w("")
+            w(table(["loop (event mode, stream receiver)", "messages", "syscalls / message",
+                     "without clock_gettime", "read / message", "epoll_wait + poll / message",
+                     "epoll_wait + poll per read", "by call"], rows))
+            w("")
+        r = d.one(f"stream_{rs}_event_loopstats", "server")
+        if r and r.get("wakeups"):
+            wk = r["wakeups"]
+            w(f"Untraced stream of {r['n']:,} sends, the receiver's own figures (`rdmasafe_cq_loop_stats`): "
+              f"{wk} wakeups, {r.get('cq_events')} CQ events, {r.get('sleeps', 0)} `epoll_wait` "
+              f"({fnum(r.get('sleeps', 0) / wk)} per wakeup), {r.get('channel_reads', 0)} channel reads "
+              f"({fnum(r.get('channel_reads', 0) / wk)} per wakeup), of which {r.get('channel_reads_empty', 0)} "
+              "found nothing (EAGAIN); the hand-written loop makes one blocking `read()` per wakeup and no "
+              "`epoll_wait`.")
+            w("")
+        rows = []
+        for v in (bf, rs, raw):
+            c = d.syscalls.get(f"evcost_{v}_strace")
+            n = (d.one(f"evcost_{v}_strace") or {}).get("events")
+            ir = d.callgrind.get(f"evcost_{v}_callgrind")
+            ni = (d.one(f"evcost_{v}_callgrind") or {}).get("events")
+            if not c and not ir:
+                continue
+            rows.append([v, fnum(per(c, n)), fnum(ir / ni if ir and ni else None),
+                         fnum(ir / ni - ir_ev[raw] if ir and ni and ir_ev[raw] else None)])
+        if rows:
+            w(table(["CM get + free (cm_evcost)", "syscalls / event", "instructions / event",
+                     "instructions beyond raw"], rows))
+            w("")
+        tops = [(c, lab) for c, lab in ((f"evcost_{bf}_callgrind", "before: CM get + free (per event)"),
+                                         (f"pp_{bf}_event_callgrind", "before: event loop (per completion)"))
+                if d.callgrind_top.get(c)]
+        for c, lab in tops:
+            r = d.one(c)
+            div = (r["events"] if "evcost" in c else 2 * r["n"]) if r else None
+            if div:
+                items = [f"`{name[:70]}` {fnum(ir / div)}" for ir, name in d.callgrind_top[c][:12] if ir / div >= 5]
+                w(f"- {lab}: " + "; ".join(items))
+        if tops:
+            w("")
     w("Allocations in the measured window (separate runs with allocount.so preloaded on both sides):")
     w("")
     rows = []

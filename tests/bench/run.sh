@@ -29,6 +29,12 @@
 #   --scale-from FILE  the page's CQ loop scale section (and target row) from
 #                      FILE, the results of an --only scale run, e.g.
 #                      --from results-full.txt --scale-from results-scale.txt
+#   --before-lib DIR   also run the programs built against the librdmasafe.so
+#                      in DIR (an earlier build, e.g. of the commit before a
+#                      change) as variant "before", side by side with the
+#                      current library in the same guest
+#   --counts-only      the counts phase only (strace, callgrind, allocations);
+#                      implies --no-docs
 # Exit status: 0 only if every benchmark ran (guest.sh reports failures).
 set -euo pipefail
 
@@ -36,7 +42,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 cd "$repo"
 
-quick=0 docs=1 profile=release results= from= repeats=5 only= scale_from=
+quick=0 docs=1 profile=release results= from= repeats=5 before_lib= only= scale_from=
 while [[ $# -gt 0 ]]; do
 	case $1 in
 	--quick) quick=1 ;;
@@ -47,13 +53,15 @@ while [[ $# -gt 0 ]]; do
 	--repeats) repeats=$2; shift ;;
 	--only) only=$2; shift ;;
 	--scale-from) scale_from=$2; shift ;;
-	-h | --help) sed -n '2,32p' "$0"; exit 0 ;;
+	--before-lib) before_lib=$(cd "$2" && pwd); shift ;;
+	--counts-only) only=counts docs=0 ;;
+	-h | --help) sed -n '2,38p' "$0"; exit 0 ;;
 	*) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
 	esac
 	shift
 done
 [[ $profile == release || $profile == debug ]] || { echo "--profile release|debug" >&2; exit 2; }
-[[ -z $only || $only == scale ]] || { echo "--only scale (the one case that runs alone)" >&2; exit 2; }
+[[ -z $only || $only == scale || $only == counts ]] || { echo "--only scale (the one case that runs alone; --counts-only for the counts phase)" >&2; exit 2; }
 [[ -z $only || $quick == 0 ]] || { echo "--only and --quick do not mix" >&2; exit 2; }
 
 msg() { echo "[bench] $*" >&2; }
@@ -71,6 +79,12 @@ if [[ -z $from ]]; then
 	cargo "${cargo_args[@]}"
 	bin=$target/bench/$profile
 	make -s -C "$here" LIBDIR="$target/$profile" OUT="$bin" >&2
+	before_bin=
+	if [[ -n $before_lib ]]; then
+		before_bin=$target/bench/before-$profile
+		msg "building the programs against the earlier library in $before_lib"
+		make -s -C "$here" LIBDIR="$before_lib" OUT="$before_bin" >&2
+	fi
 
 	timeout=3000
 	[[ $quick == 1 ]] && timeout=300
@@ -88,7 +102,8 @@ if [[ -z $from ]]; then
 	) >"$load_log" 2>/dev/null &
 	sampler=$!
 	tests/bed/vm-run --timeout "$timeout" -- env RDMASAFE_BENCH_BIN="$bin" RDMASAFE_BENCH_QUICK="$quick" \
-		RDMASAFE_BENCH_REPEATS="$repeats" RDMASAFE_BENCH_ONLY="$only" bash tests/bench/guest.sh >"$results" || rc=$?
+		RDMASAFE_BENCH_REPEATS="$repeats" RDMASAFE_BENCH_BEFORE_BIN="$before_bin" RDMASAFE_BENCH_ONLY="$only" \
+		bash tests/bench/guest.sh >"$results" || rc=$?
 	guest_s=$(($(now_s) - t_guest))
 	kill "$sampler" 2>/dev/null || true
 	wait "$sampler" 2>/dev/null || true

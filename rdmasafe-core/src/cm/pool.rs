@@ -15,14 +15,15 @@
 //!
 //! A slot can also hold librdmacm's *original* event un-acked, for at most
 //! a deadline (see [`ack_deadline`]): the original is acked when the copy is
-//! freed or when the deadline passes, whichever comes first, by a
+//! freed or soon after the deadline passes, whichever comes first, by a
 //! background thread if need be. While it is un-acked, `rdma_destroy_id` and
 //! `rdma_migrate_id` of its id wait, exactly as they do with librdmacm,
-//! which is what a program that relies on that barrier needs.
+//! which is what a program that relies on that barrier needs. Holding one
+//! costs a get three stores and a counter: no lock, no queue. The thread
+//! scans the slots a few times per deadline (see [`Reaper`]) and sleeps
+//! for good when nothing has been held for a while.
 
 use std::cell::UnsafeCell;
-use std::cmp::Reverse;
-use std::collections::BinaryHeap;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
 use std::sync::{Condvar, Mutex, OnceLock};
@@ -278,7 +279,10 @@ impl SlotBox {
         unsafe { *self.0.counted.get() = true };
         self.0.copied_at_ms.store(sys::coarse_now_ms(), Relaxed);
         let n = (COPIED.fetch_add(1, Relaxed) + 1).saturating_sub(FREED.load(Relaxed));
-        HIGH_WATER.fetch_max(n, Relaxed);
+        // A plain load first: the locked max only when the mark moves.
+        if n > HIGH_WATER.load(Relaxed) {
+            HIGH_WATER.fetch_max(n, Relaxed);
+        }
         let next = NEXT_WARNING.load(Relaxed);
         if n >= next && NEXT_WARNING.compare_exchange(next, next.saturating_mul(2), Relaxed, Relaxed).is_ok() {
             log::warn!(
@@ -304,12 +308,21 @@ impl SlotBox {
     pub(crate) unsafe fn hold_original(&mut self, original: *mut rdma_cm_event, deadline: Duration) {
         let s = self.0;
         let gen = s.ack.load(Relaxed) >> 1;
-        let dl = sys::coarse_now_ms().saturating_add(deadline.as_millis().min(u64::MAX as u128) as u64);
+        let ms = deadline.as_millis().min(u64::MAX as u128) as u64;
+        // The copy's time stamp (taken by mark_copied) is "now" here.
+        let now = match s.copied_at_ms.load(Relaxed) {
+            0 => sys::coarse_now_ms(),
+            t => t,
+        };
         s.original.store(original, Relaxed);
-        s.deadline_ms.store(dl, Relaxed);
+        s.deadline_ms.store(now.saturating_add(ms), Relaxed);
         s.ack.store(gen << 1 | 1, Release);
-        DEFERRED.fetch_add(1, Relaxed);
-        reaper().defer(arena().index_of(s), gen, dl);
+        if ms < SHORTEST_DEADLINE_MS.load(Relaxed) {
+            SHORTEST_DEADLINE_MS.fetch_min(ms, Relaxed);
+        }
+        // SeqCst: paired with the reaper's going idle (see Reaper::run).
+        DEFERRED.fetch_add(1, SeqCst);
+        reaper().kick();
     }
 
     /// Hands the copy to C: its address is the `struct rdma_cm_event *`.
@@ -373,7 +386,7 @@ impl Drop for SlotBox {
         // The ack comes last, as with librdmacm's own free: a thread waiting
         // in rdma_destroy_id wakes only after this copy is completely gone.
         if let Some(o) = held {
-            ACKED_AT_FREE.fetch_add(1, Relaxed);
+            ACKED_AT_FREE.fetch_add(1, SeqCst);
             // SAFETY: claimed exactly once; an un-acked original (hold_original).
             unsafe { sys::ack_cm_event(o) };
         }
@@ -426,7 +439,9 @@ static ACK_DEADLINE_MS: AtomicU64 = AtomicU64::new(u64::MAX);
 
 /// How long a copy got through a [`super::ChannelRef`] (an app channel, as
 /// in the C API) keeps librdmacm's original un-acked: until the copy is
-/// freed or this long after the get, whichever comes first. Default
+/// freed or this long after the get, whichever comes first (the reaper
+/// thread acks it within a quarter of the shortest deadline in use, at most
+/// 250 ms, after the deadline). Default
 /// [`DEFAULT_ACK_DEADLINE`], or `RDMASAFE_ACK_DEADLINE_MS` from the
 /// environment; zero acks at once. Copies from an [`super::EventChannel`]
 /// are always acked at once.
@@ -451,82 +466,125 @@ pub fn set_ack_deadline(d: Duration) -> Duration {
     old
 }
 
-/// Acks originals whose deadline passed: one lazily started thread, over a
-/// heap of (deadline, slot, generation), earliest first. Entries of copies
-/// freed in time stay until their deadline and are dropped then.
-struct Reaper {
-    q: Mutex<BinaryHeap<Reverse<(u64, u32, u64)>>>,
-    cv: Condvar,
-    started: AtomicBool,
+/// The shortest ack deadline any copy was held with (ms): the reaper scans
+/// four times per that deadline (at most every 250 ms).
+static SHORTEST_DEADLINE_MS: AtomicU64 = AtomicU64::new(u64::MAX);
+
+/// Originals held now (deferred and not acked yet).
+fn held_originals() -> u64 {
+    let acked = ACKED_AT_FREE.load(SeqCst) + ACKED_AT_DEADLINE.load(SeqCst);
+    DEFERRED.load(SeqCst).saturating_sub(acked)
 }
 
+/// Acks originals whose deadline passed: one lazily started thread that
+/// scans the slots (O(slots ever allocated), a few times per deadline)
+/// for held originals past their deadline. A get that holds an original
+/// touches nothing of it but two atomics (`started`, `idle`) in the common
+/// case: no lock, no queue, no system call. An original is acked at most a
+/// quarter of the shortest deadline in use (at most 250 ms) after its own
+/// deadline. After [`IDLE_SCANS`] scans without any original held, the
+/// thread sleeps until the next get that holds one wakes it (a condition
+/// variable: the one lock, taken only on that wakeup).
+struct Reaper {
+    m: Mutex<()>,
+    cv: Condvar,
+    started: AtomicBool,
+    /// The thread sleeps until a get holds an original.
+    idle: AtomicBool,
+}
+
+/// Scans with nothing held before the reaper goes idle.
+const IDLE_SCANS: u32 = 8;
+
 fn reaper() -> &'static Reaper {
-    static R: OnceLock<Reaper> = OnceLock::new();
-    R.get_or_init(|| Reaper { q: Mutex::new(BinaryHeap::new()), cv: Condvar::new(), started: AtomicBool::new(false) })
+    static R: Reaper =
+        Reaper { m: Mutex::new(()), cv: Condvar::new(), started: AtomicBool::new(false), idle: AtomicBool::new(false) };
+    &R
 }
 
 impl Reaper {
-    fn defer(&'static self, idx: u32, gen: u64, deadline_ms: u64) {
-        let mut q = self.q.lock().unwrap_or_else(|e| e.into_inner());
-        // The thread sleeps until the earliest deadline: wake it only when
-        // this one comes first (a shorter deadline set meanwhile).
-        let earlier = q.peek().is_none_or(|Reverse((d, _, _))| deadline_ms < *d);
-        q.push(Reverse((deadline_ms, idx, gen)));
-        drop(q);
-        if earlier {
-            self.cv.notify_one();
-        }
-        if !self.started.load(Relaxed) && !self.started.swap(true, AcqRel) {
-            let spawned = std::thread::Builder::new().name("rdmasafe-ack".into()).spawn(move || self.run());
-            if let Err(e) = spawned {
-                // Without the thread, originals are still acked when their
-                // copies are freed; only the deadline is lost.
-                log::error!(target: "rdmasafe", "cannot start the CM ack deadline thread: {e}");
-                self.started.store(false, Relaxed);
+    /// An original is held: make sure the thread runs.
+    fn kick(&'static self) {
+        if !self.started.load(Relaxed) {
+            if !self.started.swap(true, AcqRel) {
+                let spawned = std::thread::Builder::new().name("rdmasafe-ack".into()).spawn(move || self.run());
+                if let Err(e) = spawned {
+                    // Without the thread, originals are still acked when their
+                    // copies are freed; only the deadline is lost.
+                    log::error!(target: "rdmasafe", "cannot start the CM ack deadline thread: {e}");
+                    self.started.store(false, Relaxed);
+                }
             }
+            return;
+        }
+        // SeqCst: after the DEFERRED increment (hold_original), paired with
+        // the thread's store of `idle` and its load of DEFERRED: either it
+        // sees the original, or this sees it idle and wakes it.
+        if self.idle.load(SeqCst) && self.idle.swap(false, SeqCst) {
+            let _g = self.m.lock().unwrap_or_else(|e| e.into_inner());
+            self.cv.notify_one();
         }
     }
 
+    fn tick() -> Duration {
+        let shortest = SHORTEST_DEADLINE_MS.load(Relaxed);
+        Duration::from_millis((shortest / 4).clamp(1, 250))
+    }
+
     fn run(&self) {
-        let a = arena();
-        let mut q = self.q.lock().unwrap_or_else(|e| e.into_inner());
+        let mut empty_scans = 0;
         loop {
-            let Some(&Reverse((dl, i, gen))) = q.peek() else {
-                q = self.cv.wait(q).unwrap_or_else(|e| e.into_inner());
-                continue;
-            };
-            let now = sys::coarse_now_ms();
-            if now < dl {
-                let wait = Duration::from_millis(dl - now);
-                q = self.cv.wait_timeout(q, wait).unwrap_or_else(|e| e.into_inner()).0;
+            std::thread::sleep(Self::tick());
+            scan(sys::coarse_now_ms());
+            if held_originals() > 0 {
+                empty_scans = 0;
                 continue;
             }
-            q.pop();
-            let s = a.slot(i as usize);
-            if s.ack.load(Acquire) != (gen << 1 | 1) {
-                continue; // acked at free already
+            empty_scans += 1;
+            if empty_scans < IDLE_SCANS {
+                continue;
             }
-            drop(q);
-            if let Some(o) = s.claim_original(gen) {
-                let n = ACKED_AT_DEADLINE.fetch_add(1, Relaxed);
-                // SAFETY: the original is un-acked (claimed just now), so
-                // librdmacm still owns it and its id is live.
-                let (t, id) = unsafe { ((*o).event, (*o).id) };
-                let msg = format!(
-                    "a copy of CM event {} (id {id:p}) was held past its ack deadline: acked librdmacm's \
-                     original, so rdma_destroy_id / rdma_migrate_id of the id no longer wait for it (the copy \
-                     stays valid; its ev->id may be destroyed from now on)",
-                    super::EventType(t)
-                );
-                if n == 0 {
-                    log::warn!(target: "rdmasafe", "{msg}");
-                } else {
-                    log::debug!(target: "rdmasafe", "{msg}");
-                }
-                // SAFETY: claimed exactly once.
-                unsafe { sys::ack_cm_event(o) };
+            empty_scans = 0;
+            let g = self.m.lock().unwrap_or_else(|e| e.into_inner());
+            self.idle.store(true, SeqCst);
+            if held_originals() > 0 {
+                // Held meanwhile; whoever held it may have seen `idle`
+                // already (then its wakeup just finds us running).
+                self.idle.store(false, SeqCst);
+                continue;
             }
-            q = self.q.lock().unwrap_or_else(|e| e.into_inner());
+            drop(self.cv.wait_while(g, |_| self.idle.load(SeqCst)).unwrap_or_else(|e| e.into_inner()));
+        }
+    }
+}
+
+/// Acks every held original whose deadline is at or before `now`.
+fn scan(now: u64) {
+    let a = arena();
+    for i in 0..a.allocated.load(Acquire) {
+        let s = a.slot(i);
+        let ack = s.ack.load(Acquire);
+        if ack & 1 == 0 || s.deadline_ms.load(Relaxed) > now {
+            continue;
+        }
+        if let Some(o) = s.claim_original(ack >> 1) {
+            let n = ACKED_AT_DEADLINE.fetch_add(1, SeqCst);
+            // SAFETY: the original is un-acked (claimed just now), so
+            // librdmacm still owns it and its id is live.
+            let (t, id) = unsafe { ((*o).event, (*o).id) };
+            let msg = format!(
+                "a copy of CM event {} (id {id:p}) was held past its ack deadline: acked librdmacm's \
+                 original, so rdma_destroy_id / rdma_migrate_id of the id no longer wait for it (the copy \
+                 stays valid; its ev->id may be destroyed from now on)",
+                super::EventType(t)
+            );
+            if n == 0 {
+                log::warn!(target: "rdmasafe", "{msg}");
+            } else {
+                log::debug!(target: "rdmasafe", "{msg}");
+            }
+            // SAFETY: claimed exactly once.
+            unsafe { sys::ack_cm_event(o) };
         }
     }
 }

@@ -34,6 +34,8 @@ pub(crate) struct Core {
     pub(super) fired: Vec<Ref>,
     /// CQs that used up their budget with completions left.
     pub(super) ready: VecDeque<Ref>,
+    /// `work_ready`'s working copy of `ready` (kept for its storage).
+    pub(super) ready_work: Vec<Ref>,
     /// How many CQs are armed and have not fired since.
     pub(super) armed: usize,
     pub(super) wcs: Vec<Wc>,
@@ -54,6 +56,65 @@ pub(crate) struct Core {
     pub(super) last_stamp: Option<Instant>,
     /// Torn down (the fd has its own flags back: never read it again).
     pub(super) shut: bool,
+    /// Event mode: read the channel before sleeping, or sleep first.
+    pub(super) read_first: ReadFirst,
+}
+
+/// Whether event mode reads the channel before it sleeps. Reading first
+/// costs nothing when the event is already there (no `epoll_wait`: the
+/// hand-written loop's one `read()`), and one `read()` that says EAGAIN
+/// when it is not; sleeping first costs the `epoll_wait` either way. So:
+/// read first while the last read-first attempt found an event; after one
+/// that found nothing, sleep first and probe again after 1, 2, 4 ... 64
+/// sleeps (the wait doubles with every probe that finds nothing, back to 1
+/// after one that finds an event). In steady state a loop that must always
+/// sleep makes one probing read per 64 sleeps; one under load whose events
+/// are always pending never sleeps.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct ReadFirst {
+    on: bool,
+    /// Sleeps left before the next probe.
+    wait: u32,
+    /// The wait after the next probe that finds nothing.
+    backoff: u32,
+}
+
+impl ReadFirst {
+    pub(super) const MAX_BACKOFF: u32 = 64;
+
+    pub(super) fn new() -> ReadFirst {
+        ReadFirst { on: true, wait: 0, backoff: 1 }
+    }
+
+    /// Read before this sleep?
+    pub(super) fn choose(&self) -> bool {
+        self.on || self.wait == 0
+    }
+
+    /// A read before a sleep found an event (`true`) or nothing.
+    pub(super) fn outcome(&mut self, found: bool) {
+        if found {
+            *self = ReadFirst::new();
+        } else {
+            self.on = false;
+            self.wait = self.backoff;
+            self.backoff = (self.backoff * 2).min(Self::MAX_BACKOFF);
+        }
+    }
+
+    /// Slept without reading first.
+    pub(super) fn slept(&mut self) {
+        self.wait = self.wait.saturating_sub(1);
+    }
+}
+
+/// The lists of CQs a cycle works through.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum List {
+    /// New CQs, or CQs to arm again after a stop or an adaptive spin.
+    Unarmed,
+    /// CQs whose event was read this cycle.
+    Fired,
 }
 
 pub(super) fn io_err(op: &'static str) -> impl Fn(std::io::Error) -> Error {
@@ -72,6 +133,7 @@ impl Core {
             unarmed: Vec::new(),
             fired: Vec::new(),
             ready: VecDeque::new(),
+            ready_work: Vec::new(),
             armed: 0,
             wcs: (0..opts.poll_batch).map(|_| Wc::zeroed()).collect(),
             polling_since: None,
@@ -85,13 +147,22 @@ impl Core {
             cycle_start: None,
             last_stamp: None,
             shut: false,
+            read_first: ReadFirst::new(),
         })
     }
 
     // ------------------------------------------------------------ changes
 
     /// Applies every queued change (FIFO).
+    #[inline]
     pub(crate) fn apply_cmds(&mut self, ctl: &LoopControl) {
+        if ctl.0.cmds_pending.load(SeqCst) {
+            self.apply_queued(ctl);
+        }
+    }
+
+    #[cold]
+    fn apply_queued(&mut self, ctl: &LoopControl) {
         let sh = &*ctl.0;
         while sh.cmds_pending.load(SeqCst) {
             for cmd in sh.take_cmds() {
@@ -211,16 +282,22 @@ impl Core {
     /// Reads every ready CQ event; counts an ack on the CQ each names and
     /// marks it fired. An event for a CQ whose add is still queued is
     /// credited to it; one for a CQ not in the loop is acked at once,
-    /// counted and logged (once per CQ).
-    pub(super) fn read_events(&mut self, ctl: &LoopControl) -> Result<()> {
+    /// counted and logged (once per CQ). Returns the events read.
+    pub(super) fn read_events(&mut self, ctl: &LoopControl) -> Result<usize> {
         let sh = &*ctl.0;
+        let mut read = 0;
         loop {
             // Each arm raises at most one event: once every armed CQ has
             // fired, the read could only say EAGAIN.
             if self.armed == 0 && !self.fired.is_empty() {
-                return Ok(());
+                return Ok(read);
             }
-            let Some(ev) = self.chan.get_event()? else { return Ok(()) };
+            sh.counters.channel_reads.fetch_add(1, Relaxed);
+            let Some(ev) = self.chan.get_event()? else {
+                sh.counters.channel_reads_empty.fetch_add(1, Relaxed);
+                return Ok(read);
+            };
+            read += 1;
             sh.counters.cq_events.fetch_add(1, Relaxed);
             sh.counters.unacked.fetch_add(1, Relaxed);
             let mut found = self.entries.find(ev.cq_addr());
@@ -307,12 +384,13 @@ impl Core {
     /// Takes the loop's own completions (keepalive probes, drain markers)
     /// out of `wcs[..n]`, notes activity; returns how many are left.
     pub(super) fn filter(&mut self, sh: &Shared, n: usize) -> usize {
-        let now = Instant::now();
+        // Only keepalives need the time (a drain's markers do not).
+        let now = if self.keepalives.is_empty() { None } else { Some(Instant::now()) };
         let mut kept = 0;
         for j in 0..n {
             let wc = &self.wcs[j];
             let mut ours = self.drains.note(wc);
-            if !ours && !self.keepalives.is_empty() {
+            if let (false, Some(now)) = (ours, now) {
                 let (probe, ok) = self.keepalives.note(wc, now);
                 ours = probe;
                 if probe && ok {
@@ -334,21 +412,27 @@ impl Core {
         let c = &sh.counters;
         c.completions.fetch_add(n as u64, Relaxed);
         c.error_completions.fetch_add(errors as u64, Relaxed);
-        let t = match self.last_stamp {
-            Some(t) => t,
-            None => {
+        // Timing statistics: one clock read before a cycle's first handler
+        // call, one after each (none at all when they are off).
+        let timing = self.opts.timing_stats;
+        let t = match (timing, self.last_stamp) {
+            (false, _) => None,
+            (true, Some(t)) => Some(t),
+            (true, None) => {
                 let now = Instant::now();
                 self.cycle_start.get_or_insert(now);
-                now
+                Some(now)
             }
         };
         let Some(mut handler) = self.entries.get_mut(r).and_then(|e| e.handler.take()) else { return };
         sh.in_handler.store(true, SeqCst);
         let result = catch_unwind(AssertUnwindSafe(|| handler(&self.wcs[..n], ctl)));
         sh.in_handler.store(false, SeqCst);
-        let after = Instant::now();
-        c.handler_time(after.duration_since(t));
-        self.last_stamp = Some(after);
+        if let Some(t) = t {
+            let after = Instant::now();
+            c.handler_time(after.duration_since(t));
+            self.last_stamp = Some(after);
+        }
         if let Some(e) = self.entries.get_mut(r) {
             e.handler = Some(handler);
         }
@@ -362,20 +446,33 @@ impl Core {
         }
     }
 
-    pub(super) fn work_list(
-        &mut self,
-        ctl: &LoopControl,
-        list: Vec<Ref>,
-        arm: bool,
-        honor_stop: bool,
-    ) -> Result<usize> {
-        self.work_refs(ctl, list, arm, true, honor_stop)
+    /// Arms (if `arm`) and drains every CQ of the `which` list, emptying
+    /// it. The list's storage is kept for its next use (no allocation per
+    /// cycle).
+    pub(super) fn work_list(&mut self, ctl: &LoopControl, which: List, arm: bool, honor_stop: bool) -> Result<usize> {
+        let mut list = std::mem::take(self.list_mut(which));
+        let r = self.work_refs(ctl, &list, arm, true, honor_stop);
+        list.clear();
+        // A CQ pushed meanwhile (a requeue, a handler's add) keeps its new
+        // list; the old storage is kept when the slot is still empty.
+        let slot = self.list_mut(which);
+        if slot.is_empty() && slot.capacity() < list.capacity() {
+            *slot = list;
+        }
+        r
+    }
+
+    fn list_mut(&mut self, which: List) -> &mut Vec<Ref> {
+        match which {
+            List::Unarmed => &mut self.unarmed,
+            List::Fired => &mut self.fired,
+        }
     }
 
     fn work_refs(
         &mut self,
         ctl: &LoopControl,
-        list: Vec<Ref>,
+        list: &[Ref],
         arm: bool,
         listed: bool,
         honor_stop: bool,
@@ -434,20 +531,35 @@ impl Core {
         }
     }
 
+    /// Drains the CQs over their budget once more (not re-armed: they
+    /// were not re-armed when they went over). Their in_unarmed/in_fired
+    /// marks are left alone. The working copy's storage is kept (no
+    /// allocation per cycle).
     pub(super) fn work_ready(&mut self, ctl: &LoopControl, honor_stop: bool) -> Result<usize> {
-        let list: Vec<Ref> = self.ready.drain(..).collect();
+        if self.ready.is_empty() {
+            return Ok(0);
+        }
+        let mut list = std::mem::take(&mut self.ready_work);
+        list.extend(self.ready.drain(..));
         for &r in &list {
             if let Some(e) = self.entries.get_mut(r) {
                 e.in_ready = false;
             }
         }
-        self.work_refs(ctl, list, false, false, honor_stop)
+        let r = self.work_refs(ctl, &list, false, false, honor_stop);
+        list.clear();
+        self.ready_work = list;
+        r
     }
 
     /// Polls every CQ once (busy-poll and adaptive's spin: O(CQs)).
     pub(super) fn poll_all(&mut self, ctl: &LoopControl, honor_stop: bool) -> Result<usize> {
         let mut n = 0;
-        for r in self.entries.refs() {
+        // By slot index, allocating nothing (a handler may add or remove
+        // CQs meanwhile: a removed one is skipped, a new one in a slot not
+        // visited yet is polled too).
+        for i in 0..self.entries.slot_count() {
+            let Some(r) = self.entries.ref_at(i) else { continue };
             if let Some(e) = self.entries.get_mut(r) {
                 e.in_ready = false;
             }

@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering::*;
 use std::time::{Duration, Instant};
 
 use super::control::{Completion, LoopControl, Shared, KEY_CHANNEL, KEY_TIMER, KEY_WAKE};
-use super::core::{io_err, Core};
+use super::core::{io_err, Core, List};
 use super::options::Mode;
 use crate::sys::{self, Wait};
 use crate::Result;
@@ -26,10 +26,12 @@ impl Core {
             c.empty_wakeups.fetch_add(1, Relaxed);
         }
         c.per_wakeup.record(n as u64);
-        if let (Some(a), Some(b)) = (self.cycle_start, self.last_stamp) {
-            c.cycle_us.record(b.duration_since(a).as_micros() as u64);
-        } else {
-            c.cycle_us.record(0);
+        if self.opts.timing_stats {
+            let us = match (self.cycle_start, self.last_stamp) {
+                (Some(a), Some(b)) => b.duration_since(a).as_micros() as u64,
+                _ => 0,
+            };
+            c.cycle_us.record(us);
         }
         log::trace!(target: "rdmasafe", "CQ loop wakeup: {n} completions");
     }
@@ -54,6 +56,7 @@ impl Core {
         if let Some(h) = self.hook.as_mut() {
             h();
         }
+        sh.counters.sleeps.fetch_add(1, Relaxed);
         let bits = sh.epoll.wait(ms).map_err(io_err("epoll_wait"))?;
         if bits & (1 << KEY_WAKE) != 0 {
             // Drain first, then clear: a waker that comes in between sees
@@ -92,16 +95,26 @@ impl Core {
     pub(super) fn event_cycle(&mut self, ctl: &LoopControl, wait: Wait, honor_stop: bool) -> Result<usize> {
         let sh = &*ctl.0;
         self.begin_cycle();
-        let unarmed = std::mem::take(&mut self.unarmed);
-        let mut n = self.work_list(ctl, unarmed, true, honor_stop)?;
+        let mut n = if self.unarmed.is_empty() { 0 } else { self.work_list(ctl, List::Unarmed, true, honor_stop)? };
+        // Whether the channel was read (non-blocking) in this cycle already.
+        let mut read_now = false;
         if !self.ready.is_empty() {
             // A CQ is over its budget: before it gets another one, serve
             // the CQs that fired meanwhile (a non-blocking read), so a CQ
             // that keeps refilling cannot keep the others' events unread.
-            self.read_events(ctl)?;
-            let fired = std::mem::take(&mut self.fired);
-            let rearm = self.polling_since.is_none() && self.opts.mode == Mode::Event;
-            n += self.work_list(ctl, fired, rearm, honor_stop)?;
+            // (Nothing armed: no event can be due, no read.)
+            if self.armed > 0 {
+                read_now = true;
+                if self.read_events(ctl)? > 0 {
+                    // Events are pending when looked for: the read-first
+                    // heuristic hears it too.
+                    self.read_first.outcome(true);
+                }
+            }
+            if !self.fired.is_empty() {
+                let rearm = self.polling_since.is_none() && self.opts.mode == Mode::Event;
+                n += self.work_list(ctl, List::Fired, rearm, honor_stop)?;
+            }
             n += self.work_ready(ctl, honor_stop)?;
         }
         if n > 0 {
@@ -109,16 +122,37 @@ impl Core {
             self.record_wakeup(sh, n);
             return Ok(n);
         }
-        let bits = if self.has_work_now(sh) { 1 << KEY_CHANNEL } else { self.sleep(ctl, wait)? };
+        let bits = if self.has_work_now(sh) {
+            1 << KEY_CHANNEL
+        } else if read_now {
+            // The fairness read above just emptied the channel: a second
+            // read now would only say EAGAIN (and count against reading
+            // first). Sleep.
+            self.sleep(ctl, wait)?
+        } else if self.armed > 0 && self.read_first.choose() {
+            // Read first: an event already in the channel costs the one
+            // read the hand-written loop makes, and no epoll_wait.
+            let found = self.read_events(ctl)? > 0;
+            self.read_first.outcome(found);
+            if found {
+                0
+            } else {
+                self.sleep(ctl, wait)?
+            }
+        } else {
+            if self.armed > 0 {
+                self.read_first.slept();
+            }
+            self.sleep(ctl, wait)?
+        };
         self.begin_cycle();
         self.apply_cmds(ctl);
         if bits & (1 << KEY_CHANNEL) != 0 {
             self.read_events(ctl)?;
         }
-        let fired = std::mem::take(&mut self.fired);
-        let woke = !fired.is_empty();
+        let woke = !self.fired.is_empty();
         let rearm = self.polling_since.is_none() && self.opts.mode == Mode::Event;
-        let mut n = self.work_list(ctl, fired, rearm, honor_stop)?;
+        let mut n = if woke { self.work_list(ctl, List::Fired, rearm, honor_stop)? } else { 0 };
         n += self.tick(ctl, honor_stop)?;
         if woke || n > 0 {
             self.record_wakeup(sh, n);
@@ -136,22 +170,40 @@ impl Core {
         honor_stop: bool,
     ) -> Result<usize> {
         let sh = &*ctl.0;
-        let start = Instant::now();
-        let deadline = match wait {
-            Wait::For(d) => Some(sys::deadline_after(start, d)),
-            Wait::None => Some(start),
-            Wait::Forever => None,
+        if wait == Wait::None {
+            // One pass, no clock.
+            self.begin_cycle();
+            let mut n = self.poll_all(ctl, honor_stop)?;
+            n += self.tick(ctl, honor_stop)?;
+            if n > 0 {
+                if spin.is_some() {
+                    self.polling_since = self.last_stamp.or_else(|| Some(Instant::now()));
+                }
+                self.record_wakeup(sh, n);
+            } else if let (Some(s), Some(since)) = (spin, self.polling_since) {
+                if Instant::now().saturating_duration_since(since) >= s {
+                    self.polling_since = None;
+                }
+            }
+            return Ok(n);
+        }
+        // Only a deadline, a spin limit or a timer needs the clock; plain
+        // busy polling never reads it (timing statistics aside).
+        let timed = matches!(wait, Wait::For(_)) || spin.is_some() || self.next_deadline(sh).is_some();
+        let start = timed.then(Instant::now);
+        let deadline = match (wait, start) {
+            (Wait::For(d), Some(start)) => Some(sys::deadline_after(start, d)),
+            _ => None,
         };
-        // Only a deadline, a spin limit or a timer needs the clock while
-        // spinning; plain busy polling reads it when it delivers.
-        let timed = deadline.is_some() || spin.is_some() || self.next_deadline(sh).is_some();
-        let idle_from = self.polling_since.unwrap_or(start);
+        let idle_from = self.polling_since.or(start);
         loop {
             self.begin_cycle();
             let mut n = self.poll_all(ctl, honor_stop)?;
             n += self.tick(ctl, honor_stop)?;
             if n > 0 {
-                self.polling_since = self.last_stamp.or(Some(start));
+                if spin.is_some() {
+                    self.polling_since = self.last_stamp.or(start);
+                }
                 self.record_wakeup(sh, n);
                 return Ok(n);
             }
@@ -160,9 +212,11 @@ impl Core {
             }
             if timed {
                 let now = Instant::now();
-                if spin.is_some_and(|s| now.saturating_duration_since(idle_from) >= s) {
-                    self.polling_since = None;
-                    return Ok(0);
+                if let (Some(s), Some(idle)) = (spin, idle_from) {
+                    if now.saturating_duration_since(idle) >= s {
+                        self.polling_since = None;
+                        return Ok(0);
+                    }
                 }
                 if deadline.is_some_and(|d| now >= d) {
                     return Ok(0);
@@ -192,9 +246,11 @@ impl Core {
             for e in self.entries.iter_mut() {
                 e.in_fired = false;
             }
-            for r in self.entries.refs() {
-                if self.entries.get(r).is_some_and(|e| !e.armed) {
-                    self.push_unarmed(r);
+            for i in 0..self.entries.slot_count() {
+                if let Some(r) = self.entries.ref_at(i) {
+                    if self.entries.get(r).is_some_and(|e| !e.armed) {
+                        self.push_unarmed(r);
+                    }
                 }
             }
         }

@@ -115,7 +115,17 @@ impl Entries {
         Some(e)
     }
 
-    /// Every live entry's reference (polling modes, stop, teardown).
+    /// Slots ever used: `ref_at(0..slot_count())` visits every entry.
+    pub(crate) fn slot_count(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// The reference of the entry in slot `i`, if it holds one.
+    pub(crate) fn ref_at(&self, i: usize) -> Option<Ref> {
+        self.slots.get(i)?.as_ref().map(|e| (i, e.gen))
+    }
+
+    /// Every live entry's reference (stop, teardown).
     pub(crate) fn refs(&self) -> Vec<Ref> {
         self.slots.iter().enumerate().filter_map(|(i, s)| s.as_ref().map(|e| (i, e.gen))).collect()
     }

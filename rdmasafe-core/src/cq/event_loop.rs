@@ -9,7 +9,11 @@
 //!    reports nothing about completions that came before it); drain each CQ
 //!    that used up its budget last cycle;
 //! 3. if that delivered nothing: sleep in `epoll_wait` on the loop's own
-//!    epoll fd (the channel, a wake eventfd, a timerfd for deadlines);
+//!    epoll fd (the channel, a wake eventfd, a timerfd for deadlines), or,
+//!    while recent cycles found their event already in the channel, read
+//!    the channel first and sleep only if it is empty (an event already
+//!    pending then costs one `read()` and no `epoll_wait`, as in a
+//!    hand-written loop; see `LoopStats::sleeps`, `channel_reads_empty`);
 //! 4. read every ready CQ event (the fd is non-blocking), count one pending
 //!    ack on the CQ the event *names*, found in O(1);
 //! 5. for each CQ that fired: re-arm it, *then* drain it, at most its budget

@@ -45,6 +45,9 @@ pub(crate) struct Counters {
     pub(crate) cqs_added: AtomicU64,
     pub(crate) cqs_removed: AtomicU64,
     pub(crate) budget_yields: AtomicU64,
+    pub(crate) sleeps: AtomicU64,
+    pub(crate) channel_reads: AtomicU64,
+    pub(crate) channel_reads_empty: AtomicU64,
     pub(crate) per_wakeup: Histogram,
     pub(crate) cycle_us: Histogram,
 }
@@ -75,6 +78,9 @@ impl Counters {
             cqs_added: self.cqs_added.load(Relaxed),
             cqs_removed: self.cqs_removed.load(Relaxed),
             budget_yields: self.budget_yields.load(Relaxed),
+            sleeps: self.sleeps.load(Relaxed),
+            channel_reads: self.channel_reads.load(Relaxed),
+            channel_reads_empty: self.channel_reads_empty.load(Relaxed),
             completions_per_wakeup: self.per_wakeup.snapshot(),
             cycle_time_us: self.cycle_us.snapshot(),
         }
@@ -101,7 +107,8 @@ pub struct LoopStats {
     pub acked_events: u64,
     /// CQ events read and not acked yet (0 after stop).
     pub unacked_now: u64,
-    /// Longest single handler call, in nanoseconds.
+    /// Longest single handler call, in nanoseconds (0 unless
+    /// [`super::LoopOptions::timing_stats`]).
     pub longest_handler_ns: u64,
     /// Polls made by the watchdog because no event came while the app
     /// reported outstanding work.
@@ -130,11 +137,24 @@ pub struct LoopStats {
     /// Times a CQ used up its per-cycle budget with completions left (it
     /// was polled again in the next cycle).
     pub budget_yields: u64,
+    /// `epoll_wait` calls the loop made to sleep (or to look, with no
+    /// wait). Event mode makes none in a cycle that finds its CQ event
+    /// already in the channel.
+    pub sleeps: u64,
+    /// `read()`s of the completion channel (`ibv_get_cq_event` on the
+    /// non-blocking fd), those that found nothing included.
+    pub channel_reads: u64,
+    /// Of those, reads that found nothing (EAGAIN): in event mode the loop
+    /// reads before sleeping while recent cycles found their event
+    /// pending, and sleeps first otherwise, probing now and then (at most
+    /// one read per 64 sleeps in steady state) whether events are pending
+    /// again.
+    pub channel_reads_empty: u64,
     /// Histogram of completions delivered per wakeup (power-of-two
     /// buckets, see [`BUCKETS`]).
     pub completions_per_wakeup: [u64; BUCKETS],
     /// Histogram of loop cycle times in microseconds (wakeup to done,
-    /// sleep excluded).
+    /// sleep excluded; all 0 unless [`super::LoopOptions::timing_stats`]).
     pub cycle_time_us: [u64; BUCKETS],
 }
 

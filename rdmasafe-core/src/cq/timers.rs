@@ -70,6 +70,15 @@ impl Core {
     /// watchdog: whatever is due now.
     pub(super) fn tick(&mut self, ctl: &LoopControl, honor_stop: bool) -> Result<usize> {
         let sh = &*ctl.0;
+        // Nothing timed at all (the common case): nothing to do, and the
+        // timerfd is disarmed already.
+        if self.keepalives.is_empty()
+            && self.drains.is_empty()
+            && self.opts.watchdog.is_none()
+            && self.timer_at.is_none()
+        {
+            return Ok(0);
+        }
         let timed = !self.keepalives.is_empty() || self.drains.in_progress() || self.watchdog_since(sh).is_some();
         let now = timed.then(Instant::now);
         let mut n = 0;

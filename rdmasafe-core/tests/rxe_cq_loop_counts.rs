@@ -1,0 +1,295 @@
+//! What one event-mode wakeup of the CQ loop costs, counted on Soft-RoCE
+//! (counts, never times): the loop's `epoll_wait` calls (`sleeps`) and
+//! channel reads (`channel_reads`, EAGAIN included) from its figures, and
+//! every clock read of the thread that runs the cycle, counted by a
+//! `clock_gettime` of this test binary's own (Rust's `Instant::now` and
+//! any C code of the process call it).
+//!
+//! The hand-written loop this is held against makes one `read()` per
+//! wakeup (`ibv_get_cq_event`), reads no clock and allocates nothing; heap
+//! allocations of the thread that runs the cycle are counted by this
+//! binary's global allocator (the system allocator, counted per thread).
+
+mod common;
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
+
+use common::rc::{rc_pair, RcPair, SLOT};
+use rdmasafe_core::cm::{EventChannel, PortSpace};
+use rdmasafe_core::cq::{CqLoop, LoopOptions, LoopStats, Mode};
+use rdmasafe_core::sys::{self, Wait};
+use rdmasafe_core::verbs::{empty_wc, CompChannel, DeviceContext, WcStatus};
+
+thread_local! {
+    static CLOCK_READS: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Every `clock_gettime` of this process lands here (the executable's
+/// definition comes before libc's): counted per thread, then made as a
+/// plain system call.
+///
+/// # Safety
+/// As libc's `clock_gettime`: `tp` writable.
+#[no_mangle]
+pub unsafe extern "C" fn clock_gettime(clk: libc::clockid_t, tp: *mut libc::timespec) -> libc::c_int {
+    CLOCK_READS.with(|c| c.set(c.get() + 1));
+    // SAFETY: the caller's arguments, passed on unchanged to the kernel.
+    unsafe { libc::syscall(libc::SYS_clock_gettime, clk, tp) as libc::c_int }
+}
+
+thread_local! {
+    static ALLOCS: Cell<u64> = const { Cell::new(0) };
+}
+
+/// The system allocator, with each allocation counted on its thread.
+struct Counting;
+
+// SAFETY: every call is forwarded unchanged to `System`, which upholds
+// GlobalAlloc's contract; the count is a thread-local Cell (const
+// initialised, no destructor: usable at any time, allocates nothing).
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        ALLOCS.with(|c| c.set(c.get() + 1));
+        // SAFETY: forwarded contract.
+        unsafe { System.alloc(l) }
+    }
+
+    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
+        ALLOCS.with(|c| c.set(c.get() + 1));
+        // SAFETY: forwarded contract.
+        unsafe { System.alloc_zeroed(l) }
+    }
+
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, new_size: usize) -> *mut u8 {
+        ALLOCS.with(|c| c.set(c.get() + 1));
+        // SAFETY: forwarded contract.
+        unsafe { System.realloc(p, l, new_size) }
+    }
+
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        // SAFETY: forwarded contract.
+        unsafe { System.dealloc(p, l) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+fn allocs() -> u64 {
+    ALLOCS.with(|c| c.get())
+}
+
+fn clock_reads() -> u64 {
+    CLOCK_READS.with(|c| c.get())
+}
+
+fn device(addr: std::net::IpAddr) -> (DeviceContext, EventChannel) {
+    let ch = EventChannel::new().unwrap();
+    let id = ch.create_id(PortSpace::Tcp).unwrap();
+    id.bind_addr((addr, 0).into()).unwrap();
+    (id.device_context().unwrap(), ch)
+}
+
+/// One message to the server: a receive posted, the client's send, and
+/// its send completion polled (the receive has landed by then).
+fn one_message(p: &RcPair, seq: u64) {
+    p.recv(0, SLOT as u32, seq);
+    p.send(0, &seq.to_le_bytes(), 8, seq);
+    let mut wcs = [empty_wc()];
+    while p.client_cq.poll(&mut wcs).unwrap() == 0 {
+        std::thread::yield_now();
+    }
+    assert_eq!(wcs[0].status(), WcStatus::SUCCESS, "send {seq}");
+}
+
+/// The figures and this thread's clock reads around one `process_once`.
+fn counted(lp: &CqLoop, wait: Wait) -> (usize, LoopStats, LoopStats, u64) {
+    let before = lp.stats();
+    let c0 = clock_reads();
+    let n = lp.process_once(wait).unwrap();
+    let c1 = clock_reads();
+    (n, before, lp.stats(), c1 - c0)
+}
+
+/// An event already in the channel when the loop would sleep: one read
+/// and no `epoll_wait` (the hand-written loop's one `read()`), and with
+/// timing statistics off (the default) no clock read at all.
+#[test]
+fn an_event_already_pending_is_read_without_sleeping() {
+    let bed = common::bed();
+    let _dog = common::watchdog("pending event", Duration::from_secs(180));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = rc_pair(bed.addr, &chan, false, 8);
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    assert!(!lp.options().timing_stats, "timing statistics are off by default");
+    let got = Arc::new(AtomicU64::new(0));
+    let g = got.clone();
+    lp.add_cq(&p.server_cq, move |wcs, _| {
+        g.fetch_add(wcs.len() as u64, SeqCst);
+    })
+    .unwrap();
+    assert_eq!(lp.process_once(Wait::None).unwrap(), 0, "arms the new CQ");
+    const WARM: u64 = 4;
+    const K: u64 = 40;
+    let (mut sleeps, mut reads, mut clocks) = (0, 0, 0);
+    for seq in 0..WARM + K {
+        one_message(&p, seq);
+        // The CQ was armed: its event is in the channel (the test's own
+        // poll on the channel fd, which reads nothing).
+        let ready = sys::poll_readable([chan.as_raw_fd()], Wait::For(Duration::from_secs(60))).unwrap();
+        assert_eq!(ready, [true], "the CQ event of message {seq} arrived");
+        let (n, b, a, c) = counted(&lp, Wait::Forever);
+        assert_eq!(n, 1, "message {seq} delivered");
+        if seq >= WARM {
+            sleeps += a.sleeps - b.sleeps;
+            reads += a.channel_reads - b.channel_reads;
+            clocks += c;
+        }
+    }
+    assert_eq!(got.load(SeqCst), WARM + K);
+    let s = lp.stats();
+    println!(
+        "{K} wakeups with the event pending: {sleeps} epoll_wait, {reads} channel reads, {clocks} clock reads; \
+         whole run: {} sleeps, {} reads ({} empty)",
+        s.sleeps, s.channel_reads, s.channel_reads_empty
+    );
+    assert_eq!(sleeps, 0, "no epoll_wait while an event is pending");
+    assert_eq!(reads, K, "one read per wakeup, as ibv_get_cq_event");
+    assert_eq!(clocks, 0, "no clock read with timing statistics off");
+    assert_eq!(s.longest_handler_ns, 0, "nothing timed");
+}
+
+/// The loop must sleep on every wakeup (the peer sends only once the loop
+/// is about to sleep): one `epoll_wait` and one read per wakeup, plus the
+/// few probing reads (EAGAIN) the loop makes to notice when events start
+/// to be pending again; no clock read with timing off.
+#[test]
+fn a_wakeup_that_must_sleep_costs_one_call_more() {
+    let bed = common::bed();
+    let _dog = common::watchdog("must sleep", Duration::from_secs(240));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = Arc::new(rc_pair(bed.addr, &chan, false, 8));
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    lp.add_cq(&p.server_cq, |_, _| {}).unwrap();
+    assert_eq!(lp.process_once(Wait::None).unwrap(), 0, "arms the new CQ");
+    // Right before each sleep the hook has the peer send one message.
+    let (tx, rx) = mpsc::channel::<u64>();
+    let (sent_tx, sent_rx) = mpsc::channel::<()>();
+    let pp = p.clone();
+    let sender = std::thread::spawn(move || {
+        for seq in rx {
+            one_message(&pp, seq);
+            sent_tx.send(()).unwrap();
+        }
+    });
+    let next = Arc::new(AtomicU64::new(0));
+    let nx = next.clone();
+    lp.set_before_sleep_hook(Some(Box::new(move || {
+        let seq = nx.fetch_add(1, SeqCst);
+        tx.send(seq).unwrap();
+        sent_rx.recv().unwrap();
+    })));
+    const K: u64 = 200;
+    let (mut wakeups, mut clocks) = (0, 0);
+    let first = lp.stats();
+    while wakeups < K {
+        let (n, _, _, c) = counted(&lp, Wait::Forever);
+        clocks += c;
+        wakeups += n as u64;
+    }
+    let s = lp.stats();
+    let sleeps = s.sleeps - first.sleeps;
+    let reads = s.channel_reads - first.channel_reads;
+    let empty = s.channel_reads_empty - first.channel_reads_empty;
+    lp.set_before_sleep_hook(None);
+    drop(lp);
+    sender.join().unwrap();
+    println!("{K} wakeups that had to sleep: {sleeps} epoll_wait, {reads} channel reads ({empty} EAGAIN), {clocks} clock reads");
+    assert_eq!(sleeps, K, "one epoll_wait per wakeup");
+    assert_eq!(reads, K + empty, "one read per wakeup, plus the probes");
+    // Probes back off: after the first misses, one per 64 sleeps at most.
+    assert!(empty <= 2 + 6 + K / 64, "{empty} probing reads in {K} sleeps");
+    assert_eq!(clocks, 0, "no clock read with timing statistics off");
+}
+
+/// With timing statistics on: at most n + 1 clock reads per n handler
+/// calls in a wakeup, and the figures they feed are filled.
+#[test]
+fn timing_statistics_on_read_the_clock_at_most_once_per_handler_call_more() {
+    let bed = common::bed();
+    let _dog = common::watchdog("timing on", Duration::from_secs(180));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = rc_pair(bed.addr, &chan, false, 8);
+    let lp = CqLoop::new(&chan, LoopOptions { timing_stats: true, ..Default::default() }).unwrap();
+    let calls = Arc::new(AtomicU64::new(0));
+    let cl = calls.clone();
+    lp.add_cq(&p.server_cq, move |_, _| {
+        cl.fetch_add(1, SeqCst);
+    })
+    .unwrap();
+    assert_eq!(lp.process_once(Wait::None).unwrap(), 0);
+    const K: u64 = 20;
+    let mut clocks = 0;
+    for seq in 0..K {
+        one_message(&p, seq);
+        let c0 = calls.load(SeqCst);
+        let (n, _, _, c) = counted(&lp, Wait::Forever);
+        assert_eq!(n, 1);
+        let handler_calls = calls.load(SeqCst) - c0;
+        assert!(c <= handler_calls + 1, "{c} clock reads for {handler_calls} handler calls");
+        clocks += c;
+    }
+    let s = lp.stats();
+    println!("timing on: {clocks} clock reads in {K} wakeups; cycle histogram {:?}", s.cycle_time_us);
+    assert_eq!(s.cycle_time_us.iter().sum::<u64>(), s.wakeups, "every wakeup timed");
+    assert!(clocks >= K, "the handlers were timed");
+}
+
+/// No heap allocation in a wakeup, in any mode (the loop keeps its lists'
+/// storage from cycle to cycle, and walks its CQs without collecting
+/// them): counted on the thread that runs `process_once`, after a
+/// warm-up. Adaptive mode with a zero spin goes from polling back to
+/// sleeping after every message.
+#[test]
+fn no_heap_allocation_per_wakeup_in_any_mode() {
+    let bed = common::bed();
+    let _dog = common::watchdog("allocations", Duration::from_secs(300));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = rc_pair(bed.addr, &chan, false, 8);
+    for mode in [Mode::Event, Mode::BusyPoll, Mode::Adaptive { spin: Duration::ZERO }] {
+        let lp = CqLoop::new(&chan, LoopOptions { mode, ..Default::default() }).unwrap();
+        let got = Arc::new(AtomicU64::new(0));
+        let g = got.clone();
+        lp.add_cq(&p.server_cq, move |wcs, _| {
+            g.fetch_add(wcs.len() as u64, SeqCst);
+        })
+        .unwrap();
+        let wait = if mode == Mode::BusyPoll { Wait::None } else { Wait::Forever };
+        const WARM: u64 = 8;
+        const K: u64 = 30;
+        let mut counted_allocs = 0;
+        for seq in 0..WARM + K {
+            one_message(&p, seq);
+            while got.load(SeqCst) <= seq {
+                let a0 = allocs();
+                lp.process_once(wait).unwrap();
+                if seq >= WARM {
+                    counted_allocs += allocs() - a0;
+                }
+            }
+        }
+        let s = lp.stats();
+        println!("{mode:?}: {counted_allocs} allocations in {K} wakeups ({} wakeups in all)", s.wakeups);
+        assert_eq!(counted_allocs, 0, "{mode:?}: no allocation per wakeup");
+        drop(lp);
+    }
+}
