@@ -190,8 +190,9 @@ fn solicited_only_is_a_per_cq_option() {
     lp.process_once(Wait::None).unwrap(); // armed (solicited only), nothing there yet
     p.recv(0, SLOT as u32, 1);
     p.recv(SLOT, SLOT as u32, 2);
-    p.send(0, &[], 8, 1);
-    poll_n(&p.client_cq, 1); // received by the server
+    // The client's send completion is not awaited: the drain may move the
+    // server's QP to the error state before rxe has sent the ACK.
+    p.send(0, &[], 8, 1); // received by the server
     assert_eq!(lp.process_once(Wait::For(Duration::from_millis(300))).unwrap(), 0);
     assert_eq!(lp.stats().cq_events, 0, "an unsolicited completion raises no event on a solicited-only CQ");
     {
@@ -800,11 +801,16 @@ fn a_handler_drains_its_qp_without_blocking() {
     .unwrap();
     let ctl = lp.control();
     let t = lp.spawn(None).unwrap();
-    // One message, and 5 more receives left posted for the drain to flush.
-    prefill(&p, 1, 1);
+    // One message, and 5 more receives left posted for the drain to flush:
+    // all posted before the message is sent, so before the handler can
+    // start the drain (receives posted after the drain's marker would
+    // complete after it, not before done).
+    p.recv(SLOT, SLOT as u32, 1);
     for i in 0..5 {
         p.recv((2 + i) * SLOT, SLOT as u32, 100 + i as u64);
     }
+    p.send(0, &[], 8, 1);
+    poll_n(&p.client_cq, 1);
     let r = rx.recv_timeout(Duration::from_secs(60)).expect("the drain's done callback ran");
     assert!(r.is_ok(), "drain from a handler: {r:?}");
     let seen = seen.lock().unwrap().clone();
