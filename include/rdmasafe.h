@@ -906,7 +906,9 @@ int rdmasafe_cq_loop_get_stats(struct rdmasafe_cq_loop *cq_loop,
  * send queue, UINT64_MAX - 1 on the receive queue unless `use_srq`), and
  * the loop delivers every completion until both markers come back. The
  * markers never reach a callback. Then every request posted before has
- * completed, and every CQ event the loop read is acked. The QP's CQs must
+ * completed, and every CQ event the loop read is acked. A keepalive of
+ * the QP stays registered (remove it as usual) but sends no more probes,
+ * and a probe flushed by the drain is not a dead peer. The QP's CQs must
  * be in this loop. From another thread this blocks up to `timeout_ms`
  * (> 0), running the loop itself when nobody runs it; from inside a
  * callback it starts the drain and returns RDMASAFE_PENDING (use

@@ -1099,3 +1099,42 @@ fn an_add_to_a_dropped_loop_leaves_the_cq_free() {
     let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
     assert!(lp.add_cq(&cq, |_, _| {}).is_ok(), "the CQ stayed claimed by the dropped loop");
 }
+
+/// A drain of a QP that has a keepalive (the app tearing the connection
+/// down, removing the keepalive after, as the fault suite's cycles do):
+/// the probes flushed or posted on the QP in the error state are not a
+/// dead peer. They were: the next probe after the drain came back
+/// IBV_WC_WR_FLUSH_ERR and declared the healthy peer dead.
+#[test]
+fn a_drain_does_not_make_its_qps_keepalive_declare_a_death() {
+    let bed = common::bed();
+    let _dog = common::watchdog("drain with a keepalive", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = rc_pair(bed.addr, &chan, false, 16);
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    lp.add_cq(&p.server_cq, |_, _| {}).unwrap();
+    let qp = p.server_qp();
+    // SAFETY: the QP lives in `p`, which outlives the loop.
+    let qpn = unsafe { (*qp.as_ptr()).qp_num };
+    let cfg = Keepalive { period: Duration::from_millis(10), bound: Duration::from_secs(60), wr_id: 0x5eed };
+    let dead = Arc::new(AtomicUsize::new(0));
+    let d2 = dead.clone();
+    // SAFETY: as above.
+    unsafe { lp.add_keepalive(qp, cfg, Box::new(move |_, _| _ = d2.fetch_add(1, SeqCst))) }.unwrap();
+    let ctl = lp.control();
+    let t = lp.spawn(None).unwrap();
+    wait_for("a probe answered", || ctl.stats().keepalive_probes_ok >= 1);
+    // SAFETY: as above.
+    unsafe { ctl.drain_qp(qp, false, Duration::from_secs(30)) }.unwrap();
+    // Many periods of idleness on the QP in the error state.
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(ctl.remove_keepalive(qpn).unwrap(), Outcome::Done, "still registered until removed");
+    let lp = t.stop().unwrap();
+    let s = lp.stats();
+    println!(
+        "drain with a keepalive: {} probes, {} ok, {} dead",
+        s.keepalive_probes, s.keepalive_probes_ok, s.keepalive_dead
+    );
+    assert_eq!((dead.load(SeqCst), s.keepalive_dead), (0, 0), "a QP being drained was declared dead");
+}

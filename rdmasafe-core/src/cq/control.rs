@@ -468,7 +468,9 @@ impl LoopControl {
     /// both markers come back. The markers are the loop's: they never
     /// reach a handler. Flush completions are in order per queue, so when
     /// the drain is done every request posted before it has completed, and
-    /// every CQ event the loop read is acked.
+    /// every CQ event the loop read is acked. A keepalive of the QP stays
+    /// registered but probes no more; a probe flushed by the drain is not a
+    /// dead peer.
     ///
     /// From another thread this waits (running the loop itself if nobody
     /// does) until done or `timeout` (ETIMEDOUT). From inside a handler it

@@ -208,6 +208,12 @@ impl Core {
                     return;
                 }
                 let deadline = sys::deadline_after(Instant::now(), timeout);
+                if let Ok((qpn, _, _)) = qp.info() {
+                    // The app tears the QP down: its flushed probes are not
+                    // a dead peer (even when the drain fails to start, the
+                    // QP may be in the error state).
+                    self.keepalives.draining(qpn);
+                }
                 if let Err((done, e)) = self.drains.start(&qp, srq, deadline, done) {
                     done.finish(sh, Err(e));
                 }

@@ -27,6 +27,9 @@ struct Entry {
     last_activity: Instant,
     probe: Probe,
     dead: bool,
+    /// A drain moved the QP to the error state: no more probes, and a
+    /// flushed probe is not a dead peer.
+    draining: bool,
     on_dead: DeadPeer,
 }
 
@@ -57,8 +60,10 @@ impl Keepalives {
         let Ok((qpn, send_cq, _)) = qp.info() else { return };
         let first = sys::deadline_after(now, cfg.period);
         self.next = Some(self.next.map_or(first, |n| n.min(first)));
-        self.by_qpn
-            .insert(qpn, Entry { qp, send_cq, cfg, last_activity: now, probe: Probe::Idle, dead: false, on_dead });
+        self.by_qpn.insert(
+            qpn,
+            Entry { qp, send_cq, cfg, last_activity: now, probe: Probe::Idle, dead: false, draining: false, on_dead },
+        );
     }
 
     /// Stops detection for `qpn`; false if it had none. A probe still
@@ -102,7 +107,7 @@ impl Keepalives {
                     let d = sys::deadline_after(now, e.cfg.period);
                     self.next = Some(self.next.map_or(d, |n| n.min(d)));
                 }
-                if !ok && !e.dead {
+                if !ok && !e.dead && !e.draining {
                     // Retry exceeded or the like: the timer need not wait.
                     e.probe = Probe::Sent(now.checked_sub(e.cfg.bound).unwrap_or(now));
                     self.next = Some(now);
@@ -135,7 +140,7 @@ impl Keepalives {
         let mut next: Option<Instant> = None;
         let mut destroyed = Vec::new();
         for (qpn, e) in self.by_qpn.iter_mut() {
-            if e.dead {
+            if e.dead || e.draining {
                 continue;
             }
             if e.qp.is_destroyed() {
@@ -186,6 +191,15 @@ impl Keepalives {
         (posted, dead, destroyed)
     }
 
+    /// A drain of `qpn` started: its keepalive stays registered (remove it
+    /// as usual) but probes no more, and the flush of an outstanding probe
+    /// is consumed, never taken for a dead peer.
+    pub(crate) fn draining(&mut self, qpn: u32) {
+        if let Some(e) = self.by_qpn.get_mut(&qpn) {
+            e.draining = true;
+        }
+    }
+
     /// The send CQs of the QPs whose probe is past its bound at `now`: the
     /// loop polls them before `tick` decides, so a probe that completed
     /// without raising an event (a solicited-only CQ, an event not read
@@ -194,7 +208,7 @@ impl Keepalives {
         let mut cqs: Vec<usize> = self
             .by_qpn
             .values()
-            .filter(|e| !e.dead)
+            .filter(|e| !e.dead && !e.draining)
             .filter(|e| match e.probe {
                 Probe::Sent(t) | Probe::Blocked(t) => now.saturating_duration_since(t) >= e.cfg.bound,
                 Probe::Idle => false,
