@@ -496,6 +496,14 @@ pub struct Qp<Q: QueuePair> {
     kept: Vec<Arc<BufferInner>>,
 }
 
+/// Which one-sided operation `Qp::post_rdma` posts.
+#[derive(Clone, Copy)]
+enum Rdma {
+    Write,
+    WriteImm(u32),
+    Read,
+}
+
 impl<Q: QueuePair> Qp<Q> {
     /// Takes a sideway QP (RC, in the RESET state, made on a context from
     /// [`open_device`] for the id it will connect through).
@@ -669,17 +677,7 @@ impl<Q: QueuePair> Qp<Q> {
         imm: u32,
         opts: SendOptions,
     ) -> Result<()> {
-        const OP: &str = "ibv_post_send(RDMA_WRITE_WITH_IMM)";
-        let (addr, len) = local.sge(offset, len, OP)?;
-        let raddr = remote.at(remote_offset, len, OP)?;
-        self.keep(local);
-        let lkey = local.lkey();
-        let mut guard = self.qp.start_post_send();
-        let wr = guard.construct_wr(wr_id, Self::flags(opts)).setup_write_imm(remote.rkey, raddr, imm.to_be());
-        // SAFETY: the memory is registered with lkey and stays allocated and
-        // registered until this QP is destroyed (kept above).
-        unsafe { wr.setup_sge(lkey, addr, len) };
-        guard.post().map_err(sw_err(OP))
+        self.post_rdma(Rdma::WriteImm(imm), wr_id, local, offset, len, remote, remote_offset, opts)
     }
 
     /// Posts one RDMA WRITE (no immediate, the peer sees no completion).
@@ -694,16 +692,7 @@ impl<Q: QueuePair> Qp<Q> {
         remote_offset: u64,
         opts: SendOptions,
     ) -> Result<()> {
-        const OP: &str = "ibv_post_send(RDMA_WRITE)";
-        let (addr, len) = local.sge(offset, len, OP)?;
-        let raddr = remote.at(remote_offset, len, OP)?;
-        self.keep(local);
-        let lkey = local.lkey();
-        let mut guard = self.qp.start_post_send();
-        let wr = guard.construct_wr(wr_id, Self::flags(opts)).setup_write(remote.rkey, raddr);
-        // SAFETY: as in post_write_with_imm.
-        unsafe { wr.setup_sge(lkey, addr, len) };
-        guard.post().map_err(sw_err(OP))
+        self.post_rdma(Rdma::Write, wr_id, local, offset, len, remote, remote_offset, opts)
     }
 
     /// Posts one RDMA READ of `len` bytes at `remote_offset` in `remote`
@@ -719,16 +708,45 @@ impl<Q: QueuePair> Qp<Q> {
         remote_offset: u64,
         opts: SendOptions,
     ) -> Result<()> {
-        const OP: &str = "ibv_post_send(RDMA_READ)";
-        let (addr, len) = local.sge(offset, len, OP)?;
-        let raddr = remote.at(remote_offset, len, OP)?;
+        self.post_rdma(Rdma::Read, wr_id, local, offset, len, remote, remote_offset, opts)
+    }
+
+    /// The one-sided posts: bounds checked, `local` kept until the QP is
+    /// dropped, one SGE.
+    #[allow(clippy::too_many_arguments)]
+    fn post_rdma(
+        &mut self,
+        op: Rdma,
+        wr_id: u64,
+        local: &Buffer,
+        offset: usize,
+        len: u32,
+        remote: &RemoteBuffer,
+        remote_offset: u64,
+        opts: SendOptions,
+    ) -> Result<()> {
+        let name = match op {
+            Rdma::Write => "ibv_post_send(RDMA_WRITE)",
+            Rdma::WriteImm(_) => "ibv_post_send(RDMA_WRITE_WITH_IMM)",
+            Rdma::Read => "ibv_post_send(RDMA_READ)",
+        };
+        let (addr, len) = local.sge(offset, len, name)?;
+        let raddr = remote.at(remote_offset, len, name)?;
         self.keep(local);
         let lkey = local.lkey();
         let mut guard = self.qp.start_post_send();
-        let wr = guard.construct_wr(wr_id, Self::flags(opts)).setup_read(remote.rkey, raddr);
-        // SAFETY: as in post_write_with_imm (the device writes into it).
-        unsafe { wr.setup_sge(lkey, addr, len) };
-        guard.post().map_err(sw_err(OP))
+        let wr = guard.construct_wr(wr_id, Self::flags(opts));
+        // SAFETY (each arm): the memory is registered with lkey and stays
+        // allocated and registered until this QP is destroyed (kept above);
+        // for a READ the device writes into it.
+        match op {
+            Rdma::Write => unsafe { wr.setup_write(remote.rkey, raddr).setup_sge(lkey, addr, len) },
+            Rdma::WriteImm(imm) => unsafe {
+                wr.setup_write_imm(remote.rkey, raddr, imm.to_be()).setup_sge(lkey, addr, len)
+            },
+            Rdma::Read => unsafe { wr.setup_read(remote.rkey, raddr).setup_sge(lkey, addr, len) },
+        };
+        guard.post().map_err(sw_err(name))
     }
 
     /// Posts one SEND of `len` bytes at `offset` in `local`.
