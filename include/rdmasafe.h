@@ -123,6 +123,13 @@
 #define RDMASAFE_MODE_ADAPTIVE 2
 
 /**
+ * Learning adaptive mode: measures its own sleep-to-wake cost and the idle
+ * gaps before completions arrive, and picks from them when to sleep and
+ * how long to spin (`adaptive_spin_us` is ignored).
+ */
+#define RDMASAFE_MODE_LEARNING 3
+
+/**
  * Returned (positive) by a change requested from inside one of the loop's
  * callbacks: it takes effect as soon as that callback returns, before the
  * loop calls any other callback (the `_async` variants call back when it
@@ -256,7 +263,8 @@ struct rdmasafe_cq_loop_options {
    */
   uint32_t size;
   /**
-   * RDMASAFE_MODE_EVENT (default), RDMASAFE_MODE_BUSY_POLL or RDMASAFE_MODE_ADAPTIVE.
+   * RDMASAFE_MODE_EVENT (default), RDMASAFE_MODE_BUSY_POLL,
+   * RDMASAFE_MODE_ADAPTIVE (fixed spin) or RDMASAFE_MODE_LEARNING.
    */
   int mode;
   /**

@@ -26,6 +26,10 @@ pub const RDMASAFE_MODE_BUSY_POLL: c_int = 1;
 /// Adaptive mode: poll while busy and for `adaptive_spin_us` after the
 /// last completion, then arm and sleep.
 pub const RDMASAFE_MODE_ADAPTIVE: c_int = 2;
+/// Learning adaptive mode: measures its own sleep-to-wake cost and the idle
+/// gaps before completions arrive, and picks from them when to sleep and
+/// how long to spin (`adaptive_spin_us` is ignored).
+pub const RDMASAFE_MODE_LEARNING: c_int = 3;
 
 /// Returned (positive) by a change requested from inside one of the loop's
 /// callbacks: it takes effect as soon as that callback returns, before the
@@ -73,7 +77,8 @@ pub struct rdmasafe_cq_loop_options {
     /// `sizeof(struct rdmasafe_cq_loop_options)` as the caller's header
     /// declares it (see "Struct sizes" at the top of this header).
     pub size: u32,
-    /// RDMASAFE_MODE_EVENT (default), RDMASAFE_MODE_BUSY_POLL or RDMASAFE_MODE_ADAPTIVE.
+    /// RDMASAFE_MODE_EVENT (default), RDMASAFE_MODE_BUSY_POLL,
+    /// RDMASAFE_MODE_ADAPTIVE (fixed spin) or RDMASAFE_MODE_LEARNING.
     pub mode: c_int,
     /// Non-zero: arm CQs for solicited completions only (the default of
     /// `rdmasafe_cq_options.notify`).
@@ -221,6 +226,7 @@ fn options(o: Option<&rdmasafe_cq_loop_options>) -> Result<LoopOptions, c_int> {
         RDMASAFE_MODE_EVENT => Mode::Event,
         RDMASAFE_MODE_BUSY_POLL => Mode::BusyPoll,
         RDMASAFE_MODE_ADAPTIVE => Mode::Adaptive { spin: Duration::from_micros(spin as u64) },
+        RDMASAFE_MODE_LEARNING => Mode::Learning,
         _ => return Err(-libc::EINVAL),
     };
     Ok(LoopOptions {

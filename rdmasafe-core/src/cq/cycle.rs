@@ -86,6 +86,7 @@ impl Core {
             Mode::Event => self.event_cycle(ctl, wait, honor_stop),
             Mode::BusyPoll => self.poll_cycle(ctl, wait, None, honor_stop),
             Mode::Adaptive { spin } => self.adaptive_cycle(ctl, wait, spin, honor_stop),
+            Mode::Learning => self.adaptive_cycle(ctl, wait, Duration::from_micros(50), honor_stop),
         }
     }
 

@@ -20,6 +20,15 @@ pub enum Mode {
         /// How long to keep polling after the last completion.
         spin: Duration,
     },
+    /// Adaptive mode that learns when to spin: it measures its own
+    /// sleep-to-wake cost and the idle gaps before completions arrive, and
+    /// from the recent gaps picks, each time it goes idle, the cheapest of
+    /// sleeping at once, spinning for a while, or sleeping until just before
+    /// the next arrival is due and spinning from then (periodic traffic).
+    /// The CQs stay armed while it sleeps on a timer, so an early completion
+    /// still wakes it. Reads the clock when it goes idle, at each arrival and
+    /// around each sleep.
+    Learning,
 }
 
 /// Options of a loop.
