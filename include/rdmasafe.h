@@ -464,6 +464,36 @@ struct rdmasafe_cq_loop_stats {
    * steady state.
    */
   uint64_t channel_reads_empty;
+  /**
+   * RDMASAFE_MODE_LEARNING (0 in the other modes): timed wakes of the
+   * plan's window (slept, then polled from just before the next
+   * completion was due).
+   */
+  uint64_t learn_timer_wakes;
+  /**
+   * Learning mode: timed sleeps made only to measure the wake-up
+   * latency (at most one per 64 sleeps without a window).
+   */
+  uint64_t learn_calibrations;
+  /**
+   * Learning mode, the current plan: ns of polling after the last
+   * completion before the loop sleeps.
+   */
+  uint64_t learn_spin_ns;
+  /**
+   * Learning mode, the current plan: while asleep, wake on a timer to
+   * poll from this many ns after the last completion (0: no window) ...
+   */
+  uint64_t learn_window_from_ns;
+  /**
+   * ... until this many ns after it.
+   */
+  uint64_t learn_window_to_ns;
+  /**
+   * Learning mode: the measured block + wake cost, ns (wake-up latency
+   * plus the work around a sleep).
+   */
+  uint64_t learn_wake_cost_ns;
 };
 
 /**

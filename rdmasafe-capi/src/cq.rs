@@ -185,6 +185,24 @@ pub struct rdmasafe_cq_loop_stats {
     /// sleeps first otherwise, probing at most once per 64 sleeps in
     /// steady state.
     pub channel_reads_empty: u64,
+    /// RDMASAFE_MODE_LEARNING (0 in the other modes): timed wakes of the
+    /// plan's window (slept, then polled from just before the next
+    /// completion was due).
+    pub learn_timer_wakes: u64,
+    /// Learning mode: timed sleeps made only to measure the wake-up
+    /// latency (at most one per 64 sleeps without a window).
+    pub learn_calibrations: u64,
+    /// Learning mode, the current plan: ns of polling after the last
+    /// completion before the loop sleeps.
+    pub learn_spin_ns: u64,
+    /// Learning mode, the current plan: while asleep, wake on a timer to
+    /// poll from this many ns after the last completion (0: no window) ...
+    pub learn_window_from_ns: u64,
+    /// ... until this many ns after it.
+    pub learn_window_to_ns: u64,
+    /// Learning mode: the measured block + wake cost, ns (wake-up latency
+    /// plus the work around a sleep).
+    pub learn_wake_cost_ns: u64,
 }
 
 /// A CQ loop (opaque; the handle is looked up on every call).
@@ -747,6 +765,12 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_get_stats(
                 sleeps: s.sleeps,
                 channel_reads: s.channel_reads,
                 channel_reads_empty: s.channel_reads_empty,
+                learn_timer_wakes: s.learn_timer_wakes,
+                learn_calibrations: s.learn_calibrations,
+                learn_spin_ns: s.learn_spin_ns,
+                learn_window_from_ns: s.learn_window_from_ns,
+                learn_window_to_ns: s.learn_window_to_ns,
+                learn_wake_cost_ns: s.learn_wake_cost_ns,
             };
             // SAFETY: out checked non-NULL; writable for its stated size (caller).
             match unsafe { crate::abi::write_out(out, &v) } {

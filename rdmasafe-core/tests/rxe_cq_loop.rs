@@ -189,6 +189,11 @@ fn adaptive_mode_20k_messages() {
 }
 
 #[test]
+fn learning_mode_20k_messages() {
+    stream(Mode::Learning, 1, 20_000);
+}
+
+#[test]
 fn two_and_four_cqs_on_one_channel() {
     stream(Mode::Event, 1, 5_000); // 2 CQs
     stream(Mode::Event, 2, 5_000); // 4 CQs, two flows interleaved
@@ -199,7 +204,7 @@ fn two_and_four_cqs_on_one_channel() {
 /// completion raises an event and the sleep ends at once.
 #[test]
 fn completion_in_the_window_before_sleep_is_delivered() {
-    for mode in [Mode::Event, Mode::Adaptive { spin: Duration::from_micros(100) }] {
+    for mode in [Mode::Event, Mode::Adaptive { spin: Duration::from_micros(100) }, Mode::Learning] {
         let bed = common::bed();
         let _dog = common::watchdog("arm window", Duration::from_secs(120));
         let (ctx, _keep) = device(bed.addr);
@@ -498,4 +503,86 @@ fn stop_in_embedded_mode_is_consumed() {
         got += lp.process_once(Wait::For(Duration::from_secs(30))).unwrap();
     }
     assert_eq!(lp.stats().completions, 2, "delivered after the consumed stop");
+}
+
+/// The process's CPU time (user + system), seconds.
+fn cpu_seconds() -> f64 {
+    // SAFETY: getrusage writes a plain struct it is given.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) }, 0);
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// Learning mode under periodic messages: each delivered once, the
+/// wake-up latency measured (a calibration sleep), and once the traffic
+/// stops the loop sleeps: it never spins without a bound. (Which plan it
+/// learns depends on the timing of the machine; it is printed, not
+/// asserted.)
+#[test]
+fn learning_mode_delivers_periodic_messages_then_sleeps() {
+    let bed = common::bed();
+    let _dog = common::watchdog("learning mode", Duration::from_secs(300));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = Arc::new(rc_pair(bed.addr, &chan, false, 8));
+    let lp = Arc::new(CqLoop::new(&chan, LoopOptions { mode: Mode::Learning, ..Default::default() }).unwrap());
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let (g, pp) = (got.clone(), p.clone());
+    for k in 0..4u64 {
+        p.recv(k as usize * SLOT, SLOT as u32, k);
+    }
+    lp.add_cq(&p.server_cq, move |wcs, _| {
+        for wc in wcs {
+            assert_eq!(wc.status(), WcStatus::SUCCESS);
+            let k = wc.wr_id();
+            g.lock().unwrap().push(k);
+            pp.recv((k % 4) as usize * SLOT, SLOT as u32, k + 4);
+        }
+    })
+    .unwrap();
+    let runner = {
+        let lp = lp.clone();
+        std::thread::spawn(move || lp.run())
+    };
+    const N: u64 = 60;
+    let mut wcs = [empty_wc()];
+    for seq in 0..N {
+        p.send((seq % 4) as usize * SLOT, &seq.to_le_bytes(), 8, seq);
+        while p.client_cq.poll(&mut wcs).unwrap() == 0 {
+            std::thread::yield_now();
+        }
+        assert_eq!(wcs[0].status(), WcStatus::SUCCESS, "send {seq}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    while got.lock().unwrap().len() < N as usize {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let learned = lp.control().stats();
+    // Idle now: the loop must go to sleep (its spin is bounded by the plan).
+    std::thread::sleep(Duration::from_millis(500));
+    let (c0, t0) = (cpu_seconds(), std::time::Instant::now());
+    std::thread::sleep(Duration::from_secs(1));
+    let (cpu, wall) = (cpu_seconds() - c0, t0.elapsed().as_secs_f64());
+    lp.control().stop();
+    runner.join().unwrap().unwrap();
+    let s = lp.stats();
+    println!(
+        "learning: plan spin {} us, window {}..{} us, wake cost {} us, {} timer wakes, {} calibrations, \
+         {} sleeps, {} wakeups; idle second: {cpu:.3} s CPU in {wall:.3} s",
+        learned.learn_spin_ns / 1000,
+        learned.learn_window_from_ns / 1000,
+        learned.learn_window_to_ns / 1000,
+        learned.learn_wake_cost_ns / 1000,
+        s.learn_timer_wakes,
+        s.learn_calibrations,
+        s.sleeps,
+        s.wakeups
+    );
+    assert_eq!(*got.lock().unwrap(), (0..N).collect::<Vec<_>>(), "each message once, in order");
+    assert_eq!(s.completions, N);
+    assert_eq!(s.unacked_now, 0);
+    assert!(s.learn_calibrations >= 1, "the wake-up latency was measured");
+    assert!(s.learn_wake_cost_ns > 0);
+    assert!(cpu < 0.3 * wall, "an idle learning loop sleeps: {cpu:.3} s CPU in {wall:.3} s");
 }

@@ -265,7 +265,7 @@ fn no_heap_allocation_per_wakeup_in_any_mode() {
     let (ctx, _keep) = device(bed.addr);
     let chan = CompChannel::new(&ctx).unwrap();
     let p = rc_pair(bed.addr, &chan, false, 8);
-    for mode in [Mode::Event, Mode::BusyPoll, Mode::Adaptive { spin: Duration::ZERO }] {
+    for mode in [Mode::Event, Mode::BusyPoll, Mode::Adaptive { spin: Duration::ZERO }, Mode::Learning] {
         let lp = CqLoop::new(&chan, LoopOptions { mode, ..Default::default() }).unwrap();
         let got = Arc::new(AtomicU64::new(0));
         let g = got.clone();

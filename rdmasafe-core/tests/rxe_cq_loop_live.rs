@@ -215,7 +215,7 @@ fn solicited_only_is_a_per_cq_option() {
 fn driven_from_the_apps_epoll_in_every_mode() {
     let bed = common::bed();
     let _dog = common::watchdog("epoll in every mode", Duration::from_secs(300));
-    for mode in [Mode::Event, Mode::BusyPoll, Mode::Adaptive { spin: Duration::from_micros(300) }] {
+    for mode in [Mode::Event, Mode::BusyPoll, Mode::Adaptive { spin: Duration::from_micros(300) }, Mode::Learning] {
         let (ctx, _keep) = device(bed.addr);
         let chan = CompChannel::new(&ctx).unwrap();
         let p = Arc::new(rc_pair(bed.addr, &chan, false, 64));
@@ -546,7 +546,9 @@ fn a_thousand_cqs_under_traffic_in_each_mode() {
     let m = Arc::new(many(bed.addr, &chan, conns, 4));
     assert_eq!(m.cqs.len(), 1024);
     for (round, mode) in
-        [Mode::Event, Mode::BusyPoll, Mode::Adaptive { spin: Duration::from_micros(200) }].into_iter().enumerate()
+        [Mode::Event, Mode::BusyPoll, Mode::Adaptive { spin: Duration::from_micros(200) }, Mode::Learning]
+            .into_iter()
+            .enumerate()
     {
         let lp = CqLoop::new(&chan, LoopOptions { mode, ..Default::default() }).unwrap();
         let seen: Arc<Mutex<BTreeMap<(usize, u64), u32>>> = Arc::default();

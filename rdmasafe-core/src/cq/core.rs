@@ -58,6 +58,8 @@ pub(crate) struct Core {
     pub(super) shut: bool,
     /// Event mode: read the channel before sleeping, or sleep first.
     pub(super) read_first: ReadFirst,
+    /// Learning mode: its model and plan state.
+    pub(super) learn: super::learn::Learn,
 }
 
 /// Whether event mode reads the channel before it sleeps. Reading first
@@ -148,6 +150,7 @@ impl Core {
             last_stamp: None,
             shut: false,
             read_first: ReadFirst::new(),
+            learn: Default::default(),
         })
     }
 

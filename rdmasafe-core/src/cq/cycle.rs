@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use super::control::{Completion, LoopControl, Shared, KEY_CHANNEL, KEY_TIMER, KEY_WAKE};
 use super::core::{io_err, Core, List};
+use super::learn::{ns, CALIBRATE_NS};
 use super::options::Mode;
 use crate::sys::{self, Wait};
 use crate::Result;
@@ -57,7 +58,13 @@ impl Core {
             h();
         }
         sh.counters.sleeps.fetch_add(1, Relaxed);
-        let bits = sh.epoll.wait(ms).map_err(io_err("epoll_wait"))?;
+        let learning = self.opts.mode == Mode::Learning;
+        let before = learning.then(Instant::now);
+        let bits = sh.epoll.wait(ms).map_err(io_err("epoll_wait"));
+        if let Some(t1) = before {
+            self.learn.slept = Some((t1, Instant::now()));
+        }
+        let bits = bits?;
         if bits & (1 << KEY_WAKE) != 0 {
             // Drain first, then clear: a waker that comes in between sees
             // the flag still set and does not write, and what it queued is
@@ -86,7 +93,7 @@ impl Core {
             Mode::Event => self.event_cycle(ctl, wait, honor_stop),
             Mode::BusyPoll => self.poll_cycle(ctl, wait, None, honor_stop),
             Mode::Adaptive { spin } => self.adaptive_cycle(ctl, wait, spin, honor_stop),
-            Mode::Learning => self.adaptive_cycle(ctl, wait, Duration::from_micros(50), honor_stop),
+            Mode::Learning => self.learning_cycle(ctl, wait, honor_stop),
         }
     }
 
@@ -239,29 +246,193 @@ impl Core {
             if n > 0 || self.polling_since.is_some() {
                 return Ok(n);
             }
-            // Idle for `spin`: sleep from now on. Events raised while we
-            // polled are for completions already delivered: count them, then
-            // arm every CQ that is not armed and drain it once more.
-            self.read_events(ctl)?;
-            self.fired.clear();
-            for e in self.entries.iter_mut() {
-                e.in_fired = false;
-            }
-            for i in 0..self.entries.slot_count() {
-                if let Some(r) = self.entries.ref_at(i) {
-                    if self.entries.get(r).is_some_and(|e| !e.armed) {
-                        self.push_unarmed(r);
-                    }
-                }
-            }
+            self.end_polling(ctl)?;
         }
         let n = self.event_cycle(ctl, wait, honor_stop)?;
         if n > 0 {
             // Woken (or new CQs had completions): poll from now on; CQs
             // that fired stay unarmed until the next sleep arms them.
             self.polling_since = self.last_stamp.or_else(|| Some(Instant::now()));
+        } else {
+            self.rearm_fired_empty();
         }
         Ok(n)
+    }
+
+    /// Polling ends (adaptive modes): sleep from now on. Events raised
+    /// while the loop polled are for completions already delivered: count
+    /// them, then arm every CQ that is not armed and drain it once more
+    /// (the next `event_cycle` does, from the unarmed list).
+    fn end_polling(&mut self, ctl: &LoopControl) -> Result<()> {
+        self.read_events(ctl)?;
+        self.fired.clear();
+        for e in self.entries.iter_mut() {
+            e.in_fired = false;
+        }
+        self.push_all_disarmed();
+        Ok(())
+    }
+
+    fn push_all_disarmed(&mut self) {
+        for i in 0..self.entries.slot_count() {
+            if let Some(r) = self.entries.ref_at(i) {
+                if self.entries.get(r).is_some_and(|e| !e.armed) {
+                    self.push_unarmed(r);
+                }
+            }
+        }
+    }
+
+    /// After a sleep that delivered nothing (adaptive modes, which do not
+    /// re-arm a CQ that fired, expecting to poll it): a CQ whose event came
+    /// for completions something else took (a keepalive's or the
+    /// watchdog's drain) would stay unarmed while the loop sleeps. Arm such
+    /// CQs again (O(CQs), only when one is unarmed: every CQ is armed
+    /// while an adaptive loop sleeps).
+    fn rearm_fired_empty(&mut self) {
+        if self.polling_since.is_none() && self.armed + self.ready.len() < self.entries.len() {
+            self.push_all_disarmed();
+        }
+    }
+
+    /// [`Mode::Learning`]'s cycle: poll per the plan (after completions,
+    /// or in a window a timer woke the loop for), else sleep (with the
+    /// plan's timer), then learn from what happened: the idle time before
+    /// completions, the wake's lateness, the overhead of the sleep.
+    pub(super) fn learning_cycle(&mut self, ctl: &LoopControl, wait: Wait, honor_stop: bool) -> Result<usize> {
+        if self.polling_since.is_some() {
+            let n = self.learning_spin(ctl, wait, honor_stop)?;
+            if n > 0 || self.polling_since.is_some() {
+                return Ok(n);
+            }
+            self.end_polling(ctl)?;
+            self.plan_sleep();
+            self.publish_plan(&ctl.0);
+        }
+        let n = self.event_cycle(ctl, wait, honor_stop)?;
+        let slept = self.learn.slept.take();
+        let l = &mut self.learn;
+        if let (Some(t), Some((t1, _))) = (l.decided.take(), slept) {
+            // The work around a sleep: what it took to get from the decision
+            // to epoll_wait (the re-arm and final drain), about as much again
+            // after the wake (read, ack).
+            l.model.overhead_sample(2 * ns(t1.saturating_duration_since(t)));
+        }
+        if n > 0 {
+            let now = match slept {
+                // Woken by the completions' event: they came about one
+                // wake-up latency before the loop ran again.
+                Some((_, t2)) => t2.checked_sub(Duration::from_nanos(l.model.lateness())).unwrap_or(t2),
+                None => Instant::now(),
+            };
+            if let Some(s) = l.idle_start.take() {
+                l.model.idle(ns(now.saturating_duration_since(s)));
+            }
+            l.wake_at = None;
+            l.calibrating = false;
+            l.spin_until = l.model.plan().spin;
+            self.polling_since = Some(now);
+            return Ok(n);
+        }
+        if let (Some(at), Some((_, t2))) = (l.wake_at, slept) {
+            if t2 >= at {
+                l.model.lateness_sample(ns(t2 - at));
+                l.wake_at = None;
+                let c = &ctl.0.counters;
+                if std::mem::take(&mut l.calibrating) {
+                    // Measured: sleep on.
+                    c.learn_calibrations.fetch_add(1, Relaxed);
+                } else if let Some((_, until)) = l.model.plan().window {
+                    // The plan's window: poll until its end.
+                    c.learn_timer_wakes.fetch_add(1, Relaxed);
+                    l.spin_until = until;
+                    self.polling_since = Some(t2);
+                    self.publish_plan(&ctl.0);
+                    return Ok(0);
+                }
+                self.publish_plan(&ctl.0);
+            }
+        }
+        self.rearm_fired_empty();
+        Ok(0)
+    }
+
+    /// The plan and wake cost, for the stats (a few relaxed stores per
+    /// sleep).
+    fn publish_plan(&self, sh: &Shared) {
+        let (m, c) = (&self.learn.model, &sh.counters);
+        let p = m.plan();
+        let (from, to) = p.window.unwrap_or((0, 0));
+        c.learn_spin_ns.store(p.spin, Relaxed);
+        c.learn_window_from_ns.store(from, Relaxed);
+        c.learn_window_to_ns.store(to, Relaxed);
+        c.learn_wake_cost_ns.store(m.wake_cost(), Relaxed);
+    }
+
+    /// Learning mode's poll: until completions arrive, `learn.spin_until`
+    /// after the idle start passes, `wait` runs out, or a stop / change.
+    /// The clock is read once per empty pass (the idle time), not while
+    /// completions keep coming.
+    fn learning_spin(&mut self, ctl: &LoopControl, wait: Wait, honor_stop: bool) -> Result<usize> {
+        let sh = &*ctl.0;
+        let mut deadline = None;
+        loop {
+            self.begin_cycle();
+            let mut n = self.poll_all(ctl, honor_stop)?;
+            n += self.tick(ctl, honor_stop)?;
+            if n > 0 {
+                if let Some(s) = self.learn.idle_start.take() {
+                    let now = Instant::now();
+                    self.learn.model.idle(ns(now.saturating_duration_since(s)));
+                    self.polling_since = Some(now);
+                }
+                self.learn.spin_until = self.learn.model.plan().spin;
+                self.record_wakeup(sh, n);
+                return Ok(n);
+            }
+            if (honor_stop && sh.stop.load(Relaxed)) || sh.cmds_pending.load(Relaxed) {
+                return Ok(0);
+            }
+            let now = Instant::now();
+            let idle = *self.learn.idle_start.get_or_insert(now);
+            if ns(now.saturating_duration_since(idle)) >= self.learn.spin_until {
+                self.polling_since = None;
+                self.learn.decided = Some(now);
+                return Ok(0);
+            }
+            match wait {
+                Wait::None => return Ok(0),
+                Wait::For(d) => {
+                    let d = *deadline.get_or_insert_with(|| sys::deadline_after(now, d));
+                    if now >= d {
+                        return Ok(0);
+                    }
+                }
+                Wait::Forever => {}
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    /// Learning mode goes to sleep: set the plan's timer if its window is
+    /// still ahead, else (now and then) a short one that measures the
+    /// wake-up latency.
+    fn plan_sleep(&mut self) {
+        let l = &mut self.learn;
+        let now = l.decided.unwrap_or_else(Instant::now);
+        l.wake_at = None;
+        l.calibrating = false;
+        if let (Some((from, _)), Some(start)) = (l.model.plan().window, l.idle_start) {
+            let early = from.saturating_sub(l.model.lateness());
+            let at = start + Duration::from_nanos(early);
+            if at > now {
+                l.wake_at = Some(at);
+            }
+        }
+        if l.wake_at.is_none() && l.model.calibrate_now() {
+            l.wake_at = Some(now + Duration::from_nanos(CALIBRATE_NS));
+            l.calibrating = true;
+        }
     }
 
     /// Runs cycles (ignoring stop requests, which are for `run`) until `c`
@@ -292,6 +463,9 @@ impl Core {
         }
         self.armed = 0;
         self.polling_since = None;
+        self.learn.wake_at = None;
+        self.learn.idle_start = None;
+        self.learn.calibrating = false;
         sh.stop.store(false, SeqCst);
     }
 }

@@ -26,6 +26,7 @@ mod entries;
 mod event_loop;
 pub(crate) mod handle;
 mod keepalive;
+mod learn;
 mod local;
 mod options;
 mod registry;

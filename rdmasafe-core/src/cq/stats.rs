@@ -48,6 +48,12 @@ pub(crate) struct Counters {
     pub(crate) sleeps: AtomicU64,
     pub(crate) channel_reads: AtomicU64,
     pub(crate) channel_reads_empty: AtomicU64,
+    pub(crate) learn_timer_wakes: AtomicU64,
+    pub(crate) learn_calibrations: AtomicU64,
+    pub(crate) learn_spin_ns: AtomicU64,
+    pub(crate) learn_window_from_ns: AtomicU64,
+    pub(crate) learn_window_to_ns: AtomicU64,
+    pub(crate) learn_wake_cost_ns: AtomicU64,
     pub(crate) per_wakeup: Histogram,
     pub(crate) cycle_us: Histogram,
 }
@@ -81,6 +87,12 @@ impl Counters {
             sleeps: self.sleeps.load(Relaxed),
             channel_reads: self.channel_reads.load(Relaxed),
             channel_reads_empty: self.channel_reads_empty.load(Relaxed),
+            learn_timer_wakes: self.learn_timer_wakes.load(Relaxed),
+            learn_calibrations: self.learn_calibrations.load(Relaxed),
+            learn_spin_ns: self.learn_spin_ns.load(Relaxed),
+            learn_window_from_ns: self.learn_window_from_ns.load(Relaxed),
+            learn_window_to_ns: self.learn_window_to_ns.load(Relaxed),
+            learn_wake_cost_ns: self.learn_wake_cost_ns.load(Relaxed),
             completions_per_wakeup: self.per_wakeup.snapshot(),
             cycle_time_us: self.cycle_us.snapshot(),
         }
@@ -150,6 +162,24 @@ pub struct LoopStats {
     /// one read per 64 sleeps in steady state) whether events are pending
     /// again.
     pub channel_reads_empty: u64,
+    /// [`super::Mode::Learning`] (all 0 in the other modes): timed wakes
+    /// of the plan's window (the loop slept, then polled from just before
+    /// the next arrival was due).
+    pub learn_timer_wakes: u64,
+    /// Learning mode: timed sleeps made only to measure the wake-up
+    /// latency (at most one per 64 sleeps without a window).
+    pub learn_calibrations: u64,
+    /// Learning mode, the current plan: poll this long (ns) after the
+    /// last completion before sleeping.
+    pub learn_spin_ns: u64,
+    /// Learning mode, the current plan: when sleeping, wake on a timer to
+    /// poll from this long after the last completion (0: no window)...
+    pub learn_window_from_ns: u64,
+    /// ... until this long after it.
+    pub learn_window_to_ns: u64,
+    /// Learning mode: the measured block + wake cost (wake-up latency plus
+    /// the work around a sleep), ns.
+    pub learn_wake_cost_ns: u64,
     /// Histogram of completions delivered per wakeup (power-of-two
     /// buckets, see [`BUCKETS`]).
     pub completions_per_wakeup: [u64; BUCKETS],

@@ -23,6 +23,9 @@ impl Core {
             let x = sys::deadline_after(since, t);
             d = Some(d.map_or(x, |y| y.min(x)));
         }
+        if let Some(x) = self.learn.wake_at {
+            d = Some(d.map_or(x, |y| y.min(x)));
+        }
         d
     }
 

@@ -1,0 +1,380 @@
+//! The learning adaptive mode's model ([`super::Mode::Learning`]): what a
+//! sleep costs, how long the loop stays idle before completions arrive,
+//! and from those the cheapest way to wait. Pure logic, no clock and no
+//! system call of its own: `cycle` feeds it measured durations and asks it
+//! for a [`Plan`].
+//!
+//! **What is measured.** `idle`: from the first empty poll after
+//! completions to the next completion found (time the app spends outside
+//! the loop is not loop idle time: the idle clock starts at the first empty
+//! poll the loop makes itself). `lateness`: how much later than asked a
+//! timed sleep returns (the scheduler's wake-up latency). `overhead`: the
+//! CPU a sleep costs around it (re-arm, the wake's `read()` and ack). The
+//! block + wake cost `W` is lateness + overhead: what an event wake adds to
+//! a completion's latency, and about what a sleep costs in CPU.
+//!
+//! **How the plan is chosen.** Each way of waiting is priced over the last
+//! [`SAMPLES`] idle durations, a microsecond of CPU and a microsecond of
+//! added latency counting the same (competitive spinning, extended to a
+//! timed window): a plan is `spin` for a while after the last completion;
+//! if nothing came, sleep (CQs armed, so an early completion still wakes
+//! the loop at the cost `W`); optionally wake on a timer just before
+//! `window.0` and spin until `window.1`, then sleep for good. For an idle
+//! duration `x` the plan costs
+//! - `x` if `x <= spin` (caught spinning),
+//! - `spin + W` if it comes while asleep,
+//! - `spin + overhead + (x - window.0)` if it comes in the window (the
+//!   timer's wake costs CPU but adds no latency),
+//! - `spin + overhead + (window.1 - window.0) + W` after the window.
+//!
+//! The plan with the least total over the samples wins: periodic arrivals
+//! get a window around the next one (sleep, then poll); random ones get a
+//! spin of about `W` or none; a stream (idle durations of a few
+//! microseconds) gets a spin that covers them. Until [`MIN_SAMPLES`] idle
+//! durations are known the plan is the classic competitive one: spin for
+//! `W`. The search is O(n²) over the sorted samples, redone every
+//! [`REFRESH`] samples.
+
+/// Idle durations kept.
+pub(super) const SAMPLES: usize = 32;
+/// Idle durations needed before the plan comes from them.
+pub(super) const MIN_SAMPLES: usize = 8;
+/// New idle durations between two searches.
+pub(super) const REFRESH: u32 = 8;
+/// Sleeps between two timed sleeps made only to measure the lateness when
+/// no plan has used a timer meanwhile.
+pub(super) const CALIBRATE_EVERY: u32 = 64;
+/// The calibration sleep: the timer asked for this long (ns).
+pub(super) const CALIBRATE_NS: u64 = 20_000;
+/// Idle durations longer than this (an hour, ns) count as this long.
+const MAX_IDLE: u64 = 3_600_000_000_000;
+
+/// The learning mode's state in a loop: the model and where the loop is
+/// in its plan. Instants are the loop's clock reads.
+#[derive(Clone, Debug, Default)]
+pub(super) struct Learn {
+    pub model: Model,
+    /// When the loop's first empty poll after completions was (None while
+    /// completions keep coming).
+    pub idle_start: Option<std::time::Instant>,
+    /// While polling: poll until this long after `idle_start` (ns).
+    pub spin_until: u64,
+    /// While asleep: the timer the plan (or a calibration) set.
+    pub wake_at: Option<std::time::Instant>,
+    /// `wake_at` is a calibration's: on its wake, sleep on.
+    pub calibrating: bool,
+    /// When the loop decided to sleep (for the overhead before the sleep).
+    pub decided: Option<std::time::Instant>,
+    /// The last sleep's clock reads: just before `epoll_wait`, just after.
+    pub slept: Option<(std::time::Instant, std::time::Instant)>,
+}
+
+/// ns in a duration, saturating.
+pub(super) fn ns(d: std::time::Duration) -> u64 {
+    d.as_nanos().min(u64::MAX as u128) as u64
+}
+
+/// How to wait after the last completion (nanoseconds from the start of
+/// idleness).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Plan {
+    /// Poll until this long after the idle start.
+    pub spin: u64,
+    /// Then sleep; if set, wake on a timer so as to poll from `.0` (the
+    /// timer is set `lateness` earlier) until `.1`, then sleep again.
+    pub window: Option<(u64, u64)>,
+}
+
+#[derive(Clone, Debug)]
+pub(super) struct Model {
+    idle: [u64; SAMPLES],
+    len: usize,
+    next: usize,
+    fresh: u32,
+    plan: Plan,
+    /// EWMA (1/8) of the wake lateness and the sleep overhead, ns.
+    lateness: u64,
+    overhead: u64,
+    lateness_seen: bool,
+    /// Sleeps since the lateness was last measured.
+    since_lateness: u32,
+}
+
+impl Default for Model {
+    fn default() -> Self {
+        let mut m = Model {
+            idle: [0; SAMPLES],
+            len: 0,
+            next: 0,
+            fresh: 0,
+            plan: Plan { spin: 0, window: None },
+            // Until measured: a guess of a native machine's costs.
+            lateness: 20_000,
+            overhead: 5_000,
+            lateness_seen: false,
+            since_lateness: 0,
+        };
+        m.plan = m.competitive();
+        m
+    }
+}
+
+fn ewma(old: u64, sample: u64) -> u64 {
+    (old * 7 + sample) / 8
+}
+
+impl Model {
+    /// The block + wake cost `W`, ns.
+    pub(super) fn wake_cost(&self) -> u64 {
+        self.lateness + self.overhead
+    }
+
+    pub(super) fn lateness(&self) -> u64 {
+        self.lateness
+    }
+
+    pub(super) fn plan(&self) -> Plan {
+        if self.len < MIN_SAMPLES {
+            self.competitive()
+        } else {
+            self.plan
+        }
+    }
+
+    fn competitive(&self) -> Plan {
+        Plan { spin: self.wake_cost(), window: None }
+    }
+
+    /// A completion came `ns` after the idle start.
+    pub(super) fn idle(&mut self, ns: u64) {
+        self.idle[self.next] = ns;
+        self.next = (self.next + 1) % SAMPLES;
+        self.len = (self.len + 1).min(SAMPLES);
+        self.fresh += 1;
+        if self.len >= MIN_SAMPLES && self.fresh >= REFRESH {
+            self.fresh = 0;
+            self.plan = self.search();
+        }
+    }
+
+    /// A timed sleep returned `ns` after the time it was asked for.
+    pub(super) fn lateness_sample(&mut self, ns: u64) {
+        self.lateness = if self.lateness_seen { ewma(self.lateness, ns) } else { ns };
+        self.lateness_seen = true;
+        self.since_lateness = 0;
+    }
+
+    /// A sleep cost `ns` of CPU around it.
+    pub(super) fn overhead_sample(&mut self, ns: u64) {
+        self.overhead = ewma(self.overhead, ns);
+    }
+
+    /// A sleep without a timer of the plan's: whether to time it anyway
+    /// (for [`CALIBRATE_NS`]) to measure the lateness.
+    pub(super) fn calibrate_now(&mut self) -> bool {
+        self.since_lateness += 1;
+        !self.lateness_seen || self.since_lateness >= CALIBRATE_EVERY
+    }
+
+    /// The cheapest plan over the samples (see the module's comment).
+    fn search(&self) -> Plan {
+        let n = self.len;
+        // Signed: a(i) below may be negative. Durations are capped at an
+        // hour, so no sum of SAMPLES of them overflows.
+        let mut y = [0i64; SAMPLES];
+        for (d, &s) in y.iter_mut().zip(&self.idle[..n]) {
+            *d = s.min(MAX_IDLE) as i64;
+        }
+        let y = &mut y[..n];
+        y.sort_unstable();
+        // prefix sums: p[k] = y[0] + ... + y[k-1]
+        let mut p = [0i64; SAMPLES + 1];
+        for k in 0..n {
+            p[k + 1] = p[k] + y[k];
+        }
+        let (w, c) = (self.wake_cost().min(MAX_IDLE) as i64, self.overhead.min(MAX_IDLE) as i64);
+        let nn = n as i64;
+        let min_inside = n.div_ceil(4);
+        // The cost of a plan splits into a part that depends only on the
+        // spin (the samples it catches, `i` of them) and one that depends
+        // only on the window [y[j], y[k]]:
+        //   cost(i, j, k) = a(i) + b(j, k), with
+        //   a(i) = p[i] + (n - i) * spin_i - i * W          (spin_i = y[i-1], 0 for i = 0)
+        //   b(j, k) = j * W + (k - j + 1) * C + (p[k+1] - p[j]) - (k - j + 1) * y[j]
+        //             + (n - k - 1) * (C + y[k] - y[j] + W)
+        // and without a window b = n * W. b_best[j]: the best window that
+        // starts at y[j] or later.
+        // A window must hold a quarter of the samples at least: one around
+        // a single sample (the largest, say) would be fitted to the past,
+        // not a pattern.
+        let mut b_best = [(i64::MAX, 0usize, 0usize); SAMPLES + 1];
+        for j in (0..n).rev() {
+            let mut best = b_best[j + 1];
+            for k in (j + min_inside - 1)..n {
+                let inside = (k - j + 1) as i64;
+                let after = nn - k as i64 - 1;
+                let b = j as i64 * w + inside * c + (p[k + 1] - p[j]) - inside * y[j] + after * (c + y[k] - y[j] + w);
+                if b < best.0 {
+                    best = (b, j, k);
+                }
+            }
+            b_best[j] = best;
+        }
+        let mut winner = (i64::MAX, Plan { spin: 0, window: None });
+        for i in 0..=n {
+            let spin = if i == 0 { 0 } else { y[i - 1] };
+            let a = p[i] + (nn - i as i64) * spin - i as i64 * w;
+            // Without a window.
+            let plain = a + nn * w;
+            if plain < winner.0 {
+                winner = (plain, Plan { spin: spin as u64, window: None });
+            }
+            // A window must start at least W after the spin ends (a shorter
+            // sleep costs more than spinning through it) and after the
+            // samples the spin catches.
+            let first = y.partition_point(|&v| v < spin + w).max(i);
+            if first < n {
+                let (b, j, k) = b_best[first];
+                if b != i64::MAX && a + b < winner.0 {
+                    winner = (a + b, Plan { spin: spin as u64, window: Some((y[j] as u64, y[k] as u64)) });
+                }
+            }
+        }
+        winner.1
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model(lateness: u64, overhead: u64) -> Model {
+        let mut m = Model::default();
+        m.lateness_sample(lateness);
+        m.overhead = overhead;
+        m
+    }
+
+    fn feed(m: &mut Model, xs: impl IntoIterator<Item = u64>) {
+        for x in xs {
+            m.idle(x);
+        }
+    }
+
+    /// The plan's cost for one idle duration, as the module's comment
+    /// states it (a brute-force check of `search`).
+    fn cost(m: &Model, p: Plan, x: u64) -> u64 {
+        let (w, c) = (m.wake_cost(), m.overhead);
+        if x <= p.spin {
+            return x;
+        }
+        match p.window {
+            Some((a, s)) if x >= a && x <= s => p.spin + c + (x - a),
+            Some((a, s)) if x > s => p.spin + c + (s - a) + w,
+            _ => p.spin + w,
+        }
+    }
+
+    #[test]
+    fn competitive_until_enough_samples() {
+        let mut m = model(30_000, 10_000);
+        assert_eq!(m.plan(), Plan { spin: 40_000, window: None });
+        feed(&mut m, [1_000_000; MIN_SAMPLES - 1]);
+        assert_eq!(m.plan(), Plan { spin: 40_000, window: None });
+        feed(&mut m, [1_000_000]);
+        assert_ne!(m.plan(), Plan { spin: 40_000, window: None });
+    }
+
+    #[test]
+    fn periodic_arrivals_get_a_window_around_the_next() {
+        let mut m = model(30_000, 10_000);
+        // 1 ms apart with +-20 us of jitter
+        feed(&mut m, (0..SAMPLES as u64).map(|i| 980_000 + (i * 7919) % 40_000));
+        let p = m.plan();
+        assert_eq!(p.spin, 0, "{p:?}");
+        let (a, s) = p.window.expect("a window");
+        assert!((980_000..=1_020_000).contains(&a) && (a..=1_020_000).contains(&s), "{p:?}");
+    }
+
+    #[test]
+    fn a_stream_gets_a_spin_that_covers_its_gaps() {
+        let mut m = model(30_000, 10_000);
+        feed(&mut m, (0..SAMPLES as u64).map(|i| 500 + i * 100));
+        assert_eq!(m.plan(), Plan { spin: 500 + (SAMPLES as u64 - 1) * 100, window: None });
+    }
+
+    #[test]
+    fn long_random_gaps_are_slept_through() {
+        let mut m = model(30_000, 10_000);
+        // exponential-ish, mean ~2 ms, no two alike: no window pays
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        feed(
+            &mut m,
+            (0..SAMPLES).map(|_| {
+                x ^= x >> 12;
+                x ^= x << 25;
+                x ^= x >> 27;
+                let u = (x.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as f64 / (1u64 << 53) as f64;
+                (-(1.0 - u).ln() * 2_000_000.0) as u64 + 100_000
+            }),
+        );
+        let p = m.plan();
+        assert!(p.spin < 100_000, "{p:?}");
+    }
+
+    #[test]
+    fn short_replies_then_periodic_requests_get_both() {
+        // a server: its send completes ~20 us after the request came, the
+        // next request ~1 ms later
+        let mut m = model(60_000, 10_000);
+        feed(&mut m, (0..SAMPLES as u64).map(|i| if i % 2 == 0 { 18_000 + i * 100 } else { 990_000 + i * 500 }));
+        let p = m.plan();
+        assert!(p.spin >= 18_000 && p.spin <= 21_000, "{p:?}");
+        let (a, s) = p.window.expect("a window");
+        assert!(a >= 990_000 && s <= 1_010_000, "{p:?}");
+    }
+
+    #[test]
+    fn the_plan_is_the_cheapest_of_all_plans_over_the_samples() {
+        let mut seed = 7u64;
+        let mut rnd = move || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            seed >> 33
+        };
+        for round in 0..200 {
+            let mut m = model(rnd() % 50_000 + 1, rnd() % 20_000 + 1);
+            let spread = [1_000u64, 50_000, 2_000_000][round % 3];
+            let xs: Vec<u64> = (0..SAMPLES).map(|_| rnd() % spread + rnd() % 3 * spread).collect();
+            feed(&mut m, xs.iter().copied());
+            let total = |p: Plan| xs.iter().map(|&x| cost(&m, p, x)).sum::<u64>();
+            let got = total(m.plan());
+            // every plan the search may pick from: spins and windows at
+            // sample values
+            let mut cands = vec![0];
+            cands.extend(xs.iter().copied());
+            for &spin in &cands {
+                assert!(got <= total(Plan { spin, window: None }), "round {round}");
+                for &a in &xs {
+                    for &s in &xs {
+                        let inside = xs.iter().filter(|&&x| x >= a && x <= s).count();
+                        if a >= spin + m.wake_cost() && s >= a && inside >= SAMPLES / 4 {
+                            assert!(got <= total(Plan { spin, window: Some((a, s)) }), "round {round}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn lateness_is_measured_then_averaged_and_recalibrated() {
+        let mut m = Model::default();
+        assert!(m.calibrate_now(), "nothing measured yet");
+        m.lateness_sample(80_000);
+        assert_eq!(m.lateness(), 80_000);
+        m.lateness_sample(0);
+        assert_eq!(m.lateness(), 70_000);
+        let due = (0..CALIBRATE_EVERY).filter(|_| m.calibrate_now()).count();
+        assert_eq!(due, 1);
+    }
+}
