@@ -8,6 +8,9 @@ use std::time::{Duration, Instant};
 use super::control::{Completion, LoopControl, Shared, KEY_CHANNEL, KEY_TIMER, KEY_WAKE};
 use super::core::{io_err, Core, List};
 use super::learn::{ns, CALIBRATE_NS};
+
+/// Learning mode reads the clock once per this many empty polling passes.
+const CLOCK_EVERY: u32 = 4;
 use super::options::Mode;
 use crate::sys::{self, Wait};
 use crate::Result;
@@ -371,8 +374,11 @@ impl Core {
 
     /// Learning mode's poll: until completions arrive, `learn.spin_until`
     /// after the idle start passes, `wait` runs out, or a stop / change.
-    /// The clock is read once per empty pass (the idle time), not while
-    /// completions keep coming.
+    /// The clock is read at the first empty pass (the idle start), then
+    /// once per [`CLOCK_EVERY`] empty passes (a clock read is a system call
+    /// on some VMs: reading it on every pass would slow the polling down),
+    /// and when completions come after an idle time; not while completions
+    /// keep coming.
     fn learning_spin(&mut self, ctl: &LoopControl, wait: Wait, honor_stop: bool) -> Result<usize> {
         let sh = &*ctl.0;
         let mut deadline = None;
@@ -392,6 +398,11 @@ impl Core {
             }
             if (honor_stop && sh.stop.load(Relaxed)) || sh.cmds_pending.load(Relaxed) {
                 return Ok(0);
+            }
+            self.learn.passes = self.learn.passes.wrapping_add(1);
+            if self.learn.idle_start.is_some() && self.learn.passes % CLOCK_EVERY != 0 && wait != Wait::None {
+                std::hint::spin_loop();
+                continue;
             }
             let now = Instant::now();
             let idle = *self.learn.idle_start.get_or_insert(now);

@@ -67,6 +67,8 @@ pub(super) struct Learn {
     pub decided: Option<std::time::Instant>,
     /// The last sleep's clock reads: just before `epoll_wait`, just after.
     pub slept: Option<(std::time::Instant, std::time::Instant)>,
+    /// Empty polling passes (the clock is read on some of them).
+    pub passes: u32,
 }
 
 /// ns in a duration, saturating.
