@@ -100,8 +100,12 @@ else
 	# (M a multiple of cq_scale's send-signal interval, 64), R runs each
 	SCALE_NS=1,64,1024,4096 SCALE_M=256 SCALE_R=2 SCALE_W=20
 	SCALE_BUSY_NS=1,1024 SCALE_BUSY_M=64
-	# adaptive frontier: messages per case, about 0.2-0.4 s of arrivals
-	# each (plus ~2 s of process start, connect and teardown per run)
+	# adaptive frontier: round trips (messages for the stream) per case.
+	# 30 runs per repeat; each spends ~2-3 s in process start, connect and
+	# teardown, more than in its measured window (~1-4 s: round trips of
+	# ~4 ms once a side sleeps, so Poisson 200 us is mostly back to back).
+	# With 5 repeats the section took 509 s of guest time on the shared
+	# 2-core host (2026-12-01, other guests running in 41 of 104 samples).
 	AD_IDLE_N=200 AD_P200_N=500 AD_P2000_N=150 AD_STREAM_N=10000
 fi
 
