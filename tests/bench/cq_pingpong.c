@@ -5,7 +5,8 @@
  *
  * One source, two programs (tests/bench/Makefile):
  *   cq_pingpong_rdmasafe  (-DUSE_RDMASAFE) rdmasafe_cq_loop_* in event,
- *                         busy-poll or adaptive mode;
+ *                         busy-poll, adaptive (fixed spin) or learning
+ *                         mode;
  *   cq_pingpong_raw       the hand-written loop: event mode is the classic
  *                         ibv_get_cq_event (blocking) -> ibv_ack_cq_events
  *                         (1) -> ibv_req_notify_cq -> ibv_poll_cq until
@@ -18,17 +19,24 @@
  *           times each round trip (post_send -> pong's recv completion);
  *   idle    the same, but the client sends at most one ping per -i
  *           microseconds (default 1000): a mostly idle server;
+ *   poisson like idle, but the gaps between the client's ping send times
+ *           are exponentially distributed with mean -i microseconds
+ *           (Poisson arrivals at the server), drawn from a seeded
+ *           xorshift64* generator (-r SEED, default 1: the same gaps in
+ *           every run); a pong that comes after the next send time makes
+ *           the client send at once;
  *   stream  the client streams -n sends (at most -q outstanding, posted as
  *           chained lists), the server receives them: counts wakeups,
  *           completions per wakeup, ack calls.
  *
  *   cq_pingpong -S -a ADDR -p PORT -w W -m MODE -n N [...]   server
  *   cq_pingpong    -a ADDR -p PORT -w W -m MODE -n N [...]   client
- * Options: -m event|busy|adaptive, -n N measured iterations / messages,
- *   -W warm-up iterations (pp/idle, default 50), -s bytes (64), -i us,
- *   -q window (stream, 64), -A adaptive spin us, -B ack batch, -P poll
- *   batch (rdmasafe loop options; 0 = the library's default),
- *   -t SECS alarm (300).
+ * Options: -m event|busy|adaptive|learn (adaptive and learn: rdmasafe
+ *   only; learn is RDMASAFE_MODE_LEARNING), -n N measured iterations /
+ *   messages, -W warm-up iterations (pp/idle/poisson, default 50), -s
+ *   bytes (64), -i us, -r seed (poisson), -q window (stream, 64), -A
+ *   adaptive spin us, -B ack batch, -P poll batch (rdmasafe loop options;
+ *   0 = the library's default), -t SECS alarm (300).
  * The server prints "READY" once listening. Each side prints one RESULT
  * line: wall time and CPU of the measured window (after warm-up), loop
  * counters, and on the client latency percentiles and quantiles.
@@ -36,6 +44,7 @@
 #include "bench_common.h"
 
 #include <getopt.h>
+#include <math.h>
 #include <rdma/rdma_cma.h>
 
 #ifdef USE_RDMASAFE
@@ -47,12 +56,14 @@
 #define RELEASE_EVENT(ev) rdma_ack_cm_event(ev)
 #endif
 
-enum { W_PP, W_IDLE, W_STREAM };
-enum { M_EVENT, M_BUSY, M_ADAPTIVE };
+enum { W_PP, W_IDLE, W_STREAM, W_POISSON };
+enum { M_EVENT, M_BUSY, M_ADAPTIVE, M_LEARN };
 
 struct app {
 	int server, workload, mode;
 	uint64_t n, warm, size, interval_us, window, spin_us, ack_batch, poll_batch;
+	uint64_t seed; /* poisson: the gap generator's state (xorshift64*) */
+	uint64_t gaps, gap_sum_ns; /* poisson: gaps drawn, their sum */
 	/* resources */
 	struct rdma_event_channel *cm_ch;
 	struct rdma_cm_id *listen_id, *id;
@@ -225,9 +236,10 @@ static void on_wc(void *ctx, const struct ibv_wc *wc, int n)
 static void loop_setup(struct app *a)
 {
 	struct rdmasafe_cq_loop_options o = { .size = sizeof o };
-	o.mode = a->mode == M_EVENT ? RDMASAFE_MODE_EVENT
-		 : a->mode == M_BUSY ? RDMASAFE_MODE_BUSY_POLL
-				      : RDMASAFE_MODE_ADAPTIVE;
+	o.mode = a->mode == M_EVENT      ? RDMASAFE_MODE_EVENT
+		 : a->mode == M_BUSY     ? RDMASAFE_MODE_BUSY_POLL
+		 : a->mode == M_ADAPTIVE ? RDMASAFE_MODE_ADAPTIVE
+		                         : RDMASAFE_MODE_LEARNING;
 	o.adaptive_spin_us = (int)a->spin_us;
 	o.ack_batch = (int)a->ack_batch;
 	o.poll_batch = (int)a->poll_batch;
@@ -247,7 +259,7 @@ static void loop_run(struct app *a)
 		DIE("rdmasafe_cq_loop_run: %d", r);
 }
 
-/* until a pong arrived (idle client) */
+/* until a pong arrived (idle / poisson client) */
 static void loop_until_pong(struct app *a)
 {
 	while (!a->got_pong && !a->done) {
@@ -383,6 +395,30 @@ static void loop_teardown(struct app *a)
 }
 #endif
 
+/* ---- poisson arrivals ---- */
+
+/* xorshift64* (Vigna): a small deterministic generator, enough for gaps */
+static uint64_t next_rand(struct app *a)
+{
+	uint64_t x = a->seed;
+	x ^= x >> 12;
+	x ^= x << 25;
+	x ^= x >> 27;
+	a->seed = x;
+	return x * 0x2545F4914F6CDD1Dull;
+}
+
+/* the next gap between ping send times, ns: exponential, mean -i us */
+static uint64_t next_gap_ns(struct app *a)
+{
+	/* u in (0, 1]: the top 53 bits, + 1 so that log(u) is finite */
+	double u = (double)((next_rand(a) >> 11) + 1) / 9007199254740992.0;
+	double g = -log(u) * (double)a->interval_us * 1000.0;
+	a->gaps++;
+	a->gap_sum_ns += (uint64_t)g;
+	return (uint64_t)g;
+}
+
 /* ---- connection set-up (rdma_cm) ---- */
 
 static struct rdma_cm_id *expect(struct app *a, enum rdma_cm_event_type type)
@@ -486,8 +522,8 @@ static void teardown(struct app *a)
 	rdma_destroy_event_channel(a->cm_ch);
 }
 
-static const char *mode_name[] = { "event", "busy", "adaptive" };
-static const char *workload_name[] = { "pp", "idle", "stream" };
+static const char *mode_name[] = { "event", "busy", "adaptive", "learn" };
+static const char *workload_name[] = { "pp", "idle", "stream", "poisson" };
 
 int main(int argc, char **argv)
 {
@@ -500,7 +536,8 @@ int main(int argc, char **argv)
 	a->size = 64;
 	a->interval_us = 1000;
 	a->window = 64;
-	while ((op = getopt(argc, argv, "Sa:p:w:m:n:W:s:i:q:A:B:P:t:")) != -1) {
+	a->seed = 1;
+	while ((op = getopt(argc, argv, "Sa:p:w:m:n:W:s:i:r:q:A:B:P:t:")) != -1) {
 		switch (op) {
 		case 'S':
 			a->server = 1;
@@ -512,14 +549,18 @@ int main(int argc, char **argv)
 			port = optarg;
 			break;
 		case 'w':
-			a->workload = !strcmp(optarg, "pp") ? W_PP : !strcmp(optarg, "idle") ? W_IDLE
-				      : !strcmp(optarg, "stream")                   ? W_STREAM
-										    : -1;
+			a->workload = !strcmp(optarg, "pp")      ? W_PP
+				      : !strcmp(optarg, "idle")    ? W_IDLE
+				      : !strcmp(optarg, "stream")  ? W_STREAM
+				      : !strcmp(optarg, "poisson") ? W_POISSON
+				                                   : -1;
 			break;
 		case 'm':
-			a->mode = !strcmp(optarg, "event") ? M_EVENT : !strcmp(optarg, "busy") ? M_BUSY
-				  : !strcmp(optarg, "adaptive")                          ? M_ADAPTIVE
-											 : -1;
+			a->mode = !strcmp(optarg, "event")      ? M_EVENT
+				  : !strcmp(optarg, "busy")     ? M_BUSY
+				  : !strcmp(optarg, "adaptive") ? M_ADAPTIVE
+				  : !strcmp(optarg, "learn")    ? M_LEARN
+				                                : -1;
 			break;
 		case 'n':
 			a->n = strtoull(optarg, NULL, 0);
@@ -532,6 +573,9 @@ int main(int argc, char **argv)
 			break;
 		case 'i':
 			a->interval_us = strtoull(optarg, NULL, 0);
+			break;
+		case 'r':
+			a->seed = strtoull(optarg, NULL, 0);
 			break;
 		case 'q':
 			a->window = strtoull(optarg, NULL, 0);
@@ -553,11 +597,12 @@ int main(int argc, char **argv)
 			return 2;
 		}
 	}
-	if (!addr || a->workload < 0 || a->mode < 0 || a->n < 1 || a->size < 1 || a->window < 1 || a->window > 1024)
+	if (!addr || a->workload < 0 || a->mode < 0 || a->n < 1 || a->size < 1 || a->window < 1 || a->window > 1024 ||
+	    a->seed == 0)
 		DIE("bad arguments");
 #ifndef USE_RDMASAFE
-	if (a->mode == M_ADAPTIVE)
-		DIE("the hand-written loop has no adaptive mode");
+	if (a->mode == M_ADAPTIVE || a->mode == M_LEARN)
+		DIE("the hand-written loop has no adaptive or learning mode");
 #endif
 	alarm((unsigned)secs);
 	if (a->workload == W_STREAM) {
@@ -586,14 +631,16 @@ int main(int argc, char **argv)
 	} else if (a->workload == W_STREAM) {
 		post_sends(a, a->window < a->target ? a->window : a->target);
 		loop_run(a);
-	} else { /* idle client */
+	} else { /* idle / poisson client */
 		while (!a->done) {
 			send_ping(a);
+			uint64_t gap = a->workload == W_POISSON ? next_gap_ns(a) : a->interval_us * 1000;
 			loop_until_pong(a);
 			if (a->done)
 				break;
-			/* relative sleep: the clock may be fastclock.so's */
-			uint64_t t = a->t_send + a->interval_us * 1000, now = now_ns();
+			/* relative sleep: the clock may be fastclock.so's; a
+			   pong later than the next send time: send at once */
+			uint64_t t = a->t_send + gap, now = now_ns();
 			if (now < t) {
 				struct timespec d = { (time_t)((t - now) / 1000000000ull),
 						      (long)((t - now) % 1000000000ull) };
@@ -610,6 +657,15 @@ int main(int argc, char **argv)
 	j_str(&j, "mode", mode_name[a->mode]);
 	j_u64(&j, "n", a->n);
 	j_u64(&j, "size", a->size);
+	if (a->workload == W_IDLE || a->workload == W_POISSON)
+		j_u64(&j, "interval_us", a->interval_us);
+	if (a->workload == W_STREAM)
+		j_u64(&j, "window", a->window);
+	j_u64(&j, "spin_us", a->spin_us);
+	if (a->gaps) { /* poisson client: the gaps drawn (warm-up included) */
+		j_u64(&j, "gaps", a->gaps);
+		j_dbl(&j, "gap_mean_us", a->gap_sum_ns / 1e3 / (double)a->gaps);
+	}
 	j_u64(&j, "failed", a->failed);
 	j_u64(&j, "recvs", a->recvs);
 	j_u64(&j, "sends", a->sends_done);

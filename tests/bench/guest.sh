@@ -17,7 +17,14 @@
 #   load     one long stream (1M sends) per event loop, counts per wakeup;
 #   scale    cq_scale under callgrind: instructions per completion with N
 #            CQs on one channel, one active (event mode, N up to 4096;
-#            busy-poll at two N), one dump per measured window.
+#            busy-poll at two N), one dump per measured window;
+#   adaptive the adaptive frontier (issue 14 target 4): p50 and CPU per
+#            message of rdmasafe's event, busy-poll, learning and fixed-spin
+#            adaptive modes (and the hand-written event and busy loops) on
+#            periodic 1 ms pings and Poisson arrivals (mean 200 us, 2 ms),
+#            and the receiver's rate of a 64-deep stream (busy-poll,
+#            learning, adaptive 50 us); RDMASAFE_BENCH_REPEATS alternated
+#            repeats. Runs after times in the full run.
 # With RDMASAFE_BENCH_QUICK=1 (smoke run) only one short pass over our
 # programs and modes runs instead (no stock tools, strace or callgrind).
 #
@@ -28,7 +35,8 @@
 # programs built against an earlier librdmasafe; they run as variant
 # "before" next to "rdmasafe" and "raw" in the CQ event-mode and CM event
 # counts, and in the event-mode ping-pong times), RDMASAFE_BENCH_ONLY=scale
-# (only the scale case) or =counts (the counts phase only).
+# (only the scale case), =adaptive (only the adaptive frontier) or =counts
+# (the counts phase only).
 set -u
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -75,6 +83,7 @@ if [[ $QUICK == 1 ]]; then
 	# the CQ loop scale case runs under callgrind in quick mode too (its
 	# figures are counts): two CQ counts, short windows
 	SCALE_NS=1,64 SCALE_M=32 SCALE_R=1 SCALE_W=4 SCALE_BUSY_NS= SCALE_BUSY_M=
+	AD_IDLE_N=10 AD_P200_N=20 AD_P2000_N=10 AD_STREAM_N=500
 else
 	STORM_NS=(200 1000)
 	EV_K=1000 EV_R=3
@@ -91,6 +100,13 @@ else
 	# (M a multiple of cq_scale's send-signal interval, 64), R runs each
 	SCALE_NS=1,64,1024,4096 SCALE_M=256 SCALE_R=2 SCALE_W=20
 	SCALE_BUSY_NS=1,1024 SCALE_BUSY_M=64
+	# adaptive frontier: round trips (messages for the stream) per case.
+	# 30 runs per repeat; each spends ~2-3 s in process start, connect and
+	# teardown, more than in its measured window (~1-4 s: round trips of
+	# ~4 ms once a side sleeps, so Poisson 200 us is mostly back to back).
+	# With 5 repeats the section took 509 s of guest time on the shared
+	# 2-core host (2026-12-01, other guests running in 41 of 104 samples).
+	AD_IDLE_N=200 AD_P200_N=500 AD_P2000_N=150 AD_STREAM_N=10000
 fi
 
 now_ms() { local t=${EPOCHREALTIME/./}; echo $((t / 1000)); }
@@ -381,6 +397,25 @@ pp() { # VARIANT MODE WORKLOAD N REP [KIND] [EXTRA...]
 	run_pair "${w}_${v}_$m$tag${kind:+_$kind}" "$rep" "$kind"
 }
 
+# adapt VARIANT MODE WORKLOAD ARG N REP: one case of the adaptive frontier.
+# MODE: event, busy, learn or spinUS (adaptive, fixed spin of US
+# microseconds); ARG: -i (idle, poisson: the interval or mean gap, us) or
+# -q (stream: the window). Poisson gaps are seeded with the repeat number:
+# every mode of a repeat sees the same arrival times.
+adapt() {
+	local v=$1 m=$2 w=$3 arg=$4 n=$5 rep=$6 opt=()
+	next_port
+	if [[ $w == stream ]]; then opt=(-q "$arg"); else opt=(-i "$arg" -r "$rep"); fi
+	if [[ $m == spin* ]]; then
+		opt+=(-m adaptive -A "${m#spin}")
+	else
+		opt+=(-m "$m")
+	fi
+	S=("$(prog cq_pingpong "$v")" -S -a "$ADDR" -p "$port" -w "$w" -n "$n" -W "$PP_WARM" -t 300 "${opt[@]}")
+	C=("$(prog cq_pingpong "$v")" -a "$ADDR" -p "$port" -w "$w" -n "$n" -W "$PP_WARM" -t 300 "${opt[@]}")
+	run_pair "adapt_${w}${arg}_${v}_$m" "$rep"
+}
+
 scale() { # VARIANT MODE NS M RUNS WARM  (cq_scale under callgrind, one dump per window)
 	local v=$1 m=$2 ns=$3 len=$4 runs=$5 warm=$6
 	next_port
@@ -485,6 +520,10 @@ if [[ $QUICK == 1 ]]; then
 		pp raw busy pp "$PP_N" 1
 		pp raw event stream "$STREAM_N" 1
 		pp rdmasafe adaptive idle "$IDLE_N" 1
+		adapt rdmasafe learn idle 1000 "$AD_IDLE_N" 1
+		adapt rdmasafe spin200 poisson 200 "$AD_P200_N" 1
+		adapt raw event poisson 2000 "$AD_P2000_N" 1
+		adapt rdmasafe learn stream 64 "$AD_STREAM_N" 1
 		evcost rdmasafe 0 allocs "$ST_EV_K" 1
 		scale rdmasafe event "$SCALE_NS" "$SCALE_M" "$SCALE_R" "$SCALE_W"
 		;;
@@ -518,6 +557,36 @@ scale_section() {
 		scale "$v" busy "$SCALE_BUSY_NS" "$SCALE_BUSY_M" 1 "$SCALE_W"
 	done
 }
+# ---- adaptive frontier (issue 14 target 4) -------------------------------
+AD_SPINS=(20 50 200 1000)
+adaptive_section() {
+	local rep w arg n m cmds
+	section adaptive
+	for ((rep = 1; rep <= REPEATS; rep++)); do
+		say "adaptive: repeat $rep of $REPEATS"
+		for w in idle:1000:$AD_IDLE_N poisson:200:$AD_P200_N poisson:2000:$AD_P2000_N; do
+			IFS=: read -r w arg n <<<"$w"
+			cmds=()
+			for m in event busy learn "${AD_SPINS[@]/#/spin}"; do
+				cmds+=("adapt rdmasafe $m $w $arg $n $rep")
+			done
+			cmds+=("adapt raw event $w $arg $n $rep" "adapt raw busy $w $arg $n $rep")
+			alternate "$rep" "${cmds[@]}"
+		done
+		alternate "$rep" "adapt rdmasafe busy stream 64 $AD_STREAM_N $rep" \
+			"adapt rdmasafe learn stream 64 $AD_STREAM_N $rep" \
+			"adapt rdmasafe spin50 stream 64 $AD_STREAM_N $rep"
+	done
+}
+if [[ ${RDMASAFE_BENCH_ONLY:-} == adaptive ]]; then
+	adaptive_section
+	section
+	say "done: $failures failed"
+	echo "@@ {\"kind\":\"summary\",\"failures\":$failures,\"seconds\":$((($(now_ms) - t_start) / 1000))}"
+	[[ $failures -eq 0 ]]
+	exit
+fi
+
 if [[ ${RDMASAFE_BENCH_ONLY:-} == scale ]]; then
 	scale_section
 	section
@@ -602,6 +671,7 @@ for ((rep = 1; rep <= REPEATS; rep++)); do
 		"pp rdmasafe event stream $STREAM_N $rep" "pp raw event stream $STREAM_N $rep" \
 		"pp rdmasafe event stream $STREAM_N $rep fastclock" "pp raw event stream $STREAM_N $rep fastclock"
 done
+adaptive_section
 
 # ---- load ------------------------------------------------------------------
 if ((BIG_N > 0)); then

@@ -4,6 +4,8 @@ docs/bench-latency.png (the plot with gnuplot).
 
     report.py RESULTS.txt OUT.md OUT.png [SCALE_RESULTS.txt]
 
+The adaptive frontier plot goes next to OUT.png, as bench-adaptive.png.
+
 With SCALE_RESULTS.txt (the output of a `run.sh --only scale` run), the CQ
 loop scale section and its target row come from that run instead, and say
 so (date, command, commit); everything else comes from RESULTS.txt.
@@ -386,6 +388,7 @@ def build(d, png_name):
                          f"1 per {fnum(1 / med(v.values()))} events (the last call flushes the remainder at stop)",
                          verdict(all(ok.values()))])
             break
+    rows += adaptive_target_rows(d, verdict)
     scale_ev = scale_figures(d.scale_data, f"scale_{rs}_event")
     if scale_ev:
         xs = {n: f["per_c"] for n, f in scale_ev.items()}
@@ -817,6 +820,8 @@ def build(d, png_name):
         w(table(["loop (both sides)", "messages / s (receiver)", "CPU us / message (both)", "receiver CPU us / message"], rows))
         w("")
 
+    adaptive_section(d, w)
+
     # ================= method and noise
     w("## 3. Method")
     w("")
@@ -827,7 +832,8 @@ def build(d, png_name):
     w("- Programs (each built twice from one source, `-DUSE_RDMASAFE` or not): `cm_storm.c` "
       "(cmtime-style storm, server and client processes), `cm_evcost.c` (drains K queued CM events), "
       "`cq_pingpong.c` (RC send/recv over one connection made with rdma_cm: `pp` ping-pong, `idle` one "
-      "ping per 1 ms, `stream` of sends with at most 64 outstanding, posted as chained lists). The "
+      "ping per 1 ms, `poisson` the same with exponential gaps (adaptive frontier), `stream` of sends with "
+      "at most 64 outstanding, posted as chained lists). The "
       "completion handler is the same code for both loops; the hand-written event loop is the classic "
       "`ibv_get_cq_event` (blocking) -> `ibv_ack_cq_events(cq, 1)` -> `ibv_req_notify_cq` -> "
       "`ibv_poll_cq` until empty (16 per call), its busy-poll loop spins on `ibv_poll_cq`. rdmasafe's loop "
@@ -973,6 +979,310 @@ def scale_section(d, w, quick, separate=False):
         w("")
 
 
+# --------------------------------------------------------------------------
+# adaptive frontier (issue 14 target 4): cases adapt_<workload><arg>_<variant>_<mode>
+# written by guest.sh's adaptive section
+
+AD_WORKLOADS = [("idle1000", "Periodic: one ping per 1 ms"),
+                ("poisson200", "Poisson arrivals, mean gap 200 us"),
+                ("poisson2000", "Poisson arrivals, mean gap 2 ms")]
+AD_STREAM = "stream64"
+
+
+def ad_modes(d, wl):
+    """[(variant, mode, label)] of the cases present for a workload, in plot order"""
+    found = {(c.split("_")[2], c.split("_", 3)[3]) for (c, role) in d.by
+             if c.startswith(f"adapt_{wl}_") and c.count("_") >= 3}
+
+    def key(vm):
+        v, mo = vm
+        if mo.startswith("spin"):
+            try:
+                return (0 if v == "rdmasafe" else 1, 1, int(mo[4:]))
+            except ValueError:
+                return (0 if v == "rdmasafe" else 1, 1, 0)
+        return (0 if v == "rdmasafe" else 1, {"event": 0, "learn": 2, "busy": 3}.get(mo, 4), 0)
+
+    out = []
+    for v, mo in sorted(found, key=key):
+        who = "rdmasafe" if v == "rdmasafe" else "hand-written" if v == "raw" else v
+        what = {"event": "event", "busy": "busy-poll", "learn": "learning"}.get(
+            mo, f"adaptive spin={mo[4:]} us" if mo.startswith("spin") else mo)
+        out.append((v, mo, f"{who} {what}"))
+    return out
+
+
+def ad_cpu(d, case, side):
+    """{rep: CPU us per message}: side client, server or both (sum of the two
+    processes); a round trip is 2 messages (ping and pong), a stream message 1"""
+    cl, sv = d.reps(case, "client"), d.reps(case, "server")
+    out = {}
+    for rep in cl:
+        c, s = cl.get(rep), sv.get(rep)
+        try:
+            msgs = c["n"] * (1 if c.get("workload") == "stream" else 2)
+            cc = c["cpu_user_s"] + c["cpu_sys_s"]
+            if side == "client":
+                out[rep] = cc / msgs * 1e6
+            elif s is not None:
+                sc = s["cpu_user_s"] + s["cpu_sys_s"]
+                out[rep] = (sc if side == "server" else cc + sc) / msgs * 1e6
+        except (KeyError, TypeError, ZeroDivisionError):
+            pass
+    return out
+
+
+def ad_p50(d, case):
+    return {k: v / 1000 for k, v in d.vals(case, "p50_ns").items()}
+
+
+def line_at(pe, ce, pb, cb, p):
+    """CPU of the straight line from the event point (pe, ce) to the
+    busy-poll point (pb, cb) at p50 p. Outside the two points' p50 range the
+    line is not extended (a steep segment extended far gives meaningless,
+    even negative CPU): the CPU of the end point with the nearer p50 is
+    used, so a point slower than both must be no dearer than the slower
+    one, a point faster than both no dearer than the faster one."""
+    lo, hi = ((pe, ce), (pb, cb)) if pe <= pb else ((pb, cb), (pe, ce))
+    if p <= lo[0]:
+        return lo[1]
+    if p >= hi[0]:
+        return hi[1]
+    return lo[1] + (hi[1] - lo[1]) * (p - lo[0]) / (hi[0] - lo[0])
+
+
+def ad_line(d, wl):
+    """per repeat: the line's CPU at learning's p50, whether that p50 is
+    inside [busy, event] p50, and learning's CPU / the line's, for the
+    repeats that have all three points"""
+    ca = {mo: f"adapt_{wl}_rdmasafe_{mo}" for mo in ("event", "busy", "learn")}
+    p = {mo: ad_p50(d, c) for mo, c in ca.items()}
+    c = {mo: ad_cpu(d, cs, "both") for mo, cs in ca.items()}
+    out = {}
+    for rep in p["learn"]:
+        try:
+            pe, pb, pl = p["event"][rep], p["busy"][rep], p["learn"][rep]
+            ce, cb, cl = c["event"][rep], c["busy"][rep], c["learn"][rep]
+        except KeyError:
+            continue
+        at = line_at(pe, ce, pb, cb, pl)
+        out[rep] = {"line": at, "inside": min(pe, pb) <= pl <= max(pe, pb),
+                    "ratio": cl / at if at > 0 else None}
+    return out
+
+
+def ad_stream_rate(d, mo):
+    return d.vals(f"adapt_{AD_STREAM}_rdmasafe_{mo}", "x", "server", lambda r: r["n"] / r["window_s"])
+
+
+def adaptive_target_rows(d, verdict):
+    """the issue 14 #4 rows of the targets table (none without the data)"""
+    rows = []
+    wl = "idle1000"
+    pl = paired(ad_p50(d, f"adapt_{wl}_rdmasafe_learn"), ad_p50(d, f"adapt_{wl}_rdmasafe_busy"))
+    pc = paired(ad_cpu(d, f"adapt_{wl}_rdmasafe_learn", "both"), ad_cpu(d, f"adapt_{wl}_rdmasafe_busy", "both"))
+    if pl and pc:
+        ml, mc = med(pl.values()), med(pc.values())
+        why = [] if ml <= 1.10 else [f"p50 {fnum(ml)}x > 1.10x"]
+        why += [] if mc <= 0.30 else [f"CPU {fnum(mc)}x > 0.30x"]
+        rows.append(["Issue 14 #4: periodic 1 ms: learning p50 within 10% of busy-poll at <= 30% of its CPU",
+                     f"p50 {mmm(pl)}x, CPU/msg (both sides) {mmm(pc)}x of busy-poll (per-repeat pairs)"
+                     + (f"; missed on: {', '.join(why)}" if why else ""), verdict(not why)])
+    pr = paired(ad_stream_rate(d, "learn"), ad_stream_rate(d, "busy"))
+    if pr:
+        mr = med(pr.values())
+        rows.append(["Issue 14 #4: 64-deep stream: learning rate >= 0.98x busy-poll",
+                     f"rate {mmm(pr)}x of busy-poll (receiver, per-repeat pairs)", verdict(mr >= 0.98)])
+    for wl, label in (("poisson200", "200 us"), ("poisson2000", "2 ms")):
+        ln = ad_line(d, wl)
+        if not ln:
+            continue
+        rt = {k: v["ratio"] for k, v in ln.items() if v["ratio"] is not None}
+        if not rt:
+            continue
+        inside = sum(1 for v in ln.values() if v["inside"])
+        mx = med(rt.values())
+        rows.append([f"Issue 14 #4: Poisson mean {label}: learning on or below the event-busy line in (p50, CPU)",
+                     f"learning's CPU/msg (both sides) / the line's at learning's p50: {mmm(rt)}x per repeat "
+                     f"(<= 1: on or below); learning's p50 between busy-poll's and event's in {inside} of {len(ln)} "
+                     "repeats (outside that range: compared with the CPU of the end point with the nearer p50)",
+                     verdict(mx <= 1.0)])
+    return rows
+
+
+def adaptive_section(d, w):
+    """the page's "Adaptive frontier" section"""
+    if not any(c.startswith("adapt_") for (c, role) in d.by):
+        w("### Adaptive frontier (issue 14 target 4)")
+        w("")
+        w("No adaptive-frontier data in this results file (it comes from an older run, or from a run "
+          "without guest.sh's adaptive section): `tests/bench/run.sh` or `tests/bench/run.sh --only adaptive` "
+          "measures it.")
+        w("")
+        return
+    hl, m = d.host, d.machine
+    only = m.get("only") == "adaptive"
+    quick = m.get("quick") == 1
+    cmd = ("tests/bench/run.sh --only adaptive" if only else "tests/bench/run.sh --quick" if quick
+           else "tests/bench/run.sh")
+    w("### Adaptive frontier (issue 14 target 4)")
+    w("")
+    busy_s = hl.get("samples_with_other_qemu")
+    w(f"Run: {hl.get('date', '?')}, `{cmd}`" + (f", commit {hl['commit']}" if hl.get("commit") else "")
+      + f"; this section {d.sections.get('adaptive', '?')} s of a {hl.get('guest_wall_s', '?')} s guest run, "
+      f"{m.get('repeats')} alternated repeats"
+      + (f"; other QEMU guests ran next to ours in {busy_s} of {hl.get('load_samples')} five-second samples "
+         f"(highest 1-minute load average {hl.get('max_loadavg')} on {hl.get('host_nproc')} host cores)"
+         if hl.get("load_samples") else "") + ".")
+    w("")
+    w("`cq_pingpong` with both sides in the same mode: rdmasafe's loop in event, busy-poll, learning "
+      "(`RDMASAFE_MODE_LEARNING`) and fixed-spin adaptive mode (`RDMASAFE_MODE_ADAPTIVE`, spin N us, "
+      "`-A N`), and the hand-written event and busy-poll loops as reference. Workloads: `idle -i 1000` "
+      "(the client sends one ping, waits for the pong, and sends the next 1 ms after the previous send) "
+      "and `poisson -i MEAN` (the same, but the gaps between send times are exponential with mean MEAN, "
+      "from a seeded xorshift64* generator; seed = repeat number, so every mode of a repeat sees the "
+      "same gaps; a pong later than the next send time makes the client send at once). p50 and p99 are "
+      "the client's round trips (post_send of the ping to the pong's receive completion). CPU is "
+      "`getrusage` user + system over the measured window (after the warm-up) of each process, per "
+      "message (a round trip is 2 messages); **the verdicts use the sum of both sides per message** "
+      "(the client waits in the same loop mode as the server). Every figure is median [min-max] over "
+      "the repeats; ratios are per repeat (all modes of a workload ran back to back, in reverse order "
+      "every other repeat). Times under TCG are emulated: compare the rows with each other, not with "
+      "real hardware.")
+    w("")
+    for wl, title in AD_WORKLOADS:
+        modes = ad_modes(d, wl)
+        if not modes:
+            continue
+        r0 = d.one(f"adapt_{wl}_{modes[0][0]}_{modes[0][1]}") or {}
+        w(f"#### {title} ({r0.get('n', '?')} round trips after {r0.get('recvs', 0) - r0.get('n', 0)} warm-up)")
+        w("")
+        rows = []
+        for v, mo, label in modes:
+            case = f"adapt_{wl}_{v}_{mo}"
+            sleeps = d.vals(case, "x", "server", lambda r: r["sleeps"] / (2 * r["n"])) if v == "rdmasafe" else {}
+            rows.append([label, mmm(ad_p50(d, case)), mmm(d.vals(case, "p99_ns"), 1e-3),
+                         mmm(ad_cpu(d, case, "client")), mmm(ad_cpu(d, case, "server")),
+                         mmm(ad_cpu(d, case, "both")), mmm(sleeps) if sleeps else "n/a"])
+        w(table(["mode (both sides)", "p50 round trip (us)", "p99 round trip (us)", "client CPU us / message",
+                 "server CPU us / message", "CPU us / message, both sides (verdict)",
+                 "server sleeps (epoll_wait) / message"], rows))
+        w("")
+        gm = d.vals(f"adapt_{wl}_rdmasafe_event", "gap_mean_us")
+        if gm:
+            w(f"Mean gap drawn (client, warm-up included), per repeat: {mmm(gm)} us.")
+            w("")
+        pe, pb = ad_p50(d, f"adapt_{wl}_rdmasafe_event"), ad_p50(d, f"adapt_{wl}_rdmasafe_busy")
+        both = [k for k in pe if k in pb]
+        if both:
+            slower = sum(1 for k in both if pb[k] > pe[k])
+            w(f"rdmasafe busy-poll's p50 above event mode's in {slower} of {len(both)} repeats"
+              + (" (where it is, the line rises with p50 and is no trade-off between latency and CPU: a point on "
+                 "or below it can still be worse than event mode on both axes)" if slower else "")
+              + ".")
+            w("")
+        ln = ad_line(d, wl)
+        if ln and wl.startswith("poisson"):
+            w("Learning against the straight line from the rdmasafe event point to the rdmasafe busy-poll point "
+              "(per repeat, CPU both sides per message, at learning's p50; when learning's p50 is outside "
+              "the two points' p50 range, the line's value is the CPU of the end point with the nearer p50; "
+              "met when learning's CPU is at most the line's, median over the repeats): " + "; ".join(
+                  f"repeat {k}: learning {fnum(ad_cpu(d, f'adapt_{wl}_rdmasafe_learn', 'both')[k])} vs line "
+                  f"{fnum(v['line'])} us ({'inside' if v['inside'] else 'outside'} the p50 range)"
+                  for k, v in sorted(ln.items())) + ".")
+            w("")
+        pl = paired(ad_p50(d, f"adapt_{wl}_rdmasafe_learn"), ad_p50(d, f"adapt_{wl}_rdmasafe_spin50"))
+        pc = paired(ad_cpu(d, f"adapt_{wl}_rdmasafe_learn", "both"), ad_cpu(d, f"adapt_{wl}_rdmasafe_spin50", "both"))
+        if pl:
+            w(f"Learning / fixed spin 50 us, per repeat: p50 {mmm(pl)}x, CPU per message {mmm(pc)}x.")
+            w("")
+        w("p50 per repeat (us): " + "; ".join(
+            f"{label}: " + ", ".join(fnum(x) for _, x in sorted(ad_p50(d, f'adapt_{wl}_{v}_{mo}').items()))
+            for v, mo, label in modes) + ".")
+        w("")
+    smodes = ad_modes(d, AD_STREAM)
+    if smodes:
+        r0 = d.one(f"adapt_{AD_STREAM}_{smodes[0][0]}_{smodes[0][1]}", "server") or {}
+        w(f"#### Stream of {r0.get('n', 0):,} sends, at most 64 outstanding")
+        w("")
+        rows = []
+        base = ad_stream_rate(d, "busy")
+        for v, mo, label in smodes:
+            case = f"adapt_{AD_STREAM}_{v}_{mo}"
+            rate = d.vals(case, "x", "server", lambda r: r["n"] / r["window_s"])
+            rows.append([label, mmm(rate), mmm(paired(rate, base)) + "x" if base and mo != "busy" else "1",
+                         mmm(ad_cpu(d, case, "server")), mmm(ad_cpu(d, case, "client")), mmm(ad_cpu(d, case, "both")),
+                         mmm(d.vals(case, "x", "server", lambda r: r["wakeups"] / r["n"]))])
+        w(table(["mode (both sides)", "messages / s (receiver)", "rate / busy-poll (per repeat)",
+                 "receiver CPU us / message", "sender CPU us / message", "both sides", "receiver wakeups / message"],
+                rows))
+        w("")
+    w("![adaptive frontier](bench-adaptive.png)")
+    w("")
+    w("`bench-adaptive.png`: per workload, p50 round trip against CPU per message (both sides; medians over "
+      "the repeats, each axis on its own) of each mode, named in the key and next to its point (hand-written "
+      "loops in open symbols); the dashed line joins rdmasafe's event and busy-poll points. On or below "
+      "the line is at least as good as time-sharing the two modes, where busy-poll is the faster of the two.")
+    w("")
+
+
+def plot_adaptive(d, png):
+    """the frontier panels with gnuplot; returns True if written"""
+    panels = []
+    for wl, title in AD_WORKLOADS:
+        pts = []
+        for v, mo, label in ad_modes(d, wl):
+            case = f"adapt_{wl}_{v}_{mo}"
+            p, c = med(ad_p50(d, case).values()), med(ad_cpu(d, case, "both").values())
+            if p is not None and c is not None:
+                short = (mo.replace("spin", "spin=").replace("learn", "learning") if v == "rdmasafe"
+                         else f"hand-written {mo}")
+                pts.append((v, mo, p, c, short))
+        if pts:
+            panels.append((title, pts))
+    if not panels:
+        return False
+    tmp = tempfile.mkdtemp(prefix="rdmasafe-plot.")
+    script = [f"set terminal pngcairo size 1100,{380 * len(panels) + 60} font 'DejaVu Sans,10'", f"set output '{png}'",
+              f"set multiplot layout {len(panels)},1 title 'rdmasafe adaptive frontier on Soft-RoCE under TCG: "
+              "p50 round trip vs CPU per message (both sides, medians over repeats)'",
+              "set grid", "set key outside right top font ',9'", "set xrange [0:*]", "set yrange [0:*]",
+              "set xlabel 'p50 round trip (us)'", "set ylabel 'CPU us / message (both sides)'",
+              "set offsets 0, graph 0.15, graph 0.1, 0"]
+    # one colour and point type per mode (the key names them); hand-written
+    # loops in open symbols
+    colors = {"event": "#1f77b4", "busy": "#d62728", "learn": "#2ca02c", "spin20": "#9467bd",
+              "spin50": "#8c564b", "spin200": "#e377c2", "spin1000": "#bcbd22"}
+    ptype = {"event": 7, "busy": 5, "learn": 9, "spin20": 11, "spin50": 13, "spin200": 15, "spin1000": 3}
+    for i, (title, pts) in enumerate(panels):
+        fn = os.path.join(tmp, f"p{i}.dat")
+        with open(fn, "w") as f:
+            for v, mo, p, c, short in pts:
+                f.write(f"{p:.3f} {c:.3f} \"{short}\"\n")
+        plots = []
+        for j, (v, mo, p, c, short) in enumerate(pts):
+            col = colors.get(mo, "#7f7f7f") if v == "rdmasafe" else "#7f7f7f"
+            pt = ptype.get(mo, 1) if v == "rdmasafe" else {"event": 6, "busy": 4}.get(mo, 1)
+            plots.append(f"'{fn}' every ::{j}::{j} using 1:2 with points pt {pt} ps 1.6 lc rgb '{col}' title '{short}'")
+        plots.append(f"'{fn}' using 1:2:3 with labels offset 1.2,0 left font ',8' notitle")
+        pe = next(((p, c) for v, mo, p, c, _ in pts if v == "rdmasafe" and mo == "event"), None)
+        pb = next(((p, c) for v, mo, p, c, _ in pts if v == "rdmasafe" and mo == "busy"), None)
+        if pe and pb:
+            ln = os.path.join(tmp, f"l{i}.dat")
+            with open(ln, "w") as f:
+                f.write(f"{pe[0]:.3f} {pe[1]:.3f}\n{pb[0]:.3f} {pb[1]:.3f}\n")
+            plots.insert(0, f"'{ln}' using 1:2 with lines dt 2 lw 1.5 lc rgb '#444444' title 'event-busy line'")
+        script.append(f"set title '{title}'")
+        script.append("plot " + ", ".join(plots))
+    script.append("unset multiplot")
+    try:
+        subprocess.run(["gnuplot"], input="\n".join(script), text=True, check=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        sys.stderr.write(f"report.py: gnuplot failed (adaptive plot): {e}\n")
+        return False
+    return True
+
+
 def plot(d, png):
     """CDF panels with gnuplot; returns True if written."""
     rs, raw = "rdmasafe", "raw"
@@ -1043,13 +1353,18 @@ def main():
     lines = build(d, os.path.basename(png))
     extra = os.path.join(os.path.dirname(os.path.abspath(__file__)), "analysis.md")
     body = "\n".join(lines)
-    if os.path.exists(extra) and d.machine.get("quick") != 1:
+    # the hand-written analysis reads the full run: not on a quick or an
+    # adaptive-only page
+    if os.path.exists(extra) and d.machine.get("quick") != 1 and d.machine.get("only") != "adaptive":
         with open(extra, encoding="utf-8") as f:
             body += "\n" + f.read()
     with open(md, "w", encoding="utf-8") as f:
         f.write(body.rstrip() + "\n")
     if not plot(d, png):
         sys.stderr.write("report.py: no plot written\n")
+    ad_png = os.path.join(os.path.dirname(os.path.abspath(png)), "bench-adaptive.png")
+    if any(c.startswith("adapt_") for (c, role) in d.by) and not plot_adaptive(d, ad_png):
+        sys.stderr.write("report.py: no adaptive plot written\n")
     return 0
 
 

@@ -3,16 +3,17 @@
 #
 #   tests/bench/run.sh            # full run: ~7 min on a quiet host (up to ~15
 #                                 # with other guests on it); writes docs/BENCHMARKS.md
-#                                 # and docs/bench-latency.png
+#                                 # and docs/bench-latency.png, docs/bench-adaptive.png
 #   tests/bench/run.sh --quick    # tiny sizes, one repeat (smoke run, ~20-50 s)
 #   tests/bench/run.sh --only scale   # only the CQ loop scale case (~5 min)
+#   tests/bench/run.sh --only adaptive  # only the adaptive frontier (~10 min)
 #
 # It builds librdmasafe (cargo, release) and the benchmark programs
 # (tests/bench/Makefile -> target/bench/<profile>/), boots ONE Soft-RoCE
 # guest (tests/bed/vm-run) that runs tests/bench/guest.sh (all benchmarks,
 # A/B alternated repeats, machine-readable "@@ {json}" lines on stdout),
 # keeps that output in target/bench/results-<full|quick>.txt, and then, on
-# the host, turns it into docs/BENCHMARKS.md and docs/bench-latency.png
+# the host, turns it into docs/BENCHMARKS.md, docs/bench-latency.png and docs/bench-adaptive.png
 # (tests/bench/report.py; the plot needs gnuplot, installed with apt-get
 # if missing).
 #
@@ -23,9 +24,15 @@
 #   --profile P        release (default) or debug build of librdmasafe
 #   --results FILE     where to keep the guest's output
 #   --from FILE        skip build and guest: regenerate the docs from FILE
+#   --docdir DIR       write the page and plots to DIR instead of docs/ (or of
+#                      the --quick / --only folder), e.g. with --from
 #   --repeats N        repeats of the timed part (default 5)
 #   --only scale       only the CQ loop scale case (cq_scale under callgrind);
 #                      its page goes to target/bench/scale-docs/, never to docs/
+#   --only adaptive    only the adaptive frontier (event, busy-poll, learning
+#                      and fixed-spin modes on periodic and Poisson pings, and
+#                      a 64-deep stream); its page and plots go to
+#                      target/bench/adaptive-docs/, never to docs/
 #   --scale-from FILE  the page's CQ loop scale section (and target row) from
 #                      FILE, the results of an --only scale run, e.g.
 #                      --from results-full.txt --scale-from results-scale.txt
@@ -42,7 +49,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 cd "$repo"
 
-quick=0 docs=1 profile=release results= from= repeats=5 before_lib= only= scale_from=
+quick=0 docs=1 profile=release results= from= repeats=5 before_lib= only= scale_from= docdir_opt=
 while [[ $# -gt 0 ]]; do
 	case $1 in
 	--quick) quick=1 ;;
@@ -50,18 +57,19 @@ while [[ $# -gt 0 ]]; do
 	--profile) profile=$2; shift ;;
 	--results) results=$2; shift ;;
 	--from) from=$2; shift ;;
+	--docdir) docdir_opt=$2; shift ;;
 	--repeats) repeats=$2; shift ;;
 	--only) only=$2; shift ;;
 	--scale-from) scale_from=$2; shift ;;
 	--before-lib) before_lib=$(cd "$2" && pwd); shift ;;
 	--counts-only) only=counts docs=0 ;;
-	-h | --help) sed -n '2,38p' "$0"; exit 0 ;;
+	-h | --help) sed -n '2,45p' "$0"; exit 0 ;;
 	*) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
 	esac
 	shift
 done
 [[ $profile == release || $profile == debug ]] || { echo "--profile release|debug" >&2; exit 2; }
-[[ -z $only || $only == scale || $only == counts ]] || { echo "--only scale (the one case that runs alone; --counts-only for the counts phase)" >&2; exit 2; }
+[[ -z $only || $only == scale || $only == adaptive || $only == counts ]] || { echo "--only scale|adaptive (the cases that run alone; --counts-only for the counts phase)" >&2; exit 2; }
 [[ -z $only || $quick == 0 ]] || { echo "--only and --quick do not mix" >&2; exit 2; }
 
 msg() { echo "[bench] $*" >&2; }
@@ -133,9 +141,10 @@ if [[ $docs == 1 ]]; then
 	docdir=docs
 	[[ $quick == 1 ]] && docdir=$target/bench/quick-docs
 	[[ -n $only ]] && docdir=$target/bench/$only-docs
+	[[ -n $docdir_opt ]] && docdir=$docdir_opt
 	mkdir -p "$docdir"
 	python3 "$here/report.py" "$results" "$docdir/BENCHMARKS.md" "$docdir/bench-latency.png" ${scale_from:+"$scale_from"}
-	msg "wrote $docdir/BENCHMARKS.md and $docdir/bench-latency.png"
+	msg "wrote $docdir/BENCHMARKS.md and $docdir/bench-latency.png (and bench-adaptive.png if the results have the adaptive frontier)"
 fi
 msg "total $(($(now_s) - t0)) s"
 exit "$rc"
