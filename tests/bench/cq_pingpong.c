@@ -289,6 +289,13 @@ static void loop_report(struct app *a, struct jline *j)
 	j_u64(j, "sleeps", s.sleeps);
 	j_u64(j, "channel_reads", s.channel_reads);
 	j_u64(j, "channel_reads_empty", s.channel_reads_empty);
+	/* learning mode: what it learned (0 in the other modes) */
+	j_u64(j, "learn_timer_wakes", s.learn_timer_wakes);
+	j_u64(j, "learn_calibrations", s.learn_calibrations);
+	j_u64(j, "learn_spin_ns", s.learn_spin_ns);
+	j_u64(j, "learn_window_from_ns", s.learn_window_from_ns);
+	j_u64(j, "learn_window_to_ns", s.learn_window_to_ns);
+	j_u64(j, "learn_wake_cost_ns", s.learn_wake_cost_ns);
 }
 
 static void loop_teardown(struct app *a)
