@@ -649,7 +649,9 @@ section times
 for ((rep = 1; rep <= REPEATS; rep++)); do
 	say "repeat $rep of $REPEATS"
 	for n in "${STORM_NS[@]}"; do
-		alternate "$rep" "storm rdmasafe $n $rep" "storm raw $n $rep" "storm_cmtime $n $rep"
+		# "storm raw ... aa": raw against raw, the A/A control that shows
+		# the noise floor of the rdmasafe / raw ratio
+		alternate "$rep" "storm rdmasafe $n $rep" "storm raw $n $rep" "storm_cmtime $n $rep" "storm raw $n $rep aa"
 	done
 	alternate "$rep" "evcost rdmasafe $rep" "evcost raw $rep"
 	before_pp=()

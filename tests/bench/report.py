@@ -328,16 +328,21 @@ def build(d, png_name):
                  f"{fnum(a)} (rdmasafe {fnum(pp_ir[rs])}, raw {fnum(pp_ir[raw])})",
                  verdict(None if a is None else a <= 500)])
     # 3 CM rate
-    storm_ratio = {}
+    storm_ratio, storm_aa = {}, {}
     for n in (200, 1000, 10, 20):
         t_rs = d.vals(f"storm_{rs}_{n}", "total_ms")
         t_raw = d.vals(f"storm_{raw}_{n}", "total_ms")
+        t_aa = d.vals(f"storm_raw_{n}_aa", "total_ms")
         if t_rs and t_raw:
             storm_ratio[n] = paired(t_raw, t_rs)  # rate ratio = raw time / rdmasafe time
+        if t_raw and t_aa:
+            storm_aa[n] = paired(t_aa, t_raw)  # raw / raw: the noise floor
     for n, pr in storm_ratio.items():
         mm = med(pr.values())
+        aa = storm_aa.get(n)
+        floor = f"; A/A control raw / raw {mmm(aa)}x" if aa else "; no A/A control in this run"
         rows.append([f"CM storm N={n}: connection rate >= 0.98x raw",
-                     f"{mmm(pr)}x (per-repeat pairs)", verdict(None if mm is None else mm >= 0.98)])
+                     f"{mmm(pr)}x (per-repeat pairs){floor}", verdict(None if mm is None else mm >= 0.98)])
     # 4 allocations
     own = None
     if al_ev[rs] is not None and al_ev[raw] is not None:
@@ -698,6 +703,13 @@ def build(d, png_name):
         if pr:
             w(f"Connection rate rdmasafe / raw, per repeat: {mmm(pr)}x "
               f"(per repeat: {', '.join(fnum(pr[k]) for k in sorted(pr))}).")
+        aa = storm_aa.get(n, {})
+        if aa:
+            w("")
+            w(f"A/A control: the raw program against itself (a second raw run in the same "
+              f"repeat, `storm_raw_{n}_aa`), rate per repeat {mmm(aa)}x "
+              f"(per repeat: {', '.join(fnum(aa[k]) for k in sorted(aa))}): a rdmasafe / raw "
+              "ratio inside this spread is not a measured difference.")
             w("")
     w("### CM event cost (cm_evcost, per event, ns)")
     w("")
