@@ -102,10 +102,11 @@ else
 	SCALE_BUSY_NS=1,1024 SCALE_BUSY_M=64
 	# adaptive frontier: round trips (messages for the stream) per case.
 	# 30 runs per repeat; each spends ~2-3 s in process start, connect and
-	# teardown, more than in its measured window (~1-4 s: round trips of
-	# ~4 ms once a side sleeps, so Poisson 200 us is mostly back to back).
-	# With 5 repeats the section took 509 s of guest time on the shared
-	# 2-core host (2026-12-01, other guests running in 41 of 104 samples).
+	# teardown, more than in its measured window (~1-4 s: on a loaded host
+	# round trips are ~4 ms once a side sleeps, so Poisson 200 us is then
+	# mostly back to back). With 5 repeats the section took 509 s of guest
+	# time on the shared 2-core host (2026-12-01, other guests running in
+	# 41 of 104 samples), and more than 1,180 s with 3 other guests.
 	AD_IDLE_N=200 AD_P200_N=500 AD_P2000_N=150 AD_STREAM_N=10000
 fi
 
