@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Only the CQ event-mode callgrind case of tests/bench/run.sh, fast (one
+# guest, ~2-4 min): the ping-pong client (`cq_pingpong -m event -w pp`,
+# 200 round trips) under callgrind, rdmasafe then the hand-written loop,
+# with the same window as run.sh's counts phase. Prints, per variant, the
+# user-space instructions per completion (Ir / (2 * round trips)) and the
+# functions with the most instructions of their own, per completion.
+#
+#   tests/bench/cq-callgrind.sh            # build (release) + guest
+#   tests/bench/cq-callgrind.sh --no-build # programs already built
+#
+# Nothing is written to docs/; the summary is also kept in
+# target/bench/cq-callgrind.txt, the callgrind files in
+# target/bench/cq-callgrind/<variant>.cg. CQ_CALLGRIND_N (round trips, default 200)
+# and CQ_CALLGRIND_WARM (warm-up round trips, default 50, as run.sh).
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+repo=$(cd "$here/../.." && pwd)
+target=${CARGO_TARGET_DIR:-$repo/target}
+bin=$target/bench/release
+
+summary() { # VARIANT: instructions per completion and the top functions
+	local v=$1 rt ir
+	rt=$(sed -n 's/.*"n":\([0-9]*\).*/\1/p' "$out/$v.c.out" | head -n1)
+	ir=$(awk '/^(summary|totals):/ { print $2; exit }' "$out/$v.cg")
+	echo "== $v: $ir Ir, $rt round trips: $(awk -v a="$ir" -v b="$rt" 'BEGIN { printf "%.1f", a / (2 * b) }') instructions per completion"
+	callgrind_annotate --threshold=99 --auto=no "$out/$v.cg" 2>/dev/null | awk -v d="$((2 * rt))" '
+		/^-+$/ { dashes++; next }
+		dashes == 6 && NF == 0 { exit }
+		dashes == 6 && $1 ~ /^[0-9,]+$/ {
+			ir = $1; gsub(/,/, "", ir)
+			line = $0; sub(/^ *[0-9,]+ +(\([ 0-9.]+%\) +)?/, "", line)
+			sub(/ \[[^]]*\]$/, "", line); sub(/^[^:]*:/, "", line)
+			sum[line] += ir
+		}
+		END { for (f in sum) if (sum[f] / d >= 3) printf "%8.1f  %s\n", sum[f] / d, substr(f, 1, 110) }' | sort -k1,1nr
+}
+
+if [[ ${1:-} == --in-guest ]]; then
+	addr=${RDMASAFE_TEST_ADDR:?}
+	n=${CQ_CALLGRIND_N:-200}
+	warm=${CQ_CALLGRIND_WARM:-50}
+	out=$(mktemp -d)
+	trap 'rm -rf "$out"' EXIT
+	port=7900
+	rc=0
+	for v in rdmasafe raw; do
+		port=$((port + 1))
+		"$bin/cq_pingpong_$v" -S -a "$addr" -p "$port" -w pp -m event -n "$n" -W "$warm" -t 300 >"$out/$v.s.out" 2>"$out/$v.s.err" &
+		sp=$!
+		for ((i = 0; i < 600; i++)); do
+			grep -q '^READY' "$out/$v.s.out" 2>/dev/null && break
+			sleep 0.02
+		done
+		timeout -k 5 600 valgrind --tool=callgrind --collect-atstart=no --callgrind-out-file="$out/$v.cg" \
+			"$bin/cq_pingpong_$v" -a "$addr" -p "$port" -w pp -m event -n "$n" -W "$warm" -t 300 \
+			>"$out/$v.c.out" 2>"$out/$v.c.err" || { rc=1; tail -n 5 "$out/$v.c.err" >&2; }
+		wait "$sp" || { rc=1; tail -n 5 "$out/$v.s.err" >&2; }
+		summary "$v"
+		# the callgrind file itself, for the host to keep
+		echo "@@cg $v"
+		gzip -c "$out/$v.cg" | base64 -w 0
+		echo
+	done
+	exit $rc
+fi
+
+if [[ ${1:-} != --no-build ]]; then
+	cargo build -q --release -p rdmasafe-capi
+	make -s -C "$here" LIBDIR="$target/release" OUT="$bin" >&2
+fi
+mkdir -p "$target/bench"
+raw=$target/bench/cq-callgrind.raw
+rc=0
+"$repo/tests/bed/vm-run" --timeout 900 -- env CARGO_TARGET_DIR="$target" bash "$here/cq-callgrind.sh" --in-guest >"$raw" || rc=$?
+mkdir -p "$target/bench/cq-callgrind"
+awk '/^@@cg / { v = $2; getline; print > (dir "/" v ".cg.gz.b64"); next } { print }' dir="$target/bench/cq-callgrind" "$raw" |
+	tee "$target/bench/cq-callgrind.txt"
+for f in "$target/bench/cq-callgrind"/*.cg.gz.b64; do
+	[[ -s $f ]] && base64 -d "$f" | gunzip >"${f%.gz.b64}" && rm -f "$f"
+done
+echo "(callgrind files: $target/bench/cq-callgrind/; callgrind_annotate --auto=yes them for lines)"
+exit $rc
+
