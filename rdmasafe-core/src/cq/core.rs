@@ -289,6 +289,7 @@ impl Core {
     /// marks it fired. An event for a CQ whose add is still queued is
     /// credited to it; one for a CQ not in the loop is acked at once,
     /// counted and logged (once per CQ). Returns the events read.
+    #[inline]
     pub(super) fn read_events(&mut self, ctl: &LoopControl) -> Result<usize> {
         let sh = &*ctl.0;
         let mut read = 0;
@@ -347,6 +348,7 @@ impl Core {
 
     /// Polls `r` until it is empty or its budget is used, handing batches
     /// to its handler. Returns the completions taken from the CQ.
+    #[inline]
     pub(super) fn drain(&mut self, ctl: &LoopControl, r: Ref, honor_stop: bool) -> Result<usize> {
         let sh = &*ctl.0;
         let budget = match self.entries.get(r) {
@@ -411,6 +413,7 @@ impl Core {
         kept
     }
 
+    #[inline]
     pub(super) fn call_handler(&mut self, ctl: &LoopControl, r: Ref, n: usize) {
         let sh = &*ctl.0;
         let batch = &self.wcs[..n];
@@ -430,17 +433,18 @@ impl Core {
                 Some(now)
             }
         };
-        let Some(mut handler) = self.entries.get_mut(r).and_then(|e| e.handler.take()) else { return };
+        // Called where it is: while it runs, nobody else can touch the
+        // loop's state (this thread holds it; the handler's changes are
+        // queued, applied below).
+        let Some(handler) = self.entries.get_mut(r).map(|e| &mut e.handler) else { return };
+        let wcs = &self.wcs[..n];
         sh.in_handler.store(true, SeqCst);
-        let result = catch_unwind(AssertUnwindSafe(|| handler(&self.wcs[..n], ctl)));
+        let result = catch_unwind(AssertUnwindSafe(|| handler(wcs, ctl)));
         sh.in_handler.store(false, SeqCst);
         if let Some(t) = t {
             let after = Instant::now();
             c.handler_time(after.duration_since(t));
             self.last_stamp = Some(after);
-        }
-        if let Some(e) = self.entries.get_mut(r) {
-            e.handler = Some(handler);
         }
         // Changes the handler asked for take effect now, before any other
         // handler runs (a CQ removed from its own handler is gone here).
@@ -455,6 +459,7 @@ impl Core {
     /// Arms (if `arm`) and drains every CQ of the `which` list, emptying
     /// it. The list's storage is kept for its next use (no allocation per
     /// cycle).
+    #[inline]
     pub(super) fn work_list(&mut self, ctl: &LoopControl, which: List, arm: bool, honor_stop: bool) -> Result<usize> {
         let mut list = std::mem::take(self.list_mut(which));
         let r = self.work_refs(ctl, &list, arm, true, honor_stop);
@@ -475,6 +480,7 @@ impl Core {
         }
     }
 
+    #[inline]
     fn work_refs(
         &mut self,
         ctl: &LoopControl,
@@ -505,6 +511,7 @@ impl Core {
     }
 
     /// `listed`: `r` came from the unarmed or fired list (not the ready one).
+    #[inline]
     fn work_one(&mut self, ctl: &LoopControl, r: Ref, arm: bool, listed: bool, honor_stop: bool) -> Result<usize> {
         let Some(e) = self.entries.get_mut(r) else { return Ok(0) };
         if listed {

@@ -40,18 +40,15 @@ impl Core {
     /// fd. Returns the ready keys as bits (0 on timeout).
     pub(super) fn sleep(&mut self, ctl: &LoopControl, wait: Wait) -> Result<u64> {
         let sh = &*ctl.0;
-        self.watchdog_start(sh);
-        let deadline = self.next_deadline(sh);
-        self.arm_timer(sh, deadline);
         let mut ms: i32 = match wait {
             Wait::None => 0,
             Wait::Forever => -1,
             Wait::For(d) => d.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32,
         };
-        if let Some(d) = deadline {
-            let left =
-                d.saturating_duration_since(Instant::now()).as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
-            ms = if ms < 0 { left } else { ms.min(left) };
+        // Nothing timed (the common case): no deadline to bound the wait,
+        // no watchdog to start, the timerfd disarmed already.
+        if !self.untimed() {
+            ms = self.bound_by_deadline(sh, ms);
         }
         if let Some(h) = self.hook.as_mut() {
             h();
@@ -74,6 +71,21 @@ impl Core {
             self.timer_at = None;
         }
         Ok(bits)
+    }
+
+    /// Starts the watchdog, keeps the timerfd armed for the next deadline
+    /// and bounds a wait of `ms` (-1: none) by it.
+    #[inline(never)]
+    fn bound_by_deadline(&mut self, sh: &Shared, mut ms: i32) -> i32 {
+        self.watchdog_start(sh);
+        let deadline = self.next_deadline(sh);
+        self.arm_timer(sh, deadline);
+        if let Some(d) = deadline {
+            let left =
+                d.saturating_duration_since(Instant::now()).as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
+            ms = if ms < 0 { left } else { ms.min(left) };
+        }
+        ms
     }
 
     /// One cycle in the loop's mode; the completions delivered.

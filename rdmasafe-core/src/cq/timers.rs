@@ -66,19 +66,27 @@ impl Core {
         }
     }
 
+    /// Nothing timed at all (the common case): no keepalive, no drain, no
+    /// watchdog, and the timerfd is disarmed already. Then `tick` has
+    /// nothing to do, and a sleep needs no deadline.
+    #[inline]
+    pub(super) fn untimed(&self) -> bool {
+        self.keepalives.is_empty() && self.drains.is_empty() && self.opts.watchdog.is_none() && self.timer_at.is_none()
+    }
+
     /// Keepalive probes and deaths, finished and timed-out drains, the
     /// watchdog: whatever is due now.
+    #[inline]
     pub(super) fn tick(&mut self, ctl: &LoopControl, honor_stop: bool) -> Result<usize> {
-        let sh = &*ctl.0;
-        // Nothing timed at all (the common case): nothing to do, and the
-        // timerfd is disarmed already.
-        if self.keepalives.is_empty()
-            && self.drains.is_empty()
-            && self.opts.watchdog.is_none()
-            && self.timer_at.is_none()
-        {
+        if self.untimed() {
             return Ok(0);
         }
+        self.tick_timed(ctl, honor_stop)
+    }
+
+    #[inline(never)]
+    fn tick_timed(&mut self, ctl: &LoopControl, honor_stop: bool) -> Result<usize> {
+        let sh = &*ctl.0;
         let timed = !self.keepalives.is_empty() || self.drains.in_progress() || self.watchdog_since(sh).is_some();
         let now = timed.then(Instant::now);
         let mut n = 0;
