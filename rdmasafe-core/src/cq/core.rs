@@ -16,6 +16,7 @@ use super::handle::{LiveChannel, LiveCq};
 use super::keepalive::Keepalives;
 use super::options::LoopOptions;
 use super::registry;
+use super::stats::Bump;
 use crate::sys;
 use crate::wc::Wc;
 use crate::{Error, Result};
@@ -177,7 +178,7 @@ impl Core {
             Cmd::AddCq { cq, opts, handler } => {
                 let r = self.entries.insert(Entry::new(cq, opts, handler));
                 self.push_unarmed(r);
-                sh.counters.cqs_added.fetch_add(1, Relaxed);
+                sh.counters.cqs_added.bump(1);
                 sh.counters.cqs.store(self.entries.len() as u64, Relaxed);
             }
             Cmd::RemoveCq { cq, done } => {
@@ -240,7 +241,7 @@ impl Core {
         for (done, res) in self.drains.take_for_cq(cq) {
             done.finish(sh, res);
         }
-        sh.counters.cqs_removed.fetch_add(1, Relaxed);
+        sh.counters.cqs_removed.bump(1);
         sh.counters.cqs.store(self.entries.len() as u64, Relaxed);
         drop(e); // the handler goes now: never called again
         Ok(())
@@ -263,9 +264,9 @@ impl Core {
         }
         cq.ack(n);
         let c = &sh.counters;
-        c.ack_calls.fetch_add(1, Relaxed);
-        c.acked_events.fetch_add(n as u64, Relaxed);
-        c.unacked.fetch_sub(n as u64, Relaxed);
+        c.ack_calls.bump(1);
+        c.acked_events.bump(n as u64);
+        c.unacked.drop_by(n as u64);
     }
 
     pub(super) fn flush(&mut self, sh: &Shared, r: Ref) {
@@ -299,14 +300,14 @@ impl Core {
             if self.armed == 0 && !self.fired.is_empty() {
                 return Ok(read);
             }
-            sh.counters.channel_reads.fetch_add(1, Relaxed);
+            sh.counters.channel_reads.bump(1);
             let Some(ev) = self.chan.get_event()? else {
-                sh.counters.channel_reads_empty.fetch_add(1, Relaxed);
+                sh.counters.channel_reads_empty.bump(1);
                 return Ok(read);
             };
             read += 1;
-            sh.counters.cq_events.fetch_add(1, Relaxed);
-            sh.counters.unacked.fetch_add(1, Relaxed);
+            sh.counters.cq_events.bump(1);
+            sh.counters.unacked.bump(1);
             let mut found = self.entries.find(ev.cq_addr());
             if found.is_none() && sh.cmds_pending.load(SeqCst) {
                 self.apply_cmds(ctl);
@@ -315,8 +316,8 @@ impl Core {
             let Some(r) = found else {
                 let cq = ev.cq_addr();
                 ev.ack();
-                sh.counters.unacked.fetch_sub(1, Relaxed);
-                sh.counters.foreign_cq_events.fetch_add(1, Relaxed);
+                sh.counters.unacked.drop_by(1);
+                sh.counters.foreign_cq_events.bump(1);
                 if self.warned_foreign.insert(cq) {
                     log::warn!(
                         target: "rdmasafe",
@@ -338,7 +339,8 @@ impl Core {
                 self.fired.push(r);
             }
             if e.pending_acks >= batch {
-                self.flush(sh, r);
+                let n = std::mem::take(&mut e.pending_acks);
+                Self::ack(sh, &e.cq, n);
             }
             self.last_event = None;
         }
@@ -377,7 +379,7 @@ impl Core {
                 return Ok(total);
             }
             if total >= budget {
-                sh.counters.budget_yields.fetch_add(1, Relaxed);
+                sh.counters.budget_yields.bump(1);
                 if let Some(e) = self.entries.get_mut(r) {
                     if !e.in_ready {
                         e.in_ready = true;
@@ -402,7 +404,7 @@ impl Core {
                 let (probe, ok) = self.keepalives.note(wc, now);
                 ours = probe;
                 if probe && ok {
-                    sh.counters.keepalive_probes_ok.fetch_add(1, Relaxed);
+                    sh.counters.keepalive_probes_ok.bump(1);
                 }
             }
             if !ours {
@@ -419,8 +421,8 @@ impl Core {
         let batch = &self.wcs[..n];
         let errors = batch.iter().filter(|w| !w.is_success()).count();
         let c = &sh.counters;
-        c.completions.fetch_add(n as u64, Relaxed);
-        c.error_completions.fetch_add(errors as u64, Relaxed);
+        c.completions.bump(n as u64);
+        c.error_completions.bump(errors as u64);
         // Timing statistics: one clock read before a cycle's first handler
         // call, one after each (none at all when they are off).
         let timing = self.opts.timing_stats;
@@ -438,9 +440,11 @@ impl Core {
         // queued, applied below).
         let Some(handler) = self.entries.get_mut(r).map(|e| &mut e.handler) else { return };
         let wcs = &self.wcs[..n];
-        sh.in_handler.store(true, SeqCst);
+        // A figure for `LoopControl::in_handler` only (no other memory is
+        // published through it): no full fence per handler call.
+        sh.in_handler.store(true, Release);
         let result = catch_unwind(AssertUnwindSafe(|| handler(wcs, ctl)));
-        sh.in_handler.store(false, SeqCst);
+        sh.in_handler.store(false, Release);
         if let Some(t) = t {
             let after = Instant::now();
             c.handler_time(after.duration_since(t));
@@ -524,7 +528,7 @@ impl Core {
                 e.armed = true;
                 self.armed += 1;
             }
-            ctl.0.counters.arms.fetch_add(1, Relaxed);
+            ctl.0.counters.arms.bump(1);
             e.cq.arm(solicited)?;
         }
         self.drain(ctl, r, honor_stop)

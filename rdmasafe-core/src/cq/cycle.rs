@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use super::control::{Completion, LoopControl, Shared, KEY_CHANNEL, KEY_TIMER, KEY_WAKE};
 use super::core::{io_err, Core, List};
 use super::options::Mode;
+use super::stats::Bump;
 use crate::sys::{self, Wait};
 use crate::Result;
 
@@ -21,9 +22,9 @@ impl Core {
 
     pub(super) fn record_wakeup(&mut self, sh: &Shared, n: usize) {
         let c = &sh.counters;
-        c.wakeups.fetch_add(1, Relaxed);
+        c.wakeups.bump(1);
         if n == 0 {
-            c.empty_wakeups.fetch_add(1, Relaxed);
+            c.empty_wakeups.bump(1);
         }
         c.per_wakeup.record(n as u64);
         if self.opts.timing_stats {
@@ -53,7 +54,7 @@ impl Core {
         if let Some(h) = self.hook.as_mut() {
             h();
         }
-        sh.counters.sleeps.fetch_add(1, Relaxed);
+        sh.counters.sleeps.bump(1);
         let bits = sh.epoll.wait(ms).map_err(io_err("epoll_wait"))?;
         if bits & (1 << KEY_WAKE) != 0 {
             // Drain first, then clear: a waker that comes in between sees

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use super::control::{LoopControl, Shared};
 use super::core::Core;
 use super::options::Mode;
+use super::stats::Bump;
 use crate::sys::{self};
 use crate::Result;
 
@@ -98,10 +99,10 @@ impl Core {
                     }
                 }
                 let (posted, dead, destroyed) = self.keepalives.tick(now);
-                sh.counters.keepalive_probes.fetch_add(posted, Relaxed);
+                sh.counters.keepalive_probes.bump(posted);
                 sh.forget_keepalives_of(&destroyed);
                 for (qpn, _qp) in dead {
-                    sh.counters.keepalive_dead.fetch_add(1, Relaxed);
+                    sh.counters.keepalive_dead.bump(1);
                     if let Some(f) = self.keepalives.on_dead(qpn) {
                         f(qpn, ctl);
                     }
@@ -109,7 +110,7 @@ impl Core {
             }
             if let (Some(t), Some(since)) = (self.opts.watchdog, self.watchdog_since(sh)) {
                 if now.saturating_duration_since(since) >= t {
-                    sh.counters.watchdog_polls.fetch_add(1, Relaxed);
+                    sh.counters.watchdog_polls.bump(1);
                     self.last_event = Some(now);
                     n += self.poll_all(ctl, honor_stop)?;
                 }
