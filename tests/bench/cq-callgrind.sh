@@ -8,6 +8,10 @@
 #
 #   tests/bench/cq-callgrind.sh            # build (release) + guest
 #   tests/bench/cq-callgrind.sh --no-build # programs already built
+#   tests/bench/cq-callgrind.sh --times    # instead: untimed A/B event-mode
+#                                          # ping-pong (CQ_TIMES_N round trips,
+#                                          # default 500, CQ_TIMES_REPEATS 5):
+#                                          # rate and CPU per message ratios
 #
 # Nothing is written to docs/; the summary is also kept in
 # target/bench/cq-callgrind.txt, the callgrind files in
@@ -37,6 +41,44 @@ summary() { # VARIANT: instructions per completion and the top functions
 		END { for (f in sum) if (sum[f] / d >= 3) printf "%8.1f  %s\n", sum[f] / d, substr(f, 1, 110) }' | sort -k1,1nr
 }
 
+if [[ ${1:-} == --times-in-guest ]]; then
+	# event-mode ping-pong, untraced, rdmasafe and raw back to back (order
+	# swapped every other repeat): rate and CPU per message of both sides
+	addr=${RDMASAFE_TEST_ADDR:?}
+	n=${CQ_TIMES_N:-500}
+	reps=${CQ_TIMES_REPEATS:-5}
+	out=$(mktemp -d)
+	trap 'rm -rf "$out"' EXIT
+	port=7950
+	rc=0
+	for ((rep = 1; rep <= reps; rep++)); do
+		order=(rdmasafe raw)
+		((rep % 2 == 0)) && order=(raw rdmasafe)
+		for v in "${order[@]}"; do
+			port=$((port + 1))
+			"$bin/cq_pingpong_$v" -S -a "$addr" -p "$port" -w pp -m event -n "$n" -W 50 -t 300 >"$out/s.out" 2>"$out/s.err" &
+			sp=$!
+			for ((i = 0; i < 600; i++)); do
+				grep -q '^READY' "$out/s.out" 2>/dev/null && break
+				sleep 0.02
+			done
+			timeout -k 5 300 "$bin/cq_pingpong_$v" -a "$addr" -p "$port" -w pp -m event -n "$n" -W 50 -t 300 \
+				>"$out/c.out" 2>"$out/c.err" || rc=1
+			wait "$sp" || rc=1
+			python3 - "$v" "$rep" "$out/c.out" "$out/s.out" <<'PY'
+import json, sys
+v, rep, c, s = sys.argv[1:]
+rec = lambda f: json.loads(next(l for l in open(f) if l.startswith("RESULT "))[7:])
+c, s = rec(c), rec(s)
+msgs = 2 * c["n"]
+cpu = c["cpu_user_s"] + c["cpu_sys_s"] + s["cpu_user_s"] + s["cpu_sys_s"]
+print(f"@@times {v} {rep} rate {msgs / c['window_s']:.1f} cpu_us_per_msg {cpu / msgs * 1e6:.1f} p50_us {c.get('p50_ns', 0) / 1e3:.0f}")
+PY
+		done
+	done
+	exit $rc
+fi
+
 if [[ ${1:-} == --in-guest ]]; then
 	addr=${RDMASAFE_TEST_ADDR:?}
 	n=${CQ_CALLGRIND_N:-200}
@@ -64,6 +106,27 @@ if [[ ${1:-} == --in-guest ]]; then
 		echo
 	done
 	exit $rc
+fi
+
+if [[ ${1:-} == --times ]]; then
+	# rate and CPU per message, rdmasafe / raw per repeat (times under TCG
+	# are noisy: a ratio whose range crosses 1.0 is no measured difference)
+	"$repo/tests/bed/vm-run" --timeout 1200 -- env CARGO_TARGET_DIR="$target" bash "$here/cq-callgrind.sh" --times-in-guest |
+		tee "$target/bench/cq-times.txt" | python3 -c '
+import sys, statistics as st
+r = {}
+for l in sys.stdin:
+    if l.startswith("@@times "):
+        _, v, rep, _, rate, _, cpu, _, p50 = l.split()
+        r.setdefault(int(rep), {})[v] = (float(rate), float(cpu), float(p50))
+        print(l.strip())
+rr = [x["rdmasafe"][0] / x["raw"][0] for x in r.values() if len(x) == 2]
+cc = [x["rdmasafe"][1] / x["raw"][1] for x in r.values() if len(x) == 2]
+if rr:
+    print(f"rdmasafe / raw per repeat: rate {st.median(rr):.3f} [{min(rr):.3f}-{max(rr):.3f}]x, "
+          f"CPU per message {st.median(cc):.3f} [{min(cc):.3f}-{max(cc):.3f}]x")
+'
+	exit "${PIPESTATUS[0]}"
 fi
 
 if [[ ${1:-} != --no-build ]]; then
