@@ -11,7 +11,12 @@
 #   tests/bench/cq-callgrind.sh --times    # instead: untimed A/B event-mode
 #                                          # ping-pong (CQ_TIMES_N round trips,
 #                                          # default 500, CQ_TIMES_REPEATS 5):
-#                                          # rate and CPU per message ratios
+#                                          # rate and CPU per message ratios;
+#                                          # CQ_TIMES_BEFORE_BIN=DIR adds the
+#                                          # rdmasafe program of DIR as "before"
+#                                          # (to the callgrind case too; DIR and
+#                                          # its library's folder must be in
+#                                          # RDMASAFE_BED_SHARE if under /tmp)
 #
 # Nothing is written to docs/; the summary is also kept in
 # target/bench/cq-callgrind.txt, the callgrind files in
@@ -54,15 +59,18 @@ if [[ ${1:-} == --times-in-guest ]]; then
 	for ((rep = 1; rep <= reps; rep++)); do
 		order=(rdmasafe raw)
 		((rep % 2 == 0)) && order=(raw rdmasafe)
+		[[ -n ${CQ_TIMES_BEFORE_BIN:-} ]] && order+=(before)
 		for v in "${order[@]}"; do
 			port=$((port + 1))
-			"$bin/cq_pingpong_$v" -S -a "$addr" -p "$port" -w pp -m event -n "$n" -W 50 -t 300 >"$out/s.out" 2>"$out/s.err" &
+			p=$bin/cq_pingpong_$v
+			[[ $v == before ]] && p=$CQ_TIMES_BEFORE_BIN/cq_pingpong_rdmasafe
+			"$p" -S -a "$addr" -p "$port" -w pp -m event -n "$n" -W 50 -t 300 >"$out/s.out" 2>"$out/s.err" &
 			sp=$!
 			for ((i = 0; i < 600; i++)); do
 				grep -q '^READY' "$out/s.out" 2>/dev/null && break
 				sleep 0.02
 			done
-			timeout -k 5 300 "$bin/cq_pingpong_$v" -a "$addr" -p "$port" -w pp -m event -n "$n" -W 50 -t 300 \
+			timeout -k 5 300 "$p" -a "$addr" -p "$port" -w pp -m event -n "$n" -W 50 -t 300 \
 				>"$out/c.out" 2>"$out/c.err" || rc=1
 			wait "$sp" || rc=1
 			python3 - "$v" "$rep" "$out/c.out" "$out/s.out" <<'PY'
@@ -87,16 +95,20 @@ if [[ ${1:-} == --in-guest ]]; then
 	trap 'rm -rf "$out"' EXIT
 	port=7900
 	rc=0
-	for v in rdmasafe raw; do
+	variants=(rdmasafe raw)
+	[[ -n ${CQ_TIMES_BEFORE_BIN:-} ]] && variants+=(before)
+	for v in "${variants[@]}"; do
 		port=$((port + 1))
-		"$bin/cq_pingpong_$v" -S -a "$addr" -p "$port" -w pp -m event -n "$n" -W "$warm" -t 300 >"$out/$v.s.out" 2>"$out/$v.s.err" &
+		p=$bin/cq_pingpong_$v
+		[[ $v == before ]] && p=$CQ_TIMES_BEFORE_BIN/cq_pingpong_rdmasafe
+		"$p" -S -a "$addr" -p "$port" -w pp -m event -n "$n" -W "$warm" -t 300 >"$out/$v.s.out" 2>"$out/$v.s.err" &
 		sp=$!
 		for ((i = 0; i < 600; i++)); do
 			grep -q '^READY' "$out/$v.s.out" 2>/dev/null && break
 			sleep 0.02
 		done
 		timeout -k 5 600 valgrind --tool=callgrind --collect-atstart=no --callgrind-out-file="$out/$v.cg" \
-			"$bin/cq_pingpong_$v" -a "$addr" -p "$port" -w pp -m event -n "$n" -W "$warm" -t 300 \
+			"$p" -a "$addr" -p "$port" -w pp -m event -n "$n" -W "$warm" -t 300 \
 			>"$out/$v.c.out" 2>"$out/$v.c.err" || { rc=1; tail -n 5 "$out/$v.c.err" >&2; }
 		wait "$sp" || { rc=1; tail -n 5 "$out/$v.s.err" >&2; }
 		summary "$v"
@@ -120,11 +132,12 @@ for l in sys.stdin:
         _, v, rep, _, rate, _, cpu, _, p50 = l.split()
         r.setdefault(int(rep), {})[v] = (float(rate), float(cpu), float(p50))
         print(l.strip())
-rr = [x["rdmasafe"][0] / x["raw"][0] for x in r.values() if len(x) == 2]
-cc = [x["rdmasafe"][1] / x["raw"][1] for x in r.values() if len(x) == 2]
-if rr:
-    print(f"rdmasafe / raw per repeat: rate {st.median(rr):.3f} [{min(rr):.3f}-{max(rr):.3f}]x, "
-          f"CPU per message {st.median(cc):.3f} [{min(cc):.3f}-{max(cc):.3f}]x")
+for v in ("rdmasafe", "before"):
+    rr = [x[v][0] / x["raw"][0] for x in r.values() if v in x and "raw" in x]
+    cc = [x[v][1] / x["raw"][1] for x in r.values() if v in x and "raw" in x]
+    if rr:
+        print(f"{v} / raw per repeat: rate {st.median(rr):.3f} [{min(rr):.3f}-{max(rr):.3f}]x, "
+              f"CPU per message {st.median(cc):.3f} [{min(cc):.3f}-{max(cc):.3f}]x")
 '
 	exit "${PIPESTATUS[0]}"
 fi
