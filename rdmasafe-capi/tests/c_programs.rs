@@ -471,7 +471,7 @@ fn check_cq_loop_test(c: &mut Checks, b: &Block) {
         "ok   rdmasafe_cq_loop_destroy twice -> -EINVAL".to_string(),
         "ok   rdmasafe_cq_loop_create(poll_batch 4097) -> -EINVAL, *out untouched".to_string(),
         "ok   rdmasafe_cq_loop_create(ack_batch 65537) -> -EINVAL, *out untouched".to_string(),
-        "ok   rdmasafe_cq_loop_create(mode 3) -> -EINVAL, *out untouched".to_string(),
+        "ok   rdmasafe_cq_loop_create(mode 4 (after RDMASAFE_MODE_LEARNING)) -> -EINVAL, *out untouched".to_string(),
         "ok   add_cq of a CQ created on ANOTHER comp channel -> -EINVAL".to_string(),
         "ok   add_cq of a CQ created without a channel -> -EINVAL".to_string(),
         "ok   a second loop on channel 1 -> -EBUSY".to_string(),
@@ -509,7 +509,7 @@ fn check_cq_loop_test(c: &mut Checks, b: &Block) {
         "ok   ibv_destroy_cq returned 0 for all 6 CQs of the channel after the loops were destroyed".to_string(),
     ];
     let want = 4 * CQ_LOOP_MESSAGES;
-    for mode in ["event", "busy_poll", "adaptive"] {
+    for mode in ["event", "busy_poll", "adaptive", "learning"] {
         let m = format!("{mode}/w32");
         needles.push(format!("ok   {m}: stopped mid-stream"));
         needles.push(format!("ok   {m}: after the stop unacked_now 0 "));
@@ -529,9 +529,11 @@ fn check_cq_loop_test(c: &mut Checks, b: &Block) {
         ("event", 32, CQ_LOOP_MESSAGES),
         ("busy_poll", 32, CQ_LOOP_MESSAGES),
         ("adaptive", 32, CQ_LOOP_MESSAGES),
+        ("learning", 32, CQ_LOOP_MESSAGES),
         ("event", 1, CQ_LOOP_LOCKSTEP),
         ("busy_poll", 1, CQ_LOOP_LOCKSTEP),
         ("adaptive", 1, CQ_LOOP_LOCKSTEP),
+        ("learning", 1, CQ_LOOP_LOCKSTEP),
     ] {
         let line = b.lines().find(|l| l.starts_with(&format!("figures mode={mode} window={window} ")));
         if !c.that(line.is_some(), format!("cq_loop_test printed no figures for {mode} window {window}")) {

@@ -309,7 +309,7 @@ static void test_options(struct ibv_comp_channel *ch)
 		const char *what;
 		struct rdmasafe_cq_loop_options o;
 	} bad[] = {
-		{ "mode 3", OPT(.mode = 3) },
+		{ "mode 4 (after RDMASAFE_MODE_LEARNING)", OPT(.mode = 4) },
 		{ "mode -1", OPT(.mode = -1) },
 		{ "poll_batch -1", OPT(.poll_batch = -1) },
 		{ "poll_batch 4097", OPT(.poll_batch = 4097) },
@@ -331,6 +331,7 @@ static void test_options(struct ibv_comp_channel *ch)
 		{ "busy poll", OPT(.mode = RDMASAFE_MODE_BUSY_POLL) },
 		{ "adaptive, spin 1 us, watchdog 5 ms", OPT(.mode = RDMASAFE_MODE_ADAPTIVE, .adaptive_spin_us = 1, .watchdog_ms = 5) },
 		{ "solicited only", OPT(.solicited_only = 1) },
+		{ "learning (adaptive_spin_us ignored)", OPT(.mode = RDMASAFE_MODE_LEARNING, .adaptive_spin_us = 123) },
 		/* an older caller: the struct ends before poll_batch (defaults from there on) */
 		{ "truncated (older header)", { .size = offsetof(struct rdmasafe_cq_loop_options, poll_batch), .mode = RDMASAFE_MODE_BUSY_POLL } },
 	};
@@ -1241,7 +1242,8 @@ static int connect_pair(struct ibv_context *ctx, uint16_t port)
 
 static const char *mode_name(int mode)
 {
-	return mode == RDMASAFE_MODE_EVENT ? "event" : mode == RDMASAFE_MODE_BUSY_POLL ? "busy_poll" : "adaptive";
+	return mode == RDMASAFE_MODE_EVENT ? "event" : mode == RDMASAFE_MODE_BUSY_POLL ? "busy_poll"
+	       : mode == RDMASAFE_MODE_LEARNING ? "learning" : "adaptive";
 }
 
 static int add_cqs(struct rdmasafe_cq_loop *l)
@@ -1681,10 +1683,11 @@ int main(int argc, char **argv)
 	test_async(ctx);
 
 	if (connect_pair(ctx, port) == 0) {
-		static const int modes[] = { RDMASAFE_MODE_EVENT, RDMASAFE_MODE_BUSY_POLL, RDMASAFE_MODE_ADAPTIVE };
-		for (int i = 0; i < 3; i++)
+		static const int modes[] = { RDMASAFE_MODE_EVENT, RDMASAFE_MODE_BUSY_POLL, RDMASAFE_MODE_ADAPTIVE,
+					     RDMASAFE_MODE_LEARNING };
+		for (int i = 0; i < 4; i++)
 			stream_mode(modes[i], n, SEND_WINDOW, 1, i == 0);
-		for (int i = 0; i < 3; i++)
+		for (int i = 0; i < 4; i++)
 			stream_mode(modes[i], lockstep, 1, 0, 0);
 		stream_run_once(RUN_ONCE_MESSAGES);
 		disconnect_pair();

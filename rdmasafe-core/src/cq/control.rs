@@ -308,7 +308,7 @@ impl LoopControl {
 
     /// True while one of this loop's handlers is running (on any thread).
     pub fn in_handler(&self) -> bool {
-        self.0.in_handler.load(SeqCst)
+        self.0.in_handler.load(Acquire)
     }
 
     /// True while a thread runs the loop (`run` / `process_once`).

@@ -16,6 +16,7 @@ use super::handle::{LiveChannel, LiveCq};
 use super::keepalive::Keepalives;
 use super::options::LoopOptions;
 use super::registry;
+use super::stats::Bump;
 use crate::sys;
 use crate::wc::Wc;
 use crate::{Error, Result};
@@ -180,7 +181,7 @@ impl Core {
             Cmd::AddCq { cq, opts, handler } => {
                 let r = self.entries.insert(Entry::new(cq, opts, handler));
                 self.push_unarmed(r);
-                sh.counters.cqs_added.fetch_add(1, Relaxed);
+                sh.counters.cqs_added.bump(1);
                 sh.counters.cqs.store(self.entries.len() as u64, Relaxed);
             }
             Cmd::RemoveCq { cq, done } => {
@@ -243,7 +244,7 @@ impl Core {
         for (done, res) in self.drains.take_for_cq(cq) {
             done.finish(sh, res);
         }
-        sh.counters.cqs_removed.fetch_add(1, Relaxed);
+        sh.counters.cqs_removed.bump(1);
         sh.counters.cqs.store(self.entries.len() as u64, Relaxed);
         drop(e); // the handler goes now: never called again
         Ok(())
@@ -266,9 +267,9 @@ impl Core {
         }
         cq.ack(n);
         let c = &sh.counters;
-        c.ack_calls.fetch_add(1, Relaxed);
-        c.acked_events.fetch_add(n as u64, Relaxed);
-        c.unacked.fetch_sub(n as u64, Relaxed);
+        c.ack_calls.bump(1);
+        c.acked_events.bump(n as u64);
+        c.unacked.drop_by(n as u64);
     }
 
     pub(super) fn flush(&mut self, sh: &Shared, r: Ref) {
@@ -292,6 +293,7 @@ impl Core {
     /// marks it fired. An event for a CQ whose add is still queued is
     /// credited to it; one for a CQ not in the loop is acked at once,
     /// counted and logged (once per CQ). Returns the events read.
+    #[inline]
     pub(super) fn read_events(&mut self, ctl: &LoopControl) -> Result<usize> {
         let sh = &*ctl.0;
         let mut read = 0;
@@ -301,14 +303,14 @@ impl Core {
             if self.armed == 0 && !self.fired.is_empty() {
                 return Ok(read);
             }
-            sh.counters.channel_reads.fetch_add(1, Relaxed);
+            sh.counters.channel_reads.bump(1);
             let Some(ev) = self.chan.get_event()? else {
-                sh.counters.channel_reads_empty.fetch_add(1, Relaxed);
+                sh.counters.channel_reads_empty.bump(1);
                 return Ok(read);
             };
             read += 1;
-            sh.counters.cq_events.fetch_add(1, Relaxed);
-            sh.counters.unacked.fetch_add(1, Relaxed);
+            sh.counters.cq_events.bump(1);
+            sh.counters.unacked.bump(1);
             let mut found = self.entries.find(ev.cq_addr());
             if found.is_none() && sh.cmds_pending.load(SeqCst) {
                 self.apply_cmds(ctl);
@@ -317,8 +319,8 @@ impl Core {
             let Some(r) = found else {
                 let cq = ev.cq_addr();
                 ev.ack();
-                sh.counters.unacked.fetch_sub(1, Relaxed);
-                sh.counters.foreign_cq_events.fetch_add(1, Relaxed);
+                sh.counters.unacked.drop_by(1);
+                sh.counters.foreign_cq_events.bump(1);
                 if self.warned_foreign.insert(cq) {
                     log::warn!(
                         target: "rdmasafe",
@@ -340,7 +342,8 @@ impl Core {
                 self.fired.push(r);
             }
             if e.pending_acks >= batch {
-                self.flush(sh, r);
+                let n = std::mem::take(&mut e.pending_acks);
+                Self::ack(sh, &e.cq, n);
             }
             self.last_event = None;
         }
@@ -350,6 +353,7 @@ impl Core {
 
     /// Polls `r` until it is empty or its budget is used, handing batches
     /// to its handler. Returns the completions taken from the CQ.
+    #[inline]
     pub(super) fn drain(&mut self, ctl: &LoopControl, r: Ref, honor_stop: bool) -> Result<usize> {
         let sh = &*ctl.0;
         let budget = match self.entries.get(r) {
@@ -378,7 +382,7 @@ impl Core {
                 return Ok(total);
             }
             if total >= budget {
-                sh.counters.budget_yields.fetch_add(1, Relaxed);
+                sh.counters.budget_yields.bump(1);
                 if let Some(e) = self.entries.get_mut(r) {
                     if !e.in_ready {
                         e.in_ready = true;
@@ -403,7 +407,7 @@ impl Core {
                 let (probe, ok) = self.keepalives.note(wc, now);
                 ours = probe;
                 if probe && ok {
-                    sh.counters.keepalive_probes_ok.fetch_add(1, Relaxed);
+                    sh.counters.keepalive_probes_ok.bump(1);
                 }
             }
             if !ours {
@@ -414,13 +418,14 @@ impl Core {
         kept
     }
 
+    #[inline]
     pub(super) fn call_handler(&mut self, ctl: &LoopControl, r: Ref, n: usize) {
         let sh = &*ctl.0;
         let batch = &self.wcs[..n];
         let errors = batch.iter().filter(|w| !w.is_success()).count();
         let c = &sh.counters;
-        c.completions.fetch_add(n as u64, Relaxed);
-        c.error_completions.fetch_add(errors as u64, Relaxed);
+        c.completions.bump(n as u64);
+        c.error_completions.bump(errors as u64);
         // Timing statistics: one clock read before a cycle's first handler
         // call, one after each (none at all when they are off).
         let timing = self.opts.timing_stats;
@@ -433,17 +438,20 @@ impl Core {
                 Some(now)
             }
         };
-        let Some(mut handler) = self.entries.get_mut(r).and_then(|e| e.handler.take()) else { return };
-        sh.in_handler.store(true, SeqCst);
-        let result = catch_unwind(AssertUnwindSafe(|| handler(&self.wcs[..n], ctl)));
-        sh.in_handler.store(false, SeqCst);
+        // Called where it is: while it runs, nobody else can touch the
+        // loop's state (this thread holds it; the handler's changes are
+        // queued, applied below).
+        let Some(handler) = self.entries.get_mut(r).map(|e| &mut e.handler) else { return };
+        let wcs = &self.wcs[..n];
+        // A figure for `LoopControl::in_handler` only (no other memory is
+        // published through it): no full fence per handler call.
+        sh.in_handler.store(true, Release);
+        let result = catch_unwind(AssertUnwindSafe(|| handler(wcs, ctl)));
+        sh.in_handler.store(false, Release);
         if let Some(t) = t {
             let after = Instant::now();
             c.handler_time(after.duration_since(t));
             self.last_stamp = Some(after);
-        }
-        if let Some(e) = self.entries.get_mut(r) {
-            e.handler = Some(handler);
         }
         // Changes the handler asked for take effect now, before any other
         // handler runs (a CQ removed from its own handler is gone here).
@@ -458,6 +466,7 @@ impl Core {
     /// Arms (if `arm`) and drains every CQ of the `which` list, emptying
     /// it. The list's storage is kept for its next use (no allocation per
     /// cycle).
+    #[inline]
     pub(super) fn work_list(&mut self, ctl: &LoopControl, which: List, arm: bool, honor_stop: bool) -> Result<usize> {
         let mut list = std::mem::take(self.list_mut(which));
         let r = self.work_refs(ctl, &list, arm, true, honor_stop);
@@ -478,6 +487,7 @@ impl Core {
         }
     }
 
+    #[inline]
     fn work_refs(
         &mut self,
         ctl: &LoopControl,
@@ -508,6 +518,7 @@ impl Core {
     }
 
     /// `listed`: `r` came from the unarmed or fired list (not the ready one).
+    #[inline]
     fn work_one(&mut self, ctl: &LoopControl, r: Ref, arm: bool, listed: bool, honor_stop: bool) -> Result<usize> {
         let Some(e) = self.entries.get_mut(r) else { return Ok(0) };
         if listed {
@@ -520,7 +531,7 @@ impl Core {
                 e.armed = true;
                 self.armed += 1;
             }
-            ctl.0.counters.arms.fetch_add(1, Relaxed);
+            ctl.0.counters.arms.bump(1);
             e.cq.arm(solicited)?;
         }
         self.drain(ctl, r, honor_stop)

@@ -12,6 +12,7 @@ use super::learn::{ns, CALIBRATE_NS};
 /// Learning mode reads the clock once per this many empty polling passes.
 const CLOCK_EVERY: u32 = 4;
 use super::options::Mode;
+use super::stats::Bump;
 use crate::sys::{self, Wait};
 use crate::Result;
 
@@ -25,9 +26,9 @@ impl Core {
 
     pub(super) fn record_wakeup(&mut self, sh: &Shared, n: usize) {
         let c = &sh.counters;
-        c.wakeups.fetch_add(1, Relaxed);
+        c.wakeups.bump(1);
         if n == 0 {
-            c.empty_wakeups.fetch_add(1, Relaxed);
+            c.empty_wakeups.bump(1);
         }
         c.per_wakeup.record(n as u64);
         if self.opts.timing_stats {
@@ -44,23 +45,20 @@ impl Core {
     /// fd. Returns the ready keys as bits (0 on timeout).
     pub(super) fn sleep(&mut self, ctl: &LoopControl, wait: Wait) -> Result<u64> {
         let sh = &*ctl.0;
-        self.watchdog_start(sh);
-        let deadline = self.next_deadline(sh);
-        self.arm_timer(sh, deadline);
         let mut ms: i32 = match wait {
             Wait::None => 0,
             Wait::Forever => -1,
             Wait::For(d) => d.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32,
         };
-        if let Some(d) = deadline {
-            let left =
-                d.saturating_duration_since(Instant::now()).as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
-            ms = if ms < 0 { left } else { ms.min(left) };
+        // Nothing timed (the common case): no deadline to bound the wait,
+        // no watchdog to start, the timerfd disarmed already.
+        if !self.untimed() {
+            ms = self.bound_by_deadline(sh, ms);
         }
         if let Some(h) = self.hook.as_mut() {
             h();
         }
-        sh.counters.sleeps.fetch_add(1, Relaxed);
+        sh.counters.sleeps.bump(1);
         let learning = self.opts.mode == Mode::Learning;
         let before = learning.then(Instant::now);
         let bits = sh.epoll.wait(ms).map_err(io_err("epoll_wait"));
@@ -84,6 +82,21 @@ impl Core {
             self.timer_at = None;
         }
         Ok(bits)
+    }
+
+    /// Starts the watchdog, keeps the timerfd armed for the next deadline
+    /// and bounds a wait of `ms` (-1: none) by it.
+    #[inline(never)]
+    fn bound_by_deadline(&mut self, sh: &Shared, mut ms: i32) -> i32 {
+        self.watchdog_start(sh);
+        let deadline = self.next_deadline(sh);
+        self.arm_timer(sh, deadline);
+        if let Some(d) = deadline {
+            let left =
+                d.saturating_duration_since(Instant::now()).as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
+            ms = if ms < 0 { left } else { ms.min(left) };
+        }
+        ms
     }
 
     /// One cycle in the loop's mode; the completions delivered.
@@ -344,10 +357,10 @@ impl Core {
                 let c = &ctl.0.counters;
                 if std::mem::take(&mut l.calibrating) {
                     // Measured: sleep on.
-                    c.learn_calibrations.fetch_add(1, Relaxed);
+                    c.learn_calibrations.bump(1);
                 } else if let Some((_, until)) = l.model.plan().window {
                     // The plan's window: poll until its end.
-                    c.learn_timer_wakes.fetch_add(1, Relaxed);
+                    c.learn_timer_wakes.bump(1);
                     l.spin_until = until;
                     self.polling_since = Some(t2);
                     self.publish_plan(&ctl.0);

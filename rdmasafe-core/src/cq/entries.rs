@@ -1,7 +1,10 @@
 //! The CQs of a loop: a slab with generations (a reference to a removed
 //! CQ's slot can never reach the CQ that reuses it) and an index by CQ
-//! address, so an event finds its CQ in O(1).
+//! address, so an event finds its CQ in O(1): first the slot the last
+//! lookup found (checked against the CQ's address: no hashing when the
+//! same CQ fires again, as in a ping-pong), then the index.
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
@@ -35,8 +38,8 @@ pub(crate) type Ref = (usize, u64);
 
 pub(crate) struct Entry {
     pub(crate) cq: LiveCq,
-    /// Taken out while it runs (the loop may change while it does).
-    pub(crate) handler: Option<Handler>,
+    /// Called where it is (the loop's state is held while it runs).
+    pub(crate) handler: Handler,
     pub(crate) opts: CqOptions,
     pub(crate) pending_acks: u32,
     pub(crate) armed: bool,
@@ -51,7 +54,7 @@ impl Entry {
     pub(crate) fn new(cq: LiveCq, opts: CqOptions, handler: Handler) -> Entry {
         Entry {
             cq,
-            handler: Some(handler),
+            handler,
             opts,
             pending_acks: 0,
             armed: false,
@@ -69,6 +72,8 @@ pub(crate) struct Entries {
     free: Vec<usize>,
     by_cq: AddrMap<usize>,
     next_gen: u64,
+    /// The slot the last `find` found (a hint: always checked).
+    last: Cell<usize>,
 }
 
 impl Entries {
@@ -94,8 +99,21 @@ impl Entries {
         (i, self.next_gen)
     }
 
+    #[inline]
     pub(crate) fn find(&self, cq: usize) -> Option<Ref> {
+        let i = self.last.get();
+        if let Some(Some(e)) = self.slots.get(i) {
+            if e.cq.addr() == cq {
+                return Some((i, e.gen));
+            }
+        }
+        self.find_indexed(cq)
+    }
+
+    #[inline(never)]
+    fn find_indexed(&self, cq: usize) -> Option<Ref> {
         let i = *self.by_cq.get(&cq)?;
+        self.last.set(i);
         self.slots[i].as_ref().map(|e| (i, e.gen))
     }
 
@@ -163,5 +181,29 @@ mod tests {
         assert_eq!(es.find(0x2000), Some(b));
         assert_eq!(es.find(0x1000), None);
         assert_eq!(es.len(), 1);
+    }
+
+    #[test]
+    fn the_last_slot_found_is_a_hint_only() {
+        let mut es = Entries::default();
+        let noop = || -> Handler { Box::new(|_, _| {}) };
+        let a = es.insert(Entry::new(fake(0x1000), CqOptions::default(), noop()));
+        let b = es.insert(Entry::new(fake(0x2000), CqOptions::default(), noop()));
+        for _ in 0..2 {
+            assert_eq!(es.find(0x2000), Some(b));
+            assert_eq!(es.find(0x1000), Some(a));
+        }
+        assert_eq!(es.find(0x1000), Some(a), "the same CQ again (the hint)");
+        // The hinted slot is emptied, then reused by another CQ: neither
+        // the removed CQ's address nor a stale generation is ever found.
+        assert!(es.remove(a).is_some());
+        assert_eq!(es.find(0x1000), None);
+        let c = es.insert(Entry::new(fake(0x3000), CqOptions::default(), noop()));
+        assert_eq!(c.0, a.0, "the slot is reused");
+        assert_eq!(es.find(0x1000), None);
+        assert_eq!(es.find(0x3000), Some(c));
+        assert_eq!(es.find(0x2000), Some(b));
+        assert_eq!(es.find(0x4000), None, "an unknown CQ");
+        assert_eq!(es.find(0x3000), Some(c));
     }
 }

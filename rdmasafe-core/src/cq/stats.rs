@@ -13,10 +13,33 @@ pub const BUCKETS: usize = 16;
 #[derive(Default)]
 pub(crate) struct Histogram([AtomicU64; BUCKETS]);
 
+/// Adding to a loop's counters. Only whoever holds the loop's state (its
+/// mutex) writes them, so an add needs no atomic read-modify-write (a
+/// locked instruction, on x86 a full barrier): a plain load and store,
+/// ordered between successive holders by that mutex. Readers load them
+/// with `Relaxed` as before and see every value whole.
+pub(crate) trait Bump {
+    fn bump(&self, n: u64);
+    fn drop_by(&self, n: u64);
+}
+
+impl Bump for AtomicU64 {
+    #[inline]
+    fn bump(&self, n: u64) {
+        self.store(self.load(Relaxed).wrapping_add(n), Relaxed);
+    }
+
+    #[inline]
+    fn drop_by(&self, n: u64) {
+        self.store(self.load(Relaxed).wrapping_sub(n), Relaxed);
+    }
+}
+
 impl Histogram {
+    /// Only the holder of the loop's state records (see [`Bump`]).
     pub(crate) fn record(&self, v: u64) {
         let i = (u64::BITS - v.leading_zeros()) as usize;
-        self.0[i.min(BUCKETS - 1)].fetch_add(1, Relaxed);
+        self.0[i.min(BUCKETS - 1)].bump(1);
     }
 
     fn snapshot(&self) -> [u64; BUCKETS] {

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use super::control::{LoopControl, Shared};
 use super::core::Core;
 use super::options::Mode;
+use super::stats::Bump;
 use crate::sys::{self};
 use crate::Result;
 
@@ -69,19 +70,31 @@ impl Core {
         }
     }
 
-    /// Keepalive probes and deaths, finished and timed-out drains, the
-    /// watchdog: whatever is due now.
-    pub(super) fn tick(&mut self, ctl: &LoopControl, honor_stop: bool) -> Result<usize> {
-        let sh = &*ctl.0;
-        // Nothing timed at all (the common case): nothing to do, and the
-        // timerfd is disarmed already.
-        if self.keepalives.is_empty()
+    /// Nothing timed at all (the common case): no keepalive, no drain, no
+    /// watchdog, and the timerfd is disarmed already. Then `tick` has
+    /// nothing to do, and a sleep needs no deadline.
+    #[inline]
+    pub(super) fn untimed(&self) -> bool {
+        self.keepalives.is_empty()
             && self.drains.is_empty()
             && self.opts.watchdog.is_none()
             && self.timer_at.is_none()
-        {
+            && self.learn.wake_at.is_none()
+    }
+
+    /// Keepalive probes and deaths, finished and timed-out drains, the
+    /// watchdog: whatever is due now.
+    #[inline]
+    pub(super) fn tick(&mut self, ctl: &LoopControl, honor_stop: bool) -> Result<usize> {
+        if self.untimed() {
             return Ok(0);
         }
+        self.tick_timed(ctl, honor_stop)
+    }
+
+    #[inline(never)]
+    fn tick_timed(&mut self, ctl: &LoopControl, honor_stop: bool) -> Result<usize> {
+        let sh = &*ctl.0;
         let timed = !self.keepalives.is_empty() || self.drains.in_progress() || self.watchdog_since(sh).is_some();
         let now = timed.then(Instant::now);
         let mut n = 0;
@@ -93,10 +106,10 @@ impl Core {
                     }
                 }
                 let (posted, dead, destroyed) = self.keepalives.tick(now);
-                sh.counters.keepalive_probes.fetch_add(posted, Relaxed);
+                sh.counters.keepalive_probes.bump(posted);
                 sh.forget_keepalives_of(&destroyed);
                 for (qpn, _qp) in dead {
-                    sh.counters.keepalive_dead.fetch_add(1, Relaxed);
+                    sh.counters.keepalive_dead.bump(1);
                     if let Some(f) = self.keepalives.on_dead(qpn) {
                         f(qpn, ctl);
                     }
@@ -104,7 +117,7 @@ impl Core {
             }
             if let (Some(t), Some(since)) = (self.opts.watchdog, self.watchdog_since(sh)) {
                 if now.saturating_duration_since(since) >= t {
-                    sh.counters.watchdog_polls.fetch_add(1, Relaxed);
+                    sh.counters.watchdog_polls.bump(1);
                     self.last_event = Some(now);
                     n += self.poll_all(ctl, honor_stop)?;
                 }
