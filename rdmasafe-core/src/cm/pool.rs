@@ -300,15 +300,14 @@ impl SlotBox {
     }
 
     /// Keeps librdmacm's `original` event un-acked until this copy is freed
-    /// or `deadline` passes, whichever comes first.
+    /// or `ms` milliseconds (the deadline) pass, whichever comes first.
     ///
     /// # Safety
     /// `original` must be an un-acked event from `rdma_get_cm_event`, not
     /// acked by anyone else afterwards.
-    pub(crate) unsafe fn hold_original(&mut self, original: *mut rdma_cm_event, deadline: Duration) {
+    pub(crate) unsafe fn hold_original(&mut self, original: *mut rdma_cm_event, ms: u64) {
         let s = self.0;
         let gen = s.ack.load(Relaxed) >> 1;
-        let ms = deadline.as_millis().min(u64::MAX as u128) as u64;
         // The copy's time stamp (taken by mark_copied) is "now" here.
         let now = match s.copied_at_ms.load(Relaxed) {
             0 => sys::coarse_now_ms(),
@@ -446,17 +445,26 @@ static ACK_DEADLINE_MS: AtomicU64 = AtomicU64::new(u64::MAX);
 /// environment; zero acks at once. Copies from an [`super::EventChannel`]
 /// are always acked at once.
 pub fn ack_deadline() -> Duration {
-    let v = ACK_DEADLINE_MS.load(Relaxed);
-    if v != u64::MAX {
-        return Duration::from_millis(v);
+    Duration::from_millis(ack_deadline_ms())
+}
+
+/// [`ack_deadline`] in milliseconds (the get path's form: one load once set).
+pub(crate) fn ack_deadline_ms() -> u64 {
+    match ACK_DEADLINE_MS.load(Relaxed) {
+        u64::MAX => read_ack_deadline_env(),
+        v => v,
     }
+}
+
+#[cold]
+fn read_ack_deadline_env() -> u64 {
     let d = std::env::var("RDMASAFE_ACK_DEADLINE_MS")
         .ok()
         .and_then(|s| s.trim().parse::<u64>().ok())
         .map_or(DEFAULT_ACK_DEADLINE, Duration::from_millis);
     let _ =
         ACK_DEADLINE_MS.compare_exchange(u64::MAX, d.as_millis().min(u64::MAX as u128 - 1) as u64, Relaxed, Relaxed);
-    Duration::from_millis(ACK_DEADLINE_MS.load(Relaxed))
+    ACK_DEADLINE_MS.load(Relaxed)
 }
 
 /// Sets [`ack_deadline`] for gets from now on; returns the previous value.
