@@ -370,7 +370,7 @@ storm_cmtime() { # N REP
 evcost() { # VARIANT REP [KIND] [K] [ROUNDS] [LIVE_IDS]
 	local v=$1 rep=$2 kind=${3:-} k=${4:-$EV_K} r=${5:-$EV_R} l=${6:-}
 	C=("$(prog cm_evcost "$v")" -a "$ADDR" -k "$k" -r "$r" -w 1 ${l:+-l "$l"})
-	run_single "evcost_$v${kind:+_$kind}${l:+_l$l}" "$rep" "$kind"
+	run_single "evcost_$v${kind:+_$kind}${l:+_l$l}${EV_TAG:-}" "$rep" "$kind"
 }
 
 # CM per-event instructions (callgrind) with L more live ids on the
@@ -383,6 +383,9 @@ cm_callgrind() {
 			evcost "$v" 0 callgrind 300 2 "$l"
 		done
 	done
+	# diagnostic: the ack deadline off (every original acked at the get; no
+	# ack-deadline thread, so glibc stays on its single-thread paths)
+	EV_TAG=_deadline0 RDMASAFE_ACK_DEADLINE_MS=0 evcost rdmasafe 0 callgrind 300 2
 }
 
 pp() { # VARIANT MODE WORKLOAD N REP [KIND] [EXTRA...]

@@ -499,6 +499,14 @@ def build(d, png_name):
           "events are the K ADDR_RESOLVED events of the round's own ids, as above (callgrind, K = 300, "
           "2 measured rounds).")
         w("")
+    d0 = d.callgrind.get(f"evcost_{rs}_callgrind_deadline0")
+    r0 = d.one(f"evcost_{rs}_callgrind_deadline0")
+    if d0 and r0 and r0.get("events"):
+        w(f"Diagnostic, rdmasafe with the ack deadline off (`RDMASAFE_ACK_DEADLINE_MS=0`: each original "
+          f"acked inside the get, no ack-deadline thread, so glibc keeps its single-thread paths): "
+          f"{fnum(d0 / r0['events'])} instructions per get + free (with the default deadline: "
+          f"{fnum(ir_ev[rs])}; raw {fnum(ir_ev[raw])}).")
+        w("")
     w("### CM connection storm (cm_storm client, per connection: create, resolve addr + route, QP, connect, disconnect, destroy)")
     w("")
     rows = []
