@@ -173,8 +173,16 @@ impl FreeRing {
                     }
                     Err(now) => pos = now,
                 },
-                // Not filled yet: empty.
-                d if d < 0 => return None,
+                // Not filled yet: empty, unless a push claimed pos and is
+                // about to fill it (then wait for it, as a lock-free queue
+                // must not report an entry that is there as missing).
+                d if d < 0 => {
+                    if self.tail.load(Acquire) == pos {
+                        return None;
+                    }
+                    std::hint::spin_loop();
+                    pos = self.head.load(Relaxed);
+                }
                 // Another pop took pos already.
                 _ => pos = self.head.load(Relaxed),
             }
