@@ -92,10 +92,10 @@ pub unsafe extern "C" fn rdmasafe_get_event(channel: *mut rdma_event_channel, ev
         let (Some(ch), false) = (self::channel(channel, false), event.is_null()) else {
             return Err(libc::EINVAL);
         };
-        let ev = ch.get().map_err(|e| e.errno())?;
+        let ev = ch.get_raw().map_err(|e| e.errno())?;
         // SAFETY: event was checked non-NULL; the caller provides a
         // writable pointer slot.
-        unsafe { *event = hand_out(ev) };
+        unsafe { *event = ev };
         Ok(0)
     })
 }
@@ -210,12 +210,9 @@ pub unsafe extern "C" fn rdmasafe_event_free(event: *mut rdma_cm_event) -> c_int
         if event.is_null() {
             return Ok(0);
         }
-        match CmEvent::from_raw(event) {
-            Some(copy) => {
-                drop(copy);
-                Ok(0)
-            }
-            None => {
+        match CmEvent::free_raw(event) {
+            true => Ok(0),
+            false => {
                 log::error!(
                     target: "rdmasafe",
                     "rdmasafe_event_free({event:p}): not a live rdmasafe copy (freed already, or never handed \

@@ -55,12 +55,16 @@ pub(crate) fn guard_signal_safe<T>(on_panic: impl FnOnce() -> T, f: impl FnOnce(
 /// call began (whatever the library's own system calls left in it);
 /// `Err(e)` sets errno to `e` and returns -1; a panic is -1 with EIO.
 pub(crate) fn guard_errno(f: impl FnOnce() -> Result<c_int, c_int>) -> c_int {
-    let saved = rdmasafe_core::sys::errno_raw();
+    // One lookup of the thread's errno slot for the save and the restore.
+    let slot = rdmasafe_core::sys::errno_slot();
+    // SAFETY: the calling thread's own errno, read and written only by it.
+    let saved = unsafe { *slot };
     guard(
         || fail_errno(libc::EIO),
         || match f() {
             Ok(v) => {
-                rdmasafe_core::sys::set_errno(saved);
+                // SAFETY: as above (same thread: f ran on it).
+                unsafe { *slot = saved };
                 v
             }
             Err(e) => fail_errno(e),

@@ -145,6 +145,14 @@ pub fn errno_raw() -> i32 {
     unsafe { *libc::__errno_location() }
 }
 
+/// The address of the calling thread's errno: valid for as long as the
+/// thread lives, and only to be used on it (save + restore with one lookup).
+pub fn errno_slot() -> *mut i32 {
+    // SAFETY: __errno_location has no precondition; it returns the calling
+    // thread's errno slot.
+    unsafe { libc::__errno_location() }
+}
+
 /// Sets the calling thread's errno (the C API's -1/errno convention).
 pub fn set_errno(value: i32) {
     // SAFETY: __errno_location always returns the calling thread's errno slot.

@@ -10,7 +10,12 @@
  * window for strace / callgrind / the allocation counter (bench_common.h).
  * Warm-up rounds run first and are not counted.
  *
- *   cm_evcost -a ADDR [-k K (1000)] [-r ROUNDS (5)] [-w WARMUP (1)]
+ *   cm_evcost -a ADDR [-k K (1000)] [-r ROUNDS (5)] [-w WARMUP (1)] [-l L (0)]
+ *
+ * -l L: L more ids live on the measured channel for the whole run, each
+ * bound to ADDR with port 0 (a live, bound id that makes no event), created
+ * before the first round: the per-event cost against the number of live ids
+ * (issue 14 target 5, CM half).
  *
  * Prints one RESULT line; "late" counts rounds in which an event had not
  * arrived before the drain started (the drain then includes a wait).
@@ -33,8 +38,8 @@
 int main(int argc, char **argv)
 {
 	const char *addr = NULL;
-	int k = 1000, rounds = 5, warm = 1, op;
-	while ((op = getopt(argc, argv, "a:k:r:w:")) != -1) {
+	int k = 1000, rounds = 5, warm = 1, live = 0, op;
+	while ((op = getopt(argc, argv, "a:k:r:w:l:")) != -1) {
 		switch (op) {
 		case 'a':
 			addr = optarg;
@@ -48,12 +53,15 @@ int main(int argc, char **argv)
 		case 'w':
 			warm = atoi(optarg);
 			break;
+		case 'l':
+			live = atoi(optarg);
+			break;
 		default:
-			fprintf(stderr, "usage: %s -a ADDR [-k K] [-r ROUNDS] [-w WARMUP]\n", argv[0]);
+			fprintf(stderr, "usage: %s -a ADDR [-k K] [-r ROUNDS] [-w WARMUP] [-l LIVE_IDS]\n", argv[0]);
 			return 2;
 		}
 	}
-	if (!addr || k < 1 || rounds < 1 || warm < 0)
+	if (!addr || k < 1 || rounds < 1 || warm < 0 || live < 0)
 		DIE("bad arguments");
 	alarm(300);
 	struct rdma_addrinfo hints = { .ai_port_space = RDMA_PS_TCP }, *ai;
@@ -65,6 +73,22 @@ int main(int argc, char **argv)
 	struct rdma_cm_id **ids = calloc((size_t)k, sizeof(*ids));
 	if (!ids)
 		DIE("calloc");
+	/* the live ids: bound to ADDR, port 0 (any free port), no events */
+	struct rdma_cm_id **extra = calloc((size_t)live + 1, sizeof(*extra));
+	if (!extra)
+		DIE("calloc");
+	struct sockaddr_storage any;
+	memcpy(&any, ai->ai_dst_addr, ai->ai_dst_len);
+	if (any.ss_family == AF_INET)
+		((struct sockaddr_in *)&any)->sin_port = 0;
+	else
+		((struct sockaddr_in6 *)&any)->sin6_port = 0;
+	for (int i = 0; i < live; i++) {
+		if (rdma_create_id(ch, &extra[i], NULL, RDMA_PS_TCP))
+			DIE("rdma_create_id (live)");
+		if (rdma_bind_addr(extra[i], (struct sockaddr *)&any))
+			DIE("rdma_bind_addr (live)");
+	}
 
 	uint64_t ns = 0, events = 0, alloc_n = 0, late = 0, wrong = 0;
 	double cpu_u = 0, cpu_s = 0;
@@ -131,6 +155,7 @@ int main(int argc, char **argv)
 	j_u64(&j, "events", events);
 	j_u64(&j, "k", k);
 	j_u64(&j, "rounds", rounds);
+	j_u64(&j, "live_ids", live);
 	j_u64(&j, "late_rounds", late);
 	j_u64(&j, "wrong_type", wrong);
 	j_dbl(&j, "ns_per_event", events ? (double)ns / events : 0);
@@ -143,6 +168,9 @@ int main(int argc, char **argv)
 #endif
 	j_end(&j);
 	free(ids);
+	for (int i = 0; i < live; i++)
+		rdma_destroy_id(extra[i]);
+	free(extra);
 	rdma_destroy_event_channel(ch);
 	rdma_freeaddrinfo(ai);
 	return wrong ? 1 : 0;

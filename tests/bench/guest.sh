@@ -35,8 +35,9 @@
 # programs built against an earlier librdmasafe; they run as variant
 # "before" next to "rdmasafe" and "raw" in the CQ event-mode and CM event
 # counts, and in the event-mode ping-pong times), RDMASAFE_BENCH_ONLY=scale
-# (only the scale case), =adaptive (only the adaptive frontier) or =counts
-# (the counts phase only).
+# (only the scale case), =adaptive (only the adaptive frontier), =counts
+# (the counts phase only) or =cm (only the CM callgrind cases of the counts
+# phase: cm_evcost plain and with CM_LIVE live ids on the channel).
 set -u
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -108,6 +109,8 @@ else
 	# time on the shared 2-core host (2026-12-01, other guests running in
 	# 41 of 104 samples), and more than 1,180 s with 3 other guests.
 	AD_IDLE_N=200 AD_P200_N=500 AD_P2000_N=150 AD_STREAM_N=10000
+	# CM per-event cost against live ids on the channel (callgrind)
+	CM_LIVE=(10 100 1000 10000)
 fi
 
 now_ms() { local t=${EPOCHREALTIME/./}; echo $((t / 1000)); }
@@ -380,10 +383,25 @@ storm_cmtime() { # N REP
 	[[ $crc -eq 0 ]] || { fail "$case" "$rep" "cmtime client exit $crc"; return 1; }
 }
 
-evcost() { # VARIANT REP [KIND] [K] [ROUNDS]
-	local v=$1 rep=$2 kind=${3:-} k=${4:-$EV_K} r=${5:-$EV_R}
-	C=("$(prog cm_evcost "$v")" -a "$ADDR" -k "$k" -r "$r" -w 1)
-	run_single "evcost_$v${kind:+_$kind}" "$rep" "$kind"
+evcost() { # VARIANT REP [KIND] [K] [ROUNDS] [LIVE_IDS]
+	local v=$1 rep=$2 kind=${3:-} k=${4:-$EV_K} r=${5:-$EV_R} l=${6:-}
+	C=("$(prog cm_evcost "$v")" -a "$ADDR" -k "$k" -r "$r" -w 1 ${l:+-l "$l"})
+	run_single "evcost_$v${kind:+_$kind}${l:+_l$l}${EV_TAG:-}" "$rep" "$kind"
+}
+
+# CM per-event instructions (callgrind) with L more live ids on the
+# measured channel (issue 14 target 5, CM half); and the plain case
+cm_callgrind() {
+	local v l
+	for v in rdmasafe raw; do
+		evcost "$v" 0 callgrind 300 2
+		for l in "${CM_LIVE[@]}"; do
+			evcost "$v" 0 callgrind 300 2 "$l"
+		done
+	done
+	# diagnostic: the ack deadline off (every original acked at the get; no
+	# ack-deadline thread, so glibc stays on its single-thread paths)
+	EV_TAG=_deadline0 RDMASAFE_ACK_DEADLINE_MS=0 evcost rdmasafe 0 callgrind 300 2
 }
 
 pp() { # VARIANT MODE WORKLOAD N REP [KIND] [EXTRA...]
@@ -597,6 +615,17 @@ if [[ ${RDMASAFE_BENCH_ONLY:-} == scale ]]; then
 	exit
 fi
 
+# ---- cm only (RDMASAFE_BENCH_ONLY=cm): the CM callgrind cases ------------
+if [[ ${RDMASAFE_BENCH_ONLY:-} == cm ]]; then
+	section counts
+	cm_callgrind
+	section
+	say "done (cm only): $failures failed"
+	echo "@@ {\"kind\":\"summary\",\"failures\":$failures,\"seconds\":$((($(now_ms) - t_start) / 1000))}"
+	[[ $failures -eq 0 ]]
+	exit
+fi
+
 # ---- counts ----------------------------------------------------------------
 section counts
 for v in rdmasafe raw; do
@@ -605,7 +634,7 @@ for v in rdmasafe raw; do
 	storm "$v" "$ST_STORM_N" 0 strace
 	storm "$v" "$ST_STORM_N" 0 allocs
 done
-for vm in rdmasafe:event rdmasafe:busy rdmasafe:adaptive raw:event raw:busy; do
+for vm in rdmasafe:event rdmasafe:busy rdmasafe:adaptive rdmasafe:learn raw:event raw:busy; do
 	pp "${vm%%:*}" "${vm##*:}" pp "$ST_PP_N" 0 strace
 	pp "${vm%%:*}" "${vm##*:}" pp "$ST_PP_N" 0 allocs
 done
@@ -615,8 +644,8 @@ for v in rdmasafe raw; do
 	pp "$v" event stream "$ST_STREAM_N" 0 strace_server
 done
 if [[ $CALLGRIND == 1 ]]; then
+	cm_callgrind
 	for v in rdmasafe raw; do
-		evcost "$v" 0 callgrind 300 2
 		pp "$v" event pp 200 0 callgrind
 	done
 fi

@@ -33,6 +33,9 @@
 #                      and fixed-spin modes on periodic and Poisson pings, and
 #                      a 64-deep stream); its page and plots go to
 #                      target/bench/adaptive-docs/, never to docs/
+#   --only cm          only the CM callgrind cases (cm_evcost, plain and with
+#                      10..10,000 live ids on its channel; ~5 min); implies
+#                      --no-docs (report.py FILE can still read it)
 #   --scale-from FILE  the page's CQ loop scale section (and target row) from
 #                      FILE, the results of an --only scale run, e.g.
 #                      --from results-full.txt --scale-from results-scale.txt
@@ -63,13 +66,14 @@ while [[ $# -gt 0 ]]; do
 	--scale-from) scale_from=$2; shift ;;
 	--before-lib) before_lib=$(cd "$2" && pwd); shift ;;
 	--counts-only) only=counts docs=0 ;;
-	-h | --help) sed -n '2,45p' "$0"; exit 0 ;;
+	-h | --help) sed -n '2,48p' "$0"; exit 0 ;;
 	*) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
 	esac
 	shift
 done
 [[ $profile == release || $profile == debug ]] || { echo "--profile release|debug" >&2; exit 2; }
-[[ -z $only || $only == scale || $only == adaptive || $only == counts ]] || { echo "--only scale|adaptive (the cases that run alone; --counts-only for the counts phase)" >&2; exit 2; }
+[[ -z $only || $only == scale || $only == adaptive || $only == counts || $only == cm ]] || { echo "--only scale|adaptive|cm (the cases that run alone; --counts-only for the counts phase)" >&2; exit 2; }
+[[ $only != cm ]] || docs=0
 [[ -z $only || $quick == 0 ]] || { echo "--only and --quick do not mix" >&2; exit 2; }
 
 msg() { echo "[bench] $*" >&2; }

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use super::event::{copy_raw, CmEvent, EventType};
 use super::id::{CmId, ConnectRequest, IdToken};
 use super::pool;
-use crate::sys::{self, rdma_event_channel, Wait};
+use crate::sys::{self, rdma_cm_event, rdma_event_channel, Wait};
 use crate::{Error, Result};
 
 /// Owner of a channel rdmasafe created. Ids hold an `Arc` of it, so the
@@ -261,12 +261,46 @@ impl<'a> ChannelRef<'a> {
         self.batch_with(out, max, wait, None)
     }
 
+    /// Like [`ChannelRef::get`], for a C caller: the copy is handed out at
+    /// once as the `struct rdma_cm_event *` that [`CmEvent::free_raw`] (or
+    /// [`CmEvent::from_raw`]) takes back. The same steps as `get`, without
+    /// building a [`CmEvent`] around the slot only to take it apart again.
+    pub fn get_raw(&self) -> Result<*mut rdma_cm_event> {
+        let (mut slot, ev) = self.take_event()?;
+        self.settle(&mut slot, ev);
+        Ok(slot.into_c())
+    }
+
     /// One `rdma_get_cm_event` (may block per the fd's mode), then the copy,
     /// then the ack of librdmacm's original: at once, or (with an ack
     /// deadline) when the copy is freed or the deadline passes.
     /// With an owner, a CONNECT_REQUEST's new id gets a token as context and
     /// is owned by the returned event.
     fn fetch(&self, owner: Option<&Arc<ChannelInner>>) -> Result<CmEvent> {
+        let (mut slot, ev) = self.take_event()?;
+        let request = match owner {
+            Some(owner) if EventType(slot.raw().event) == EventType::CONNECT_REQUEST && !slot.raw().id.is_null() => {
+                let token = IdToken::next();
+                let new_id = slot.raw().id;
+                // SAFETY: the new id is live (event unacked) and ours to
+                // label: librdmacm made it on our channel for this request.
+                unsafe { (*new_id).context = token.as_context() as *mut _ };
+                let listen_context = slot.listen_context();
+                slot.set_contexts(token.as_context(), listen_context);
+                // SAFETY: the new id is owned by nobody else; it becomes the
+                // request's, on the channel it was created on.
+                let id = unsafe { CmId::from_new_request(new_id, token, owner.clone()) };
+                Some(ConnectRequest::new(id))
+            }
+            _ => None,
+        };
+        self.settle(&mut slot, ev);
+        Ok(CmEvent::new(slot, request))
+    }
+
+    /// The limit, a slot, one `rdma_get_cm_event`, the copy: the slot and
+    /// librdmacm's original, not acked yet (see [`ChannelRef::settle`]).
+    fn take_event(&self) -> Result<(pool::SlotBox, *mut rdma_cm_event)> {
         // Storage and the limit first: a failure here leaves the event in
         // the kernel.
         pool::check_limit()?;
@@ -285,33 +319,27 @@ impl<'a> ChannelRef<'a> {
         // SAFETY: ev is a fresh, unacked librdmacm event: ids live, private
         // data readable in its own buffer, as copy_raw requires.
         unsafe { copy_raw(ev, &mut slot) };
-        let request = match owner {
-            Some(owner) if EventType(slot.raw().event) == EventType::CONNECT_REQUEST && !slot.raw().id.is_null() => {
-                let token = IdToken::next();
-                let new_id = slot.raw().id;
-                // SAFETY: the new id is live (event unacked) and ours to
-                // label: librdmacm made it on our channel for this request.
-                unsafe { (*new_id).context = token.as_context() as *mut _ };
-                let listen_context = slot.listen_context();
-                slot.set_contexts(token.as_context(), listen_context);
-                // SAFETY: the new id is owned by nobody else; it becomes the
-                // request's, on the channel it was created on.
-                let id = unsafe { CmId::from_new_request(new_id, token, owner.clone()) };
-                Some(ConnectRequest::new(id))
-            }
-            _ => None,
-        };
+        Ok((slot, ev))
+    }
+
+    /// The original `ev` of the copy in `slot` (fresh from
+    /// [`ChannelRef::take_event`], un-acked, nothing read from it any more):
+    /// acked at once, or held by the slot until the copy is freed or the
+    /// ack deadline passes.
+    fn settle(&self, slot: &mut pool::SlotBox, ev: *mut rdma_cm_event) {
         log::trace!(target: "rdmasafe", "copied CM event {} status {}", EventType(slot.raw().event), slot.raw().status);
-        let deadline = self.ack_deadline.unwrap_or_else(pool::ack_deadline);
-        if deadline.is_zero() {
+        let deadline_ms = match self.ack_deadline {
+            Some(d) => d.as_millis().min(u64::MAX as u128) as u64,
+            None => pool::ack_deadline_ms(),
+        };
+        if deadline_ms == 0 {
             // SAFETY: ev came from rdma_get_cm_event and is acked exactly
             // once; nothing reads it afterwards (the copy is complete).
             unsafe { sys::ack_cm_event(ev) };
         } else {
             // SAFETY: as above; from now on the slot acks it, once.
-            unsafe { slot.hold_original(ev, deadline) };
+            unsafe { slot.hold_original(ev, deadline_ms) };
         }
-        Ok(CmEvent::new(slot, request))
     }
 
     fn get_with(&self, wait: Wait, owner: Option<&Arc<ChannelInner>>) -> Result<CmEvent> {

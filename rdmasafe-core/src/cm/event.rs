@@ -371,6 +371,15 @@ impl CmEvent {
         SlotBox::from_c(raw).map(|slot| CmEvent { slot: Some(slot), request: None })
     }
 
+    /// Frees a copy handed out by [`CmEvent::into_raw`] or
+    /// [`super::ChannelRef::get_raw`], as dropping the [`CmEvent`]
+    /// [`CmEvent::from_raw`] returns would (a copy handed to C never owns a
+    /// connect request). `false`, nothing read or written, for any pointer
+    /// `from_raw` refuses.
+    pub fn free_raw(raw: *const rdma_cm_event) -> bool {
+        SlotBox::from_c(raw).map(drop).is_some()
+    }
+
     /// For a copy held by C: the ids' contexts captured at copy time
     /// (`(context, listen_context)`), read without taking the copy back.
     /// `None` for a pointer that is not a live copy held by C.

@@ -29,8 +29,6 @@ use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize
 use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::Duration;
 
-use crossbeam_queue::ArrayQueue;
-
 use crate::sys::{self, rdma_cm_event, RDMA_MAX_PRIVATE_DATA};
 
 /// Most free slots [`reserve`] allocates ahead of time.
@@ -92,7 +90,7 @@ struct Arena {
     allocated: AtomicUsize,
     committed: AtomicUsize,
     grow: Mutex<()>,
-    free: ArrayQueue<u32>,
+    free: FreeRing,
     overflow: Mutex<Vec<u32>>,
     overflow_len: AtomicUsize,
 }
@@ -102,6 +100,96 @@ unsafe impl Send for Arena {}
 // SAFETY: as above.
 unsafe impl Sync for Arena {}
 
+/// The lock-free part of the free list: a bounded FIFO of slot indices for
+/// any number of threads, one `AtomicU64` per cell holding a sequence
+/// number (high 32 bits) and the index (low 32 bits). Cell `p % RING`
+/// takes the push of position `p` when its sequence reads `p`, and gives
+/// it to the pop of `p` when it reads `p + 1`; the pop leaves `p + RING`
+/// for the next lap. A push claims `p` by moving `tail`, a pop by moving
+/// `head` (one compare-and-swap each, no lock, nothing allocated after
+/// `new`). Sequences compare as the low 32 bits of the 64-bit positions
+/// (RING divides 2^32).
+struct FreeRing {
+    cells: Box<[AtomicU64]>,
+    head: AtomicU64,
+    tail: AtomicU64,
+}
+
+impl FreeRing {
+    fn new() -> FreeRing {
+        FreeRing {
+            cells: (0..RING as u64).map(|k| AtomicU64::new(k << 32)).collect(),
+            head: AtomicU64::new(0),
+            tail: AtomicU64::new(0),
+        }
+    }
+
+    fn cell(&self, pos: u64) -> &AtomicU64 {
+        &self.cells[pos as usize & (RING - 1)]
+    }
+
+    /// Entries now (exact when nobody pushes or pops meanwhile; head is
+    /// read first, so the result never wraps below zero).
+    fn len(&self) -> usize {
+        let head = self.head.load(Acquire);
+        self.tail.load(Acquire).wrapping_sub(head) as usize
+    }
+
+    /// Appends `i`; gives it back when the ring is full.
+    fn push(&self, i: u32) -> Result<(), u32> {
+        let mut pos = self.tail.load(Relaxed);
+        loop {
+            let seq = (self.cell(pos).load(Acquire) >> 32) as u32;
+            match seq.wrapping_sub(pos as u32) as i32 {
+                0 => match self.tail.compare_exchange_weak(pos, pos + 1, Relaxed, Relaxed) {
+                    // Claimed: nobody else writes this cell before our pop
+                    // partner reads it.
+                    Ok(_) => {
+                        self.cell(pos).store(((pos as u32).wrapping_add(1) as u64) << 32 | i as u64, Release);
+                        return Ok(());
+                    }
+                    Err(now) => pos = now,
+                },
+                // The cell still holds the entry of the previous lap: full.
+                d if d < 0 => return Err(i),
+                // Another push claimed pos already.
+                _ => pos = self.tail.load(Relaxed),
+            }
+        }
+    }
+
+    /// Removes the oldest entry.
+    fn pop(&self) -> Option<u32> {
+        let mut pos = self.head.load(Relaxed);
+        loop {
+            let c = self.cell(pos).load(Acquire);
+            match ((c >> 32) as u32).wrapping_sub((pos as u32).wrapping_add(1)) as i32 {
+                // Filled for pos. `c` stays valid if the claim succeeds: the
+                // cell is rewritten only after a pop of pos, which is us.
+                0 => match self.head.compare_exchange_weak(pos, pos + 1, Relaxed, Relaxed) {
+                    Ok(_) => {
+                        self.cell(pos).store(((pos as u32).wrapping_add(RING as u32) as u64) << 32, Release);
+                        return Some(c as u32);
+                    }
+                    Err(now) => pos = now,
+                },
+                // Not filled yet: empty, unless a push claimed pos and is
+                // about to fill it (then wait for it, as a lock-free queue
+                // must not report an entry that is there as missing).
+                d if d < 0 => {
+                    if self.tail.load(Acquire) == pos {
+                        return None;
+                    }
+                    std::hint::spin_loop();
+                    pos = self.head.load(Relaxed);
+                }
+                // Another pop took pos already.
+                _ => pos = self.head.load(Relaxed),
+            }
+        }
+    }
+}
+
 fn arena() -> &'static Arena {
     static A: OnceLock<Arena> = OnceLock::new();
     A.get_or_init(|| Arena {
@@ -110,7 +198,7 @@ fn arena() -> &'static Arena {
         allocated: AtomicUsize::new(0),
         committed: AtomicUsize::new(0),
         grow: Mutex::new(()),
-        free: ArrayQueue::new(RING),
+        free: FreeRing::new(),
         overflow: Mutex::new(Vec::new()),
         overflow_len: AtomicUsize::new(0),
     })
@@ -300,15 +388,14 @@ impl SlotBox {
     }
 
     /// Keeps librdmacm's `original` event un-acked until this copy is freed
-    /// or `deadline` passes, whichever comes first.
+    /// or `ms` milliseconds (the deadline) pass, whichever comes first.
     ///
     /// # Safety
     /// `original` must be an un-acked event from `rdma_get_cm_event`, not
     /// acked by anyone else afterwards.
-    pub(crate) unsafe fn hold_original(&mut self, original: *mut rdma_cm_event, deadline: Duration) {
+    pub(crate) unsafe fn hold_original(&mut self, original: *mut rdma_cm_event, ms: u64) {
         let s = self.0;
         let gen = s.ack.load(Relaxed) >> 1;
-        let ms = deadline.as_millis().min(u64::MAX as u128) as u64;
         // The copy's time stamp (taken by mark_copied) is "now" here.
         let now = match s.copied_at_ms.load(Relaxed) {
             0 => sys::coarse_now_ms(),
@@ -446,17 +533,26 @@ static ACK_DEADLINE_MS: AtomicU64 = AtomicU64::new(u64::MAX);
 /// environment; zero acks at once. Copies from an [`super::EventChannel`]
 /// are always acked at once.
 pub fn ack_deadline() -> Duration {
-    let v = ACK_DEADLINE_MS.load(Relaxed);
-    if v != u64::MAX {
-        return Duration::from_millis(v);
+    Duration::from_millis(ack_deadline_ms())
+}
+
+/// [`ack_deadline`] in milliseconds (the get path's form: one load once set).
+pub(crate) fn ack_deadline_ms() -> u64 {
+    match ACK_DEADLINE_MS.load(Relaxed) {
+        u64::MAX => read_ack_deadline_env(),
+        v => v,
     }
+}
+
+#[cold]
+fn read_ack_deadline_env() -> u64 {
     let d = std::env::var("RDMASAFE_ACK_DEADLINE_MS")
         .ok()
         .and_then(|s| s.trim().parse::<u64>().ok())
         .map_or(DEFAULT_ACK_DEADLINE, Duration::from_millis);
     let _ =
         ACK_DEADLINE_MS.compare_exchange(u64::MAX, d.as_millis().min(u64::MAX as u128 - 1) as u64, Relaxed, Relaxed);
-    Duration::from_millis(ACK_DEADLINE_MS.load(Relaxed))
+    ACK_DEADLINE_MS.load(Relaxed)
 }
 
 /// Sets [`ack_deadline`] for gets from now on; returns the previous value.
@@ -703,6 +799,60 @@ mod tests {
         assert!(SlotBox::peek_c(p).is_some());
         drop(SlotBox::from_c(p).unwrap());
         assert!(SlotBox::peek_c(p).is_none());
+    }
+
+    /// The free list's ring: FIFO, full and empty at the right moments,
+    /// across many laps, and every entry out exactly once with many
+    /// threads at once.
+    #[test]
+    fn free_ring_fifo_and_concurrent() {
+        let r = FreeRing::new();
+        assert_eq!(r.pop(), None);
+        for lap in 0..5u32 {
+            for i in 0..RING as u32 {
+                assert_eq!(r.push(lap * 7 + i), Ok(()));
+            }
+            assert_eq!(r.push(1), Err(1), "full");
+            assert_eq!(r.len(), RING);
+            for i in 0..RING as u32 {
+                assert_eq!(r.pop(), Some(lap * 7 + i));
+            }
+            assert_eq!(r.pop(), None, "empty");
+        }
+        let r = std::sync::Arc::new(FreeRing::new());
+        let per = 20_000u32;
+        let seen: Vec<u32> = std::thread::scope(|sc| {
+            for t in 0..2u32 {
+                let r = r.clone();
+                sc.spawn(move || {
+                    for i in 0..per {
+                        while r.push(t * per + i).is_err() {
+                            std::thread::yield_now();
+                        }
+                    }
+                });
+            }
+            let poppers: Vec<_> = (0..2)
+                .map(|_| {
+                    let r = r.clone();
+                    sc.spawn(move || {
+                        let mut got = Vec::new();
+                        while got.len() < per as usize {
+                            match r.pop() {
+                                Some(i) => got.push(i),
+                                None => std::thread::yield_now(),
+                            }
+                        }
+                        got
+                    })
+                })
+                .collect();
+            poppers.into_iter().flat_map(|h| h.join().unwrap()).collect()
+        });
+        let mut seen = seen;
+        seen.sort_unstable();
+        assert!(seen.iter().copied().eq(0..2 * per), "every entry exactly once");
+        assert_eq!(r.pop(), None);
     }
 
     #[test]
