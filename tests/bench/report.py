@@ -219,7 +219,7 @@ def build(d, png_name):
       + ("; the CQ loop scale section from a second, `--only scale` run" if d.scale_data is not d else "")
       + " (do not edit by hand; rerun the command). " + ("**This is a --quick smoke run: sizes are tiny, numbers are meaningless.**" if quick else ""))
     w("")
-    w("```sh\ntests/bench/run.sh            # this page and docs/bench-latency.png (~7-15 min)\n"
+    w("```sh\ntests/bench/run.sh            # this page, docs/bench-latency.png, docs/bench-adaptive.png\n"
       "tests/bench/run.sh --quick    # smoke run, tiny sizes\n```")
     w("")
     g = d.host.get("guest_wall_s")
@@ -1091,6 +1091,32 @@ def ad_cpu(d, case, side):
     return out
 
 
+def ad_learned(d, case):
+    """One paragraph: what the learning mode had learned at the end of each
+    repeat, per side (its plan and measured wake cost, from the loop's
+    stats), or None for results without those figures."""
+    parts = []
+    for role in ("server", "client"):
+        reps = d.reps(case, role)
+        got = [(k, r) for k, r in sorted(reps.items()) if "learn_wake_cost_ns" in r]
+        if not got:
+            continue
+
+        def plan(r):
+            us = lambda k: fnum(r[k] / 1000)
+            win = (f", window {us('learn_window_from_ns')}-{us('learn_window_to_ns')} us"
+                   if r.get("learn_window_to_ns") else ", no window")
+            msgs = max(1, r.get("recvs", 0) + r.get("sends", 0))
+            return (f"spin {us('learn_spin_ns')} us{win}, wake cost {us('learn_wake_cost_ns')} us, "
+                    f"{fnum(r.get('learn_timer_wakes', 0) / msgs)} timer wakes and "
+                    f"{fnum(r.get('learn_calibrations', 0) / msgs)} calibrations per completion")
+        parts.append(f"{role}: " + "; ".join(f"repeat {k}: {plan(r)}" for k, r in got))
+    if not parts:
+        return None
+    return ("What the learning mode had learned at the end of the window (its plan, from the loop's stats; "
+            "times after the last completion): " + ". ".join(parts) + ".")
+
+
 def ad_p50(d, case):
     return {k: v / 1000 for k, v in d.vals(case, "p50_ns").items()}
 
@@ -1263,6 +1289,10 @@ def adaptive_section(d, w):
                   f"repeat {k}: learning {fnum(ad_cpu(d, f'adapt_{wl}_rdmasafe_learn', 'both')[k])} vs line "
                   f"{fnum(v['line'])} us ({'inside' if v['inside'] else 'outside'} the p50 range)"
                   for k, v in sorted(ln.items())) + ".")
+            w("")
+        learned = ad_learned(d, f"adapt_{wl}_rdmasafe_learn")
+        if learned:
+            w(learned)
             w("")
         pl = paired(ad_p50(d, f"adapt_{wl}_rdmasafe_learn"), ad_p50(d, f"adapt_{wl}_rdmasafe_spin50"))
         pc = paired(ad_cpu(d, f"adapt_{wl}_rdmasafe_learn", "both"), ad_cpu(d, f"adapt_{wl}_rdmasafe_spin50", "both"))

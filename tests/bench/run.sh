@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # THE benchmark command of rdmasafe:
 #
-#   tests/bench/run.sh            # full run: ~7 min on a quiet host (up to ~15
-#                                 # with other guests on it); writes docs/BENCHMARKS.md
-#                                 # and docs/bench-latency.png, docs/bench-adaptive.png
+#   tests/bench/run.sh            # full run (its time is on the page it writes:
+#                                 # 30-50 min on the 2-core test host, longer with
+#                                 # other guests on it); writes docs/BENCHMARKS.md,
+#                                 # docs/bench-latency.png and docs/bench-adaptive.png
 #   tests/bench/run.sh --quick    # tiny sizes, one repeat (smoke run, ~20-50 s)
 #   tests/bench/run.sh --only scale   # only the CQ loop scale case (~5 min)
 #   tests/bench/run.sh --only adaptive  # only the adaptive frontier (~9-20 min)
