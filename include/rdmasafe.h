@@ -472,17 +472,18 @@ struct rdmasafe_cq_loop_stats {
   uint64_t learn_timer_wakes;
   /**
    * Learning mode: timed sleeps made only to measure the wake-up
-   * latency (at most one per 64 sleeps without a window).
+   * latency (one per idle time until it is first measured, then at most
+   * one per 64 idle times without a window).
    */
   uint64_t learn_calibrations;
   /**
-   * Learning mode, the current plan: ns of polling after the last
-   * completion before the loop sleeps.
+   * Learning mode, the current plan: ns of polling after the loop's
+   * first empty poll after completions, before it sleeps.
    */
   uint64_t learn_spin_ns;
   /**
    * Learning mode, the current plan: while asleep, wake on a timer to
-   * poll from this many ns after the last completion (0: no window) ...
+   * poll from this many ns after that first empty poll (0: no window) ...
    */
   uint64_t learn_window_from_ns;
   /**

@@ -190,13 +190,14 @@ pub struct rdmasafe_cq_loop_stats {
     /// completion was due).
     pub learn_timer_wakes: u64,
     /// Learning mode: timed sleeps made only to measure the wake-up
-    /// latency (at most one per 64 sleeps without a window).
+    /// latency (one per idle time until it is first measured, then at most
+    /// one per 64 idle times without a window).
     pub learn_calibrations: u64,
-    /// Learning mode, the current plan: ns of polling after the last
-    /// completion before the loop sleeps.
+    /// Learning mode, the current plan: ns of polling after the loop's
+    /// first empty poll after completions, before it sleeps.
     pub learn_spin_ns: u64,
     /// Learning mode, the current plan: while asleep, wake on a timer to
-    /// poll from this many ns after the last completion (0: no window) ...
+    /// poll from this many ns after that first empty poll (0: no window) ...
     pub learn_window_from_ns: u64,
     /// ... until this many ns after it.
     pub learn_window_to_ns: u64,

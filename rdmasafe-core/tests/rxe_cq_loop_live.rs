@@ -1140,3 +1140,47 @@ fn a_drain_does_not_make_its_qps_keepalive_declare_a_death() {
     );
     assert_eq!((dead.load(SeqCst), s.keepalive_dead), (0, 0), "a QP being drained was declared dead");
 }
+
+/// A stop seen while the app drives the loop from its own epoll leaves the
+/// loop's fd readable: the stop disarmed the CQs, and the next call (which
+/// the app makes when the fd is readable) arms them again. Before, the stop
+/// consumed the fd's wakeup: the app slept in epoll_wait while completions
+/// arrived on CQs that, unarmed, raised no event.
+#[test]
+fn after_a_stop_the_embedded_loop_still_wakes_the_app() {
+    let bed = common::bed();
+    let _dog = common::watchdog("stop while embedded", Duration::from_secs(180));
+    for (round, mode) in [Mode::Event, Mode::Learning].into_iter().enumerate() {
+        let (ctx, _keep) = device(bed.addr);
+        let chan = CompChannel::new(&ctx).unwrap();
+        let p = rc_pair(bed.addr, &chan, false, 16);
+        let lp = CqLoop::new(&chan, LoopOptions { mode, ..Default::default() }).unwrap();
+        let log: Log = Arc::default();
+        lp.add_cq(&p.server_cq, logger(&log, "s")).unwrap();
+        let ep = Epoll::new(lp.as_raw_fd());
+        // The app's loop: call whenever the fd is readable, until it is not.
+        let drive = |lp: &CqLoop| {
+            while ep.wait(0) {
+                lp.process_once(Wait::None).unwrap();
+            }
+        };
+        drive(&lp);
+        lp.control().stop();
+        assert!(ep.wait(10_000), "{mode:?}: a stop makes the fd readable");
+        assert_eq!(lp.process_once(Wait::None).unwrap(), 0, "{mode:?}: the call that sees the stop");
+        assert!(ep.wait(0), "{mode:?}: after the stop the fd is readable: the next call re-arms the CQs");
+        drive(&lp);
+        let first = round as u64 * 10;
+        prefill(&p, first, 3);
+        let start = Instant::now();
+        while log.lock().unwrap().len() < 3 {
+            assert!(start.elapsed() < Duration::from_secs(60), "{mode:?}: the app was never woken for the messages");
+            if ep.wait(1000) {
+                lp.process_once(Wait::None).unwrap();
+            }
+        }
+        let got: Vec<u64> = log.lock().unwrap().iter().map(|e| e.1).collect();
+        assert_eq!(got, (first..first + 3).collect::<Vec<_>>(), "{mode:?}");
+        drop(lp);
+    }
+}

@@ -50,6 +50,13 @@ impl Core {
             Wait::Forever => -1,
             Wait::For(d) => d.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32,
         };
+        let learning = self.opts.mode == Mode::Learning;
+        if learning && self.learn.calibrating && self.learn.wake_at.is_none() {
+            // A calibration: timed from now, when the sleep begins (from
+            // the decision to sleep, the re-arm and final drain may take
+            // longer than the calibration on a slow machine).
+            self.learn.wake_at = Some(Instant::now() + Duration::from_nanos(CALIBRATE_NS));
+        }
         // Nothing timed (the common case): no deadline to bound the wait,
         // no watchdog to start, the timerfd disarmed already.
         if !self.untimed() {
@@ -59,11 +66,21 @@ impl Core {
             h();
         }
         sh.counters.sleeps.bump(1);
-        let learning = self.opts.mode == Mode::Learning;
         let before = learning.then(Instant::now);
         let bits = sh.epoll.wait(ms).map_err(io_err("epoll_wait"));
         if let Some(t1) = before {
-            self.learn.slept = Some((t1, Instant::now()));
+            let t2 = Instant::now();
+            self.learn.slept = Some((t1, t2));
+            // The plan's (or a calibration's) timer fired: only then is
+            // t2 - wake_at its lateness. The sleep must have begun before
+            // the time asked for, unless the app's own epoll did the waiting
+            // (no wait here: it called when the fd became readable).
+            if let (Ok(b), Some(at)) = (&bits, self.learn.wake_at) {
+                if b & (1 << KEY_TIMER) != 0 && t2 >= at {
+                    self.learn.wake_at = None;
+                    self.learn.fired = Some((at, t1 <= at || wait == Wait::None));
+                }
+            }
         }
         let bits = bits?;
         if bits & (1 << KEY_WAKE) != 0 {
@@ -325,20 +342,25 @@ impl Core {
             self.plan_sleep();
             self.publish_plan(&ctl.0);
         }
-        let n = self.event_cycle(ctl, wait, honor_stop)?;
-        let slept = self.learn.slept.take();
+        let r = self.event_cycle(ctl, wait, honor_stop);
+        // Taken whatever happened: a sleep that ended in an error (EINTR)
+        // must not leave a decision or a timer wake for a later sleep to
+        // measure against.
+        let (slept, decided, fired) = (self.learn.slept.take(), self.learn.decided.take(), self.learn.fired.take());
+        let n = r?;
         let l = &mut self.learn;
-        if let (Some(t), Some((t1, _))) = (l.decided.take(), slept) {
+        if let (Some(t), Some((t1, _))) = (decided, slept) {
             // The work around a sleep: what it took to get from the decision
             // to epoll_wait (the re-arm and final drain), about as much again
             // after the wake (read, ack).
-            l.model.overhead_sample(2 * ns(t1.saturating_duration_since(t)));
+            l.model.overhead_sample(ns(t1.saturating_duration_since(t)).saturating_mul(2));
         }
         if n > 0 {
             let now = match slept {
                 // Woken by the completions' event: they came about one
-                // wake-up latency before the loop ran again.
-                Some((_, t2)) => t2.checked_sub(Duration::from_nanos(l.model.lateness())).unwrap_or(t2),
+                // wake-up latency before the loop ran again (and not before
+                // it went to sleep).
+                Some((t1, t2)) => t2.checked_sub(Duration::from_nanos(l.model.lateness())).unwrap_or(t2).max(t1),
                 None => Instant::now(),
             };
             if let Some(s) = l.idle_start.take() {
@@ -350,10 +372,11 @@ impl Core {
             self.polling_since = Some(now);
             return Ok(n);
         }
-        if let (Some(at), Some((_, t2))) = (l.wake_at, slept) {
-            if t2 >= at {
-                l.model.lateness_sample(ns(t2 - at));
-                l.wake_at = None;
+        if let (Some((at, measured)), Some((_, t2))) = (fired, slept) {
+            {
+                if measured {
+                    l.model.lateness_sample(ns(t2.saturating_duration_since(at)));
+                }
                 let c = &ctl.0.counters;
                 if std::mem::take(&mut l.calibrating) {
                     // Measured: sleep on.
@@ -368,6 +391,11 @@ impl Core {
                 }
                 self.publish_plan(&ctl.0);
             }
+        } else if matches!(wait, Wait::For(_)) {
+            // The caller's time ran out (or a command came): the call may
+            // return to the app, whose time until the next call is not loop
+            // idle time. The next idle duration starts afresh.
+            self.learn.idle_start = None;
         }
         self.rearm_fired_empty();
         Ok(0)
@@ -454,7 +482,7 @@ impl Core {
             }
         }
         if l.wake_at.is_none() && l.model.calibrate_now() {
-            l.wake_at = Some(now + Duration::from_nanos(CALIBRATE_NS));
+            // Timed by `sleep`, from when it begins.
             l.calibrating = true;
         }
     }
@@ -469,6 +497,24 @@ impl Core {
                     std::thread::yield_now();
                 }
             }
+        }
+        // An app that embeds the loop waits on its fd, which this drive's
+        // sleeps may have drained: if the loop has work (an adaptive loop
+        // still polling, with CQs that fired left unarmed), make the fd
+        // readable again, as `process_once` does.
+        if !self.shut && self.has_work_now(&ctl.0) {
+            ctl.0.wake();
+        }
+    }
+
+    /// A stop seen by `process_once` / `process_ready`: as `finish_stop`,
+    /// and since the next call is the one that re-arms the CQs, the fd is
+    /// made readable again when the loop has CQs (an app whose epoll waits
+    /// on it would otherwise wait for events that unarmed CQs never raise).
+    pub(super) fn finish_stop_embedded(&mut self, sh: &Shared) {
+        self.finish_stop(sh);
+        if self.has_work_now(sh) {
+            sh.wake();
         }
     }
 
@@ -487,9 +533,10 @@ impl Core {
         }
         self.armed = 0;
         self.polling_since = None;
-        self.learn.wake_at = None;
-        self.learn.idle_start = None;
-        self.learn.calibrating = false;
+        let l = &mut self.learn;
+        (l.wake_at, l.idle_start, l.calibrating, l.decided, l.slept, l.fired) = (None, None, false, None, None, None);
+        let next = self.next_deadline(sh);
+        self.arm_timer(sh, next);
         sh.stop.store(false, SeqCst);
     }
 }

@@ -314,12 +314,12 @@ impl CqLoop {
         let r = {
             let (core, ctl) = held.parts();
             if ctl.0.stop.load(SeqCst) {
-                core.finish_stop(&ctl.0);
+                core.finish_stop_embedded(&ctl.0);
                 Ok(0)
             } else {
                 let r = core.cycle(ctl, wait, true);
                 if ctl.0.stop.load(SeqCst) {
-                    core.finish_stop(&ctl.0);
+                    core.finish_stop_embedded(&ctl.0);
                 } else if core.has_work_now(&ctl.0) {
                     // Keep the fd readable: the app's epoll must call again.
                     ctl.0.wake();
@@ -351,7 +351,7 @@ impl CqLoop {
             let (core, ctl) = held.parts();
             let sh = &*ctl.0;
             if sh.stop.load(SeqCst) {
-                core.finish_stop(sh);
+                core.finish_stop_embedded(sh);
                 Ok(Progress { delivered: 0, stopped: true, more: false })
             } else {
                 match core.cycle(ctl, Wait::None, true) {
@@ -359,7 +359,7 @@ impl CqLoop {
                     r => {
                         let delivered = *r.as_ref().unwrap_or(&0);
                         if sh.stop.load(SeqCst) {
-                            core.finish_stop(sh);
+                            core.finish_stop_embedded(sh);
                             Ok(Progress { delivered, stopped: true, more: false })
                         } else {
                             // Work the loop knows of, or anything its epoll

@@ -44,10 +44,16 @@ pub(super) const REFRESH: u32 = 8;
 /// Sleeps between two timed sleeps made only to measure the lateness when
 /// no plan has used a timer meanwhile.
 pub(super) const CALIBRATE_EVERY: u32 = 64;
-/// The calibration sleep: the timer asked for this long (ns).
-pub(super) const CALIBRATE_NS: u64 = 20_000;
+/// The calibration sleep: the timer asked for this long (ns), from just
+/// before the sleep's `epoll_wait` (long enough for arming the timer to be
+/// done before it expires, on a slow machine too).
+pub(super) const CALIBRATE_NS: u64 = 200_000;
 /// Idle durations longer than this (an hour, ns) count as this long.
 const MAX_IDLE: u64 = 3_600_000_000_000;
+/// A lateness or overhead sample counts as this much at most (10 ms, ns):
+/// a machine whose sleep costs more than that is stalled, not slow, and one
+/// such sample must not make the loop spin for seconds.
+pub(super) const MAX_COST_SAMPLE: u64 = 10_000_000;
 
 /// The learning mode's state in a loop: the model and where the loop is
 /// in its plan. Instants are the loop's clock reads.
@@ -67,6 +73,9 @@ pub(super) struct Learn {
     pub decided: Option<std::time::Instant>,
     /// The last sleep's clock reads: just before `epoll_wait`, just after.
     pub slept: Option<(std::time::Instant, std::time::Instant)>,
+    /// The last sleep was ended by `wake_at`'s timer: the time asked for,
+    /// and whether the lateness can be measured from it.
+    pub fired: Option<(std::time::Instant, bool)>,
     /// Empty polling passes (the clock is read on some of them).
     pub passes: u32,
 }
@@ -161,6 +170,7 @@ impl Model {
 
     /// A timed sleep returned `ns` after the time it was asked for.
     pub(super) fn lateness_sample(&mut self, ns: u64) {
+        let ns = ns.min(MAX_COST_SAMPLE);
         self.lateness = if self.lateness_seen { ewma(self.lateness, ns) } else { ns };
         self.lateness_seen = true;
         self.since_lateness = 0;
@@ -168,7 +178,7 @@ impl Model {
 
     /// A sleep cost `ns` of CPU around it.
     pub(super) fn overhead_sample(&mut self, ns: u64) {
-        self.overhead = ewma(self.overhead, ns);
+        self.overhead = ewma(self.overhead, ns.min(MAX_COST_SAMPLE));
     }
 
     /// A sleep without a timer of the plan's: whether to time it anyway
@@ -366,6 +376,17 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn no_single_cost_sample_counts_for_more_than_10_ms() {
+        let mut m = Model::default();
+        m.lateness_sample(50_000_000);
+        assert_eq!(m.lateness(), MAX_COST_SAMPLE);
+        for _ in 0..100 {
+            m.overhead_sample(u64::MAX);
+        }
+        assert!(m.wake_cost() <= 2 * MAX_COST_SAMPLE, "{}", m.wake_cost());
     }
 
     #[test]

@@ -190,13 +190,14 @@ pub struct LoopStats {
     /// the next arrival was due).
     pub learn_timer_wakes: u64,
     /// Learning mode: timed sleeps made only to measure the wake-up
-    /// latency (at most one per 64 sleeps without a window).
+    /// latency (one per idle time until it is first measured, then at most
+    /// one per 64 idle times without a window).
     pub learn_calibrations: u64,
     /// Learning mode, the current plan: poll this long (ns) after the
-    /// last completion before sleeping.
+    /// loop's first empty poll after completions before sleeping.
     pub learn_spin_ns: u64,
     /// Learning mode, the current plan: when sleeping, wake on a timer to
-    /// poll from this long after the last completion (0: no window)...
+    /// poll from this long after that first empty poll (0: no window)...
     pub learn_window_from_ns: u64,
     /// ... until this long after it.
     pub learn_window_to_ns: u64,
