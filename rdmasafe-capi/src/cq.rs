@@ -595,7 +595,9 @@ pub extern "C" fn rdmasafe_cq_loop_run(cq_loop: *mut rdmasafe_cq_loop) -> c_int 
 /// driving the loop from the app's own epoll: watch `rdmasafe_cq_loop_fd`
 /// and call this with 0 whenever it is readable, no priming call needed
 /// (see there). A stop requested meanwhile ends the call at once with
-/// every ack flushed (returns 0).
+/// every ack flushed (returns 0); called with 0, it then leaves the fd
+/// readable, so that the app's epoll calls again and that call re-arms the
+/// CQs the stop disarmed.
 ///
 /// Returns the number of completions delivered (>= 0), -EINTR (a signal
 /// interrupted the wait), -EINVAL (unknown loop, `timeout_ms < -1`),

@@ -508,12 +508,14 @@ impl Core {
     }
 
     /// A stop seen by `process_once` / `process_ready`: as `finish_stop`,
-    /// and since the next call is the one that re-arms the CQs, the fd is
-    /// made readable again when the loop has CQs (an app whose epoll waits
-    /// on it would otherwise wait for events that unarmed CQs never raise).
-    pub(super) fn finish_stop_embedded(&mut self, sh: &Shared) {
+    /// and, for an app that embeds the loop (`embedded`: it waits on the
+    /// loop's fd, not in the loop), the fd is made readable again when the
+    /// loop has CQs, since the next call is the one that re-arms them (the
+    /// app's epoll would otherwise wait for events that unarmed CQs never
+    /// raise).
+    pub(super) fn finish_stop_after(&mut self, sh: &Shared, embedded: bool) {
         self.finish_stop(sh);
-        if self.has_work_now(sh) {
+        if embedded && self.has_work_now(sh) {
             sh.wake();
         }
     }

@@ -308,18 +308,23 @@ impl CqLoop {
     ///
     /// A stop requested while the app drives the loop this way ends the
     /// call at once: it returns 0 with every ack flushed and the request
-    /// consumed, and the next call runs normally.
+    /// consumed, and the next call runs normally. Called with
+    /// `Wait::None` (an app that embeds the loop), that call leaves the fd
+    /// readable when the loop has CQs: the stop disarmed them, and the next
+    /// call, which the app's epoll then makes, arms them again. (With a
+    /// wait, the next call arms them before it waits.)
     pub fn process_once(&self, wait: Wait) -> Result<usize> {
         let mut held = self.enter()?;
+        let embedded = wait == Wait::None;
         let r = {
             let (core, ctl) = held.parts();
             if ctl.0.stop.load(SeqCst) {
-                core.finish_stop_embedded(&ctl.0);
+                core.finish_stop_after(&ctl.0, embedded);
                 Ok(0)
             } else {
                 let r = core.cycle(ctl, wait, true);
                 if ctl.0.stop.load(SeqCst) {
-                    core.finish_stop_embedded(&ctl.0);
+                    core.finish_stop_after(&ctl.0, embedded);
                 } else if core.has_work_now(&ctl.0) {
                     // Keep the fd readable: the app's epoll must call again.
                     ctl.0.wake();
@@ -351,7 +356,7 @@ impl CqLoop {
             let (core, ctl) = held.parts();
             let sh = &*ctl.0;
             if sh.stop.load(SeqCst) {
-                core.finish_stop_embedded(sh);
+                core.finish_stop_after(sh, true);
                 Ok(Progress { delivered: 0, stopped: true, more: false })
             } else {
                 match core.cycle(ctl, Wait::None, true) {
@@ -359,7 +364,7 @@ impl CqLoop {
                     r => {
                         let delivered = *r.as_ref().unwrap_or(&0);
                         if sh.stop.load(SeqCst) {
-                            core.finish_stop_embedded(sh);
+                            core.finish_stop_after(sh, true);
                             Ok(Progress { delivered, stopped: true, more: false })
                         } else {
                             // Work the loop knows of, or anything its epoll
