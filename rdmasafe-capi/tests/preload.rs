@@ -251,6 +251,32 @@ struct Totals {
     copied: u64,
     preloaded_runs: usize,
     rping_runs: usize,
+    /// rping clients that lost rping 44's own teardown race (see
+    /// `rping_teardown_race`).
+    rping_races: usize,
+}
+
+/// rping 44 (Debian 12's rdmacm-utils) has a teardown race of its own: its
+/// CM thread loops on rdma_get_cm_event forever, and the client's main
+/// thread destroys the event channel (closing its fd) right after
+/// rdma_destroy_id returns, without stopping that thread. If the thread
+/// comes back to rdma_get_cm_event after the close, the call fails with
+/// EBADF and the thread calls exit(-1): "rdma_get_cm_event: Bad file
+/// descriptor", exit status 255, at the very end of a run whose output is
+/// otherwise complete. (rdma-core fixed it later: the CM thread polls an
+/// eventfd too and is joined before the channel is destroyed.) The window
+/// is the thread's time from its ack of DISCONNECTED, which lets the
+/// destroy return, to its next read of the fd: wider under the preload (the
+/// free and the next get do more than librdmacm's) and on a busy machine,
+/// so such a run is counted, not failed, when it is exactly that: the
+/// client, exit 255, that line on stderr, its stdout as stock's.
+fn rping_teardown_race(tool: &str, side: &str, stock: &Block, this: &Block, this_err: &Block) -> bool {
+    tool == "rping"
+        && side == "client"
+        && this.exit == Some(255)
+        && stock.exit == Some(0)
+        && this_err.lines().any(|l| l.trim() == "rdma_get_cm_event: Bad file descriptor")
+        && view(tool, side, stock) == view(tool, side, this)
 }
 
 /// One run of a tool pair in `cfg` (pserver, pclient, check; `run` for the
@@ -275,6 +301,14 @@ fn check_pair(
         let want_exit = if tool == "cmtime" && *side == "server" { 130 } else { 0 }; // stopped by SIGINT
         c.that(so.exit == Some(want_exit), format!("{stock}: exit {:?} (want {want_exit})", so.exit));
         if !c.that(to.exit.is_some(), format!("{this}: did not run")) {
+            continue;
+        }
+        if rping_teardown_race(tool, side, so, to, te) {
+            println!("[preload] {this}: lost rping 44's own teardown race (EBADF from its CM thread after the channel was destroyed, exit 255); counted, not compared");
+            t.rping_races += 1;
+            if cfg == format!("p{side}") {
+                t.preloaded_runs += 1;
+            }
             continue;
         }
         c.that(to.exit == so.exit, format!("{this}: exit {:?}, stock {:?}", to.exit, so.exit));
@@ -328,7 +362,7 @@ fn check_pair(
 }
 
 fn check_copy_mode(c: &mut Checks, runs: &BTreeMap<String, Block>) -> Totals {
-    let mut t = Totals { copied: 0, preloaded_runs: 0, rping_runs: 0 };
+    let mut t = Totals { copied: 0, preloaded_runs: 0, rping_runs: 0, rping_races: 0 };
     for tool in TOOLS {
         for cfg in ["pserver", "pclient", "check"] {
             check_pair(c, runs, tool, cfg, None, &mut t);
@@ -342,6 +376,15 @@ fn check_copy_mode(c: &mut Checks, runs: &BTreeMap<String, Block>) -> Totals {
     let rping = t.preloaded_runs - before;
     t.rping_runs = rping;
     c.that(rping == RPING_RUNS, format!("{rping} rping runs under the preload (want {RPING_RUNS})"));
+    // A race now and then, not a pattern: most runs must compare.
+    c.that(
+        t.rping_races <= 3,
+        format!(
+            "{} rping clients lost rping's teardown race (at most 3 of the {} runs may)",
+            t.rping_races,
+            RPING_RUNS + 3
+        ),
+    );
     t
 }
 
