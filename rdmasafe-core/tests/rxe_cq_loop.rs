@@ -505,6 +505,29 @@ fn stop_in_embedded_mode_is_consumed() {
     assert_eq!(lp.stats().completions, 2, "delivered after the consumed stop");
 }
 
+/// A learning-mode loop on the server CQ of a new pair (the client's CQ
+/// is not on the channel): four receives kept posted, the wr_ids received
+/// in order in the returned list.
+fn learning_server(addr: std::net::IpAddr, chan: &CompChannel) -> (Arc<RcPair>, Arc<CqLoop>, Arc<Mutex<Vec<u64>>>) {
+    let p = Arc::new(rc_pair(addr, chan, false, 8));
+    let lp = Arc::new(CqLoop::new(chan, LoopOptions { mode: Mode::Learning, ..Default::default() }).unwrap());
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let (g, pp) = (got.clone(), p.clone());
+    for k in 0..4u64 {
+        p.recv(k as usize * SLOT, SLOT as u32, k);
+    }
+    lp.add_cq(&p.server_cq, move |wcs, _| {
+        for wc in wcs {
+            assert_eq!(wc.status(), WcStatus::SUCCESS);
+            let k = wc.wr_id();
+            g.lock().unwrap().push(k);
+            pp.recv((k % 4) as usize * SLOT, SLOT as u32, k + 4);
+        }
+    })
+    .unwrap();
+    (p, lp, got)
+}
+
 /// The process's CPU time (user + system), seconds.
 fn cpu_seconds() -> f64 {
     // SAFETY: getrusage writes a plain struct it is given.
@@ -525,22 +548,7 @@ fn learning_mode_delivers_periodic_messages_then_sleeps() {
     let _dog = common::watchdog("learning mode", Duration::from_secs(300));
     let (ctx, _keep) = device(bed.addr);
     let chan = CompChannel::new(&ctx).unwrap();
-    let p = Arc::new(rc_pair(bed.addr, &chan, false, 8));
-    let lp = Arc::new(CqLoop::new(&chan, LoopOptions { mode: Mode::Learning, ..Default::default() }).unwrap());
-    let got = Arc::new(Mutex::new(Vec::new()));
-    let (g, pp) = (got.clone(), p.clone());
-    for k in 0..4u64 {
-        p.recv(k as usize * SLOT, SLOT as u32, k);
-    }
-    lp.add_cq(&p.server_cq, move |wcs, _| {
-        for wc in wcs {
-            assert_eq!(wc.status(), WcStatus::SUCCESS);
-            let k = wc.wr_id();
-            g.lock().unwrap().push(k);
-            pp.recv((k % 4) as usize * SLOT, SLOT as u32, k + 4);
-        }
-    })
-    .unwrap();
+    let (p, lp, got) = learning_server(bed.addr, &chan);
     let runner = {
         let lp = lp.clone();
         std::thread::spawn(move || lp.run())
@@ -612,22 +620,7 @@ fn signals_during_learning_sleeps_are_not_wake_costs() {
     }
     let (ctx, _keep) = device(bed.addr);
     let chan = CompChannel::new(&ctx).unwrap();
-    let p = Arc::new(rc_pair(bed.addr, &chan, false, 8));
-    let lp = Arc::new(CqLoop::new(&chan, LoopOptions { mode: Mode::Learning, ..Default::default() }).unwrap());
-    let got = Arc::new(AtomicU64::new(0));
-    let (g, pp) = (got.clone(), p.clone());
-    for k in 0..4u64 {
-        p.recv(k as usize * SLOT, SLOT as u32, k);
-    }
-    lp.add_cq(&p.server_cq, move |wcs, _| {
-        for wc in wcs {
-            assert_eq!(wc.status(), WcStatus::SUCCESS);
-            let k = wc.wr_id();
-            g.fetch_add(1, SeqCst);
-            pp.recv((k % 4) as usize * SLOT, SLOT as u32, k + 4);
-        }
-    })
-    .unwrap();
+    let (p, lp, got) = learning_server(bed.addr, &chan);
     let (tid_tx, tid_rx) = mpsc::channel();
     let runner = {
         let lp = lp.clone();
@@ -645,7 +638,7 @@ fn signals_during_learning_sleeps_are_not_wake_costs() {
             std::thread::yield_now();
         }
         assert_eq!(wcs[0].status(), WcStatus::SUCCESS, "send {seq}");
-        while got.load(SeqCst) <= seq {
+        while got.lock().unwrap().len() as u64 <= seq {
             std::thread::sleep(Duration::from_millis(1));
         }
     };
