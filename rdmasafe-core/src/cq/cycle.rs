@@ -373,23 +373,25 @@ impl Core {
             return Ok(n);
         }
         if let (Some((at, measured)), Some((_, t2))) = (fired, slept) {
-            {
-                if measured {
-                    l.model.lateness_sample(ns(t2.saturating_duration_since(at)));
-                }
-                let c = &ctl.0.counters;
-                if std::mem::take(&mut l.calibrating) {
-                    // Measured: sleep on.
-                    c.learn_calibrations.bump(1);
-                } else if let Some((_, until)) = l.model.plan().window {
-                    // The plan's window: poll until its end.
-                    c.learn_timer_wakes.bump(1);
-                    l.spin_until = until;
-                    self.polling_since = Some(t2);
-                    self.publish_plan(&ctl.0);
-                    return Ok(0);
-                }
-                self.publish_plan(&ctl.0);
+            if measured {
+                l.model.lateness_sample(ns(t2.saturating_duration_since(at)));
+            }
+            // A calibration's wake: measured, sleep on. The plan's: poll
+            // until its window ends.
+            let calibration = std::mem::take(&mut l.calibrating);
+            let window = l.model.plan().window.filter(|_| !calibration);
+            let c = &ctl.0.counters;
+            if calibration {
+                c.learn_calibrations.bump(1);
+            }
+            if let Some((_, until)) = window {
+                c.learn_timer_wakes.bump(1);
+                l.spin_until = until;
+            }
+            self.publish_plan(&ctl.0);
+            if window.is_some() {
+                self.polling_since = Some(t2);
+                return Ok(0);
             }
         } else if matches!(wait, Wait::For(_)) {
             // The caller's time ran out (or a command came): the call may
