@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Only the CQ event-mode callgrind case of tests/bench/run.sh, fast (one
 # guest, ~2-4 min): the ping-pong client (`cq_pingpong -m event -w pp`,
-# 200 round trips) under callgrind, rdmasafe then the hand-written loop,
-# with the same window as run.sh's counts phase. Prints, per variant, the
+# 200 round trips) under callgrind, rdmasafe, rdmasafe connected through
+# raw librdmacm (`-C raw`: no CM ack-deadline thread, so the programs differ
+# in the CQ loop alone), then the hand-written loop, with the same window
+# as run.sh's counts phase. Prints, per variant, the
 # user-space instructions per completion (Ir / (2 * round trips)) and the
 # functions with the most instructions of their own, per completion.
 #
@@ -21,7 +23,8 @@
 # Nothing is written to docs/; the summary is also kept in
 # target/bench/cq-callgrind.txt, the callgrind files in
 # target/bench/cq-callgrind/<variant>.cg. CQ_CALLGRIND_N (round trips, default 200)
-# and CQ_CALLGRIND_WARM (warm-up round trips, default 50, as run.sh).
+# and CQ_CALLGRIND_WARM (warm-up round trips, default 50, as run.sh);
+# CQ_CALLGRIND_OPTS: more valgrind options (e.g. --dump-instr=yes).
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -95,20 +98,23 @@ if [[ ${1:-} == --in-guest ]]; then
 	trap 'rm -rf "$out"' EXIT
 	port=7900
 	rc=0
-	variants=(rdmasafe raw)
-	[[ -n ${CQ_TIMES_BEFORE_BIN:-} ]] && variants+=(before)
+	variants=(rdmasafe rdmasafe_rawcm raw)
+	[[ -n ${CQ_TIMES_BEFORE_BIN:-} ]] && variants+=(before before_rawcm)
 	for v in "${variants[@]}"; do
 		port=$((port + 1))
-		p=$bin/cq_pingpong_$v
-		[[ $v == before ]] && p=$CQ_TIMES_BEFORE_BIN/cq_pingpong_rdmasafe
-		"$p" -S -a "$addr" -p "$port" -w pp -m event -n "$n" -W "$warm" -t 300 >"$out/$v.s.out" 2>"$out/$v.s.err" &
+		p=$bin/cq_pingpong_${v%_rawcm}
+		[[ $v == before* ]] && p=$CQ_TIMES_BEFORE_BIN/cq_pingpong_rdmasafe
+		cm=()
+		[[ $v == *_rawcm ]] && cm=(-C raw)
+		"$p" -S -a "$addr" -p "$port" -w pp -m event -n "$n" -W "$warm" -t 300 "${cm[@]}" >"$out/$v.s.out" 2>"$out/$v.s.err" &
 		sp=$!
 		for ((i = 0; i < 600; i++)); do
 			grep -q '^READY' "$out/$v.s.out" 2>/dev/null && break
 			sleep 0.02
 		done
-		timeout -k 5 600 valgrind --tool=callgrind --collect-atstart=no --callgrind-out-file="$out/$v.cg" \
-			"$p" -a "$addr" -p "$port" -w pp -m event -n "$n" -W "$warm" -t 300 \
+		# shellcheck disable=SC2086 # CQ_CALLGRIND_OPTS: extra valgrind options, split
+		timeout -k 5 600 valgrind --tool=callgrind --collect-atstart=no ${CQ_CALLGRIND_OPTS:-} --callgrind-out-file="$out/$v.cg" \
+			"$p" -a "$addr" -p "$port" -w pp -m event -n "$n" -W "$warm" -t 300 "${cm[@]}" \
 			>"$out/$v.c.out" 2>"$out/$v.c.err" || { rc=1; tail -n 5 "$out/$v.c.err" >&2; }
 		wait "$sp" || { rc=1; tail -n 5 "$out/$v.s.err" >&2; }
 		summary "$v"
@@ -149,7 +155,8 @@ fi
 mkdir -p "$target/bench"
 raw=$target/bench/cq-callgrind.raw
 rc=0
-"$repo/tests/bed/vm-run" --timeout 900 -- env CARGO_TARGET_DIR="$target" bash "$here/cq-callgrind.sh" --in-guest >"$raw" || rc=$?
+"$repo/tests/bed/vm-run" --timeout 900 -- env CARGO_TARGET_DIR="$target" CQ_CALLGRIND_OPTS="${CQ_CALLGRIND_OPTS:-}" \
+	CQ_CALLGRIND_N="${CQ_CALLGRIND_N:-200}" CQ_CALLGRIND_WARM="${CQ_CALLGRIND_WARM:-50}" bash "$here/cq-callgrind.sh" --in-guest >"$raw" || rc=$?
 mkdir -p "$target/bench/cq-callgrind"
 awk '/^@@cg / { v = $2; getline; print > (dir "/" v ".cg.gz.b64"); next } { print }' dir="$target/bench/cq-callgrind" "$raw" |
 	tee "$target/bench/cq-callgrind.txt"

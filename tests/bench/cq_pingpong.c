@@ -11,8 +11,15 @@
  *                         ibv_get_cq_event (blocking) -> ibv_ack_cq_events
  *                         (1) -> ibv_req_notify_cq -> ibv_poll_cq until
  *                         empty; busy mode spins on ibv_poll_cq.
- * Both connect with rdma_cm (the CM events go through rdmasafe in the
- * first, raw librdmacm in the second; not part of the measurement).
+ * Both connect with rdma_cm: the CM events go through rdmasafe in the
+ * first (rdmasafe_get_event / rdmasafe_event_free), raw librdmacm in the
+ * second. The set-up is outside the measured window, but not without
+ * effect on it: rdmasafe's CM starts its ack-deadline thread at the first
+ * held event, and from then on glibc takes its multi-threaded paths in
+ * the whole process (cancellation wrappers around every read / write,
+ * ~45 instructions per completion here). `-C raw` makes the rdmasafe
+ * program connect through raw librdmacm too, so that the two programs
+ * differ in the CQ loop alone.
  *
  * Workloads (-w):
  *   pp      ping-pong: the client sends, the server echoes; the client
@@ -36,7 +43,8 @@
  *   messages, -W warm-up iterations (pp/idle/poisson, default 50), -s
  *   bytes (64), -i us, -r seed (poisson), -q window (stream, 64), -A
  *   adaptive spin us, -B ack batch, -P poll batch (rdmasafe loop options;
- *   0 = the library's default), -t SECS alarm (300).
+ *   0 = the library's default), -C raw|rdmasafe the CM calls of the set-up
+ *   (rdmasafe program only; default rdmasafe), -t SECS alarm (300).
  * The server prints "READY" once listening. Each side prints one RESULT
  * line: wall time and CPU of the measured window (after warm-up), loop
  * counters, and on the client latency percentiles and quantiles.
@@ -57,6 +65,9 @@
 #endif
 
 enum { W_PP, W_IDLE, W_STREAM, W_POISSON };
+
+/* -C raw: the rdmasafe program's set-up through raw librdmacm */
+static int raw_cm;
 enum { M_EVENT, M_BUSY, M_ADAPTIVE, M_LEARN };
 
 struct app {
@@ -431,12 +442,15 @@ static uint64_t next_gap_ns(struct app *a)
 static struct rdma_cm_id *expect(struct app *a, enum rdma_cm_event_type type)
 {
 	struct rdma_cm_event *e;
-	if (GET_EVENT(a->cm_ch, &e))
+	if (raw_cm ? rdma_get_cm_event(a->cm_ch, &e) : GET_EVENT(a->cm_ch, &e))
 		DIE("get CM event");
 	enum rdma_cm_event_type got = e->event;
 	int status = e->status;
 	struct rdma_cm_id *id = e->id;
-	RELEASE_EVENT(e);
+	if (raw_cm)
+		rdma_ack_cm_event(e);
+	else
+		RELEASE_EVENT(e);
 	if (got != type) {
 		fprintf(stderr, "expected %s, got %s (status %d)\n", rdma_event_str(type), rdma_event_str(got), status);
 		exit(2);
@@ -544,7 +558,7 @@ int main(int argc, char **argv)
 	a->interval_us = 1000;
 	a->window = 64;
 	a->seed = 1;
-	while ((op = getopt(argc, argv, "Sa:p:w:m:n:W:s:i:r:q:A:B:P:t:")) != -1) {
+	while ((op = getopt(argc, argv, "Sa:p:w:m:n:W:s:i:r:q:A:B:P:C:t:")) != -1) {
 		switch (op) {
 		case 'S':
 			a->server = 1;
@@ -596,6 +610,9 @@ int main(int argc, char **argv)
 		case 'P':
 			a->poll_batch = strtoull(optarg, NULL, 0);
 			break;
+		case 'C':
+			raw_cm = !strcmp(optarg, "raw") ? 1 : !strcmp(optarg, "rdmasafe") ? 0 : -1;
+			break;
 		case 't':
 			secs = atoi(optarg);
 			break;
@@ -605,9 +622,10 @@ int main(int argc, char **argv)
 		}
 	}
 	if (!addr || a->workload < 0 || a->mode < 0 || a->n < 1 || a->size < 1 || a->window < 1 || a->window > 1024 ||
-	    a->seed == 0)
+	    a->seed == 0 || raw_cm < 0)
 		DIE("bad arguments");
 #ifndef USE_RDMASAFE
+	raw_cm = 1; /* the only CM there is */
 	if (a->mode == M_ADAPTIVE || a->mode == M_LEARN)
 		DIE("the hand-written loop has no adaptive or learning mode");
 #endif
