@@ -355,15 +355,39 @@ impl Core {
     /// to its handler. Returns the completions taken from the CQ.
     #[inline]
     pub(super) fn drain(&mut self, ctl: &LoopControl, r: Ref, honor_stop: bool) -> Result<usize> {
-        let sh = &*ctl.0;
         let budget = match self.entries.get(r) {
             Some(e) if e.opts.budget > 0 => e.opts.budget,
             Some(_) => usize::MAX,
             None => return Ok(0),
         };
-        let mut total = 0;
+        self.drain_from(ctl, r, honor_stop, 0, budget)
+    }
+
+    /// [`Core::drain`] of a CQ of which this drain took `total` completions
+    /// already, of its `budget` (usize::MAX: none).
+    #[inline]
+    pub(super) fn drain_from(
+        &mut self,
+        ctl: &LoopControl,
+        r: Ref,
+        honor_stop: bool,
+        mut total: usize,
+        budget: usize,
+    ) -> Result<usize> {
+        let sh = &*ctl.0;
         loop {
+            // Looked up again after every handler call (it may remove its CQ).
             let Some(e) = self.entries.get(r) else { return Ok(total) };
+            if total >= budget {
+                sh.counters.budget_yields.bump(1);
+                if let Some(e) = self.entries.get_mut(r) {
+                    if !e.in_ready {
+                        e.in_ready = true;
+                        self.ready.push_back(r);
+                    }
+                }
+                return Ok(total);
+            }
             // Never more than the budget left (a budget below the poll batch
             // holds too).
             let ask = self.wcs.len().min(budget - total);
@@ -378,17 +402,7 @@ impl Core {
             }
             // Fewer than asked: the CQ was empty at that moment (a later
             // completion raises an event: it was armed before this drain).
-            if raw < ask || (honor_stop && sh.stop.load(Relaxed)) || self.entries.get(r).is_none() {
-                return Ok(total);
-            }
-            if total >= budget {
-                sh.counters.budget_yields.bump(1);
-                if let Some(e) = self.entries.get_mut(r) {
-                    if !e.in_ready {
-                        e.in_ready = true;
-                        self.ready.push_back(r);
-                    }
-                }
+            if raw < ask || (honor_stop && sh.stop.load(Relaxed)) {
                 return Ok(total);
             }
         }
@@ -418,7 +432,7 @@ impl Core {
         kept
     }
 
-    #[inline]
+    #[inline(always)]
     pub(super) fn call_handler(&mut self, ctl: &LoopControl, r: Ref, n: usize) {
         let sh = &*ctl.0;
         let batch = &self.wcs[..n];

@@ -24,6 +24,7 @@ impl Core {
         self.last_stamp = None;
     }
 
+    #[inline(always)]
     pub(super) fn record_wakeup(&mut self, sh: &Shared, n: usize) {
         let c = &sh.counters;
         c.wakeups.bump(1);
@@ -133,6 +134,7 @@ impl Core {
     /// Arms and drains new CQs, drains CQs over their budget; if that gave
     /// nothing, sleeps, then reads events and drains what fired (re-arming
     /// first when `rearm`).
+    #[inline(always)]
     pub(super) fn event_cycle(&mut self, ctl: &LoopControl, wait: Wait, honor_stop: bool) -> Result<usize> {
         let sh = &*ctl.0;
         self.begin_cycle();
@@ -193,7 +195,14 @@ impl Core {
         }
         let woke = !self.fired.is_empty();
         let rearm = self.polling_since.is_none() && self.opts.mode == Mode::Event;
-        let mut n = if woke { self.work_list(ctl, List::Fired, rearm, honor_stop)? } else { 0 };
+        let mut n = if !woke {
+            0
+        } else if rearm && self.fired_is_one() {
+            // The common wakeup (see `fast`).
+            self.work_fired_one(ctl, honor_stop)?
+        } else {
+            self.work_list(ctl, List::Fired, rearm, honor_stop)?
+        };
         n += self.tick(ctl, honor_stop)?;
         if woke || n > 0 {
             self.record_wakeup(sh, n);
@@ -203,6 +212,7 @@ impl Core {
 
     /// Polls every CQ until completions arrive, `wait` runs out, the
     /// adaptive `spin` passes without completions, or a stop / change.
+    #[inline(never)]
     pub(super) fn poll_cycle(
         &mut self,
         ctl: &LoopControl,
@@ -267,6 +277,7 @@ impl Core {
         }
     }
 
+    #[inline(never)]
     pub(super) fn adaptive_cycle(
         &mut self,
         ctl: &LoopControl,
@@ -332,6 +343,7 @@ impl Core {
     /// or in a window a timer woke the loop for), else sleep (with the
     /// plan's timer), then learn from what happened: the idle time before
     /// completions, the wake's lateness, the overhead of the sleep.
+    #[inline(never)]
     pub(super) fn learning_cycle(&mut self, ctl: &LoopControl, wait: Wait, honor_stop: bool) -> Result<usize> {
         if self.polling_since.is_some() {
             let n = self.learning_spin(ctl, wait, honor_stop)?;

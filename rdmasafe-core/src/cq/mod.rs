@@ -14,7 +14,8 @@
 //! objects, the only `unsafe` of the loop), `entries` (the CQs of a loop),
 //! `control` (changes from any thread), `core` (the loop's state: acks,
 //! events, draining into handlers), `cycle` (the cycle per mode), `timers`
-//! (deadlines), `event_loop` (the public [`CqLoop`]), `keepalive`,
+//! (deadlines), `fast` (event mode's common wakeup in one frame),
+//! `event_loop` (the public [`CqLoop`]), `keepalive`,
 //! `drain`, `thread`, `registry`, `stats`, `async_events`.
 
 mod async_events;
@@ -24,6 +25,7 @@ mod cycle;
 mod drain;
 mod entries;
 mod event_loop;
+mod fast;
 pub(crate) mod handle;
 mod keepalive;
 mod learn;

@@ -73,7 +73,7 @@ impl Core {
     /// Nothing timed at all (the common case): no keepalive, no drain, no
     /// watchdog, and the timerfd is disarmed already. Then `tick` has
     /// nothing to do, and a sleep needs no deadline.
-    #[inline]
+    #[inline(always)]
     pub(super) fn untimed(&self) -> bool {
         self.keepalives.is_empty()
             && self.drains.is_empty()
