@@ -293,7 +293,7 @@ impl Core {
     /// marks it fired. An event for a CQ whose add is still queued is
     /// credited to it; one for a CQ not in the loop is acked at once,
     /// counted and logged (once per CQ). Returns the events read.
-    #[inline]
+    #[inline(always)]
     pub(super) fn read_events(&mut self, ctl: &LoopControl) -> Result<usize> {
         let sh = &*ctl.0;
         let mut read = 0;
