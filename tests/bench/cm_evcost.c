@@ -10,12 +10,20 @@
  * window for strace / callgrind / the allocation counter (bench_common.h).
  * Warm-up rounds run first and are not counted.
  *
- *   cm_evcost -a ADDR [-k K (1000)] [-r ROUNDS (5)] [-w WARMUP (1)] [-l L (0)]
+ *   cm_evcost -a ADDR [-k K (1000)] [-r ROUNDS (5)] [-w WARMUP (1)] [-l L (0)] [-T]
  *
  * -l L: L more ids live on the measured channel for the whole run, each
  * bound to ADDR with port 0 (a live, bound id that makes no event), created
  * before the first round: the per-event cost against the number of live ids
  * (issue 14 target 5, CM half).
+ *
+ * -T: one more thread, started before the first round and blocked for the
+ * whole run. From the first pthread_create on, glibc takes its
+ * multi-threaded paths in the whole process (the cancellation wrappers
+ * around librdmacm's write, the atomic paths of its mutexes), as in every
+ * program that has threads anyway. rdmasafe's ack-deadline thread does the
+ * same to its program, so raw -T against rdmasafe is the comparison at the
+ * same threading state.
  *
  * Prints one RESULT line; "late" counts rounds in which an event had not
  * arrived before the drain started (the drain then includes a wait).
@@ -24,6 +32,7 @@
 
 #include <getopt.h>
 #include <poll.h>
+#include <pthread.h>
 #include <rdma/rdma_cma.h>
 
 #ifdef USE_RDMASAFE
@@ -35,11 +44,20 @@
 #define RELEASE_EVENT(ev) rdma_ack_cm_event(ev)
 #endif
 
+/* -T: the idle thread, blocked on a pipe nobody writes to */
+static void *idle_thread(void *arg)
+{
+	char c;
+	while (read(*(int *)arg, &c, 1) < 0 && errno == EINTR)
+		;
+	return NULL;
+}
+
 int main(int argc, char **argv)
 {
 	const char *addr = NULL;
-	int k = 1000, rounds = 5, warm = 1, live = 0, op;
-	while ((op = getopt(argc, argv, "a:k:r:w:l:")) != -1) {
+	int k = 1000, rounds = 5, warm = 1, live = 0, thread = 0, op;
+	while ((op = getopt(argc, argv, "a:k:r:w:l:T")) != -1) {
 		switch (op) {
 		case 'a':
 			addr = optarg;
@@ -56,14 +74,21 @@ int main(int argc, char **argv)
 		case 'l':
 			live = atoi(optarg);
 			break;
+		case 'T':
+			thread = 1;
+			break;
 		default:
-			fprintf(stderr, "usage: %s -a ADDR [-k K] [-r ROUNDS] [-w WARMUP] [-l LIVE_IDS]\n", argv[0]);
+			fprintf(stderr, "usage: %s -a ADDR [-k K] [-r ROUNDS] [-w WARMUP] [-l LIVE_IDS] [-T]\n", argv[0]);
 			return 2;
 		}
 	}
 	if (!addr || k < 1 || rounds < 1 || warm < 0 || live < 0)
 		DIE("bad arguments");
 	alarm(300);
+	static int idle_pipe[2];
+	pthread_t idle;
+	if (thread && (pipe(idle_pipe) || pthread_create(&idle, NULL, idle_thread, &idle_pipe[0])))
+		DIE("idle thread");
 	struct rdma_addrinfo hints = { .ai_port_space = RDMA_PS_TCP }, *ai;
 	if (rdma_getaddrinfo(addr, "7610", &hints, &ai))
 		DIE("rdma_getaddrinfo");
@@ -156,6 +181,7 @@ int main(int argc, char **argv)
 	j_u64(&j, "k", k);
 	j_u64(&j, "rounds", rounds);
 	j_u64(&j, "live_ids", live);
+	j_u64(&j, "idle_thread", thread);
 	j_u64(&j, "late_rounds", late);
 	j_u64(&j, "wrong_type", wrong);
 	j_dbl(&j, "ns_per_event", events ? (double)ns / events : 0);
@@ -173,5 +199,9 @@ int main(int argc, char **argv)
 	free(extra);
 	rdma_destroy_event_channel(ch);
 	rdma_freeaddrinfo(ai);
+	if (thread) {
+		close(idle_pipe[1]); /* the idle thread's read returns 0 */
+		pthread_join(idle, NULL);
+	}
 	return wrong ? 1 : 0;
 }

@@ -385,7 +385,7 @@ storm_cmtime() { # N REP
 
 evcost() { # VARIANT REP [KIND] [K] [ROUNDS] [LIVE_IDS]
 	local v=$1 rep=$2 kind=${3:-} k=${4:-$EV_K} r=${5:-$EV_R} l=${6:-}
-	C=("$(prog cm_evcost "$v")" -a "$ADDR" -k "$k" -r "$r" -w 1 ${l:+-l "$l"})
+	C=("$(prog cm_evcost "$v")" -a "$ADDR" -k "$k" -r "$r" -w 1 ${l:+-l "$l"} ${EV_THREAD:+-T})
 	run_single "evcost_$v${kind:+_$kind}${l:+_l$l}${EV_TAG:-}" "$rep" "$kind"
 }
 
@@ -402,6 +402,10 @@ cm_callgrind() {
 	# diagnostic: the ack deadline off (every original acked at the get; no
 	# ack-deadline thread, so glibc stays on its single-thread paths)
 	EV_TAG=_deadline0 RDMASAFE_ACK_DEADLINE_MS=0 evcost rdmasafe 0 callgrind 300 2
+	# diagnostic: raw in a process with one more (idle) thread, glibc on its
+	# multi-threaded paths as in rdmasafe's program (its ack-deadline thread)
+	# and in every program that has threads anyway
+	EV_TAG=_thread EV_THREAD=1 evcost raw 0 callgrind 300 2
 }
 
 pp() { # VARIANT MODE WORKLOAD N REP [KIND] [EXTRA...]

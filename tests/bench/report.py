@@ -530,6 +530,15 @@ def build(d, png_name):
           f"{fnum(d0 / r0['events'])} instructions per get + free (with the default deadline: "
           f"{fnum(ir_ev[rs])}; raw {fnum(ir_ev[raw])}).")
         w("")
+    d1 = d.callgrind.get(f"evcost_{raw}_callgrind_thread")
+    r1 = d.one(f"evcost_{raw}_callgrind_thread")
+    if d1 and r1 and r1.get("events") and ir_ev[rs] is not None:
+        t1 = d1 / r1["events"]
+        w(f"Diagnostic, raw librdmacm in a process with one more (idle) thread (`cm_evcost -T`: glibc on "
+          f"its multi-threaded paths, as in rdmasafe's program, whose ack-deadline thread does the same, and "
+          f"in every program that has threads anyway): {fnum(t1)} instructions per get + ack, so rdmasafe's "
+          f"default ({fnum(ir_ev[rs])}) is +{fnum(ir_ev[rs] - t1)} over raw at the same threading state.")
+        w("")
     w("### CM connection storm (cm_storm client, per connection: create, resolve addr + route, QP, connect, disconnect, destroy)")
     w("")
     rows = []
