@@ -628,6 +628,77 @@ fn a_panic_in_a_handler_leaves_the_loop_usable() {
     assert_eq!(calls.load(SeqCst), 2, "the handler is still in place");
 }
 
+/// Event mode's common wakeup (one CQ fired: `cq/fast.rs`) keeps the
+/// general walk's promises. A handler that panics on a full first batch
+/// leaves its CQ queued: the completions behind that batch, which raise no
+/// event of their own, are delivered by the next cycles without any new
+/// send.
+#[test]
+fn a_panic_on_the_common_wakeup_leaves_the_rest_of_its_cq_delivered() {
+    let bed = common::bed();
+    let _dog = common::watchdog("fast panic", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = rc_pair(bed.addr, &chan, false, 16);
+    let lp = CqLoop::new(&chan, LoopOptions { poll_batch: 2, ..Default::default() }).unwrap();
+    let got = Arc::new(AtomicUsize::new(0));
+    let g2 = got.clone();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c2 = calls.clone();
+    lp.add_cq(&p.server_cq, move |w, _| {
+        g2.fetch_add(w.len(), SeqCst);
+        if c2.fetch_add(1, SeqCst) == 0 {
+            panic!("first batch: {} completions", w.len());
+        }
+    })
+    .unwrap();
+    // Armed, nothing delivered: the CQ's next event takes the common wakeup.
+    assert_eq!(lp.process_once(Wait::For(Duration::from_millis(50))).unwrap(), 0);
+    prefill(&p, 0, 6);
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        for _ in 0..100 {
+            lp.process_once(Wait::For(Duration::from_millis(300))).unwrap();
+        }
+    }));
+    assert!(r.is_err(), "the panic reached the caller");
+    assert_eq!(got.load(SeqCst), 2, "the panicking batch was the poll batch");
+    for _ in 0..50 {
+        if got.load(SeqCst) == 6 {
+            break;
+        }
+        lp.process_once(Wait::For(Duration::from_millis(100))).unwrap();
+    }
+    assert_eq!(got.load(SeqCst), 6, "the 4 completions behind the panicking batch were delivered; {:?}", lp.stats());
+}
+
+/// The common wakeup keeps a CQ's budget: a budget below the poll batch
+/// bounds every cycle's delivery, the CQ yields, and the rest comes in the
+/// next cycles.
+#[test]
+fn the_common_wakeup_keeps_the_budget() {
+    let bed = common::bed();
+    let _dog = common::watchdog("fast budget", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = rc_pair(bed.addr, &chan, false, 16);
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    lp.add_cq_with(&p.server_cq, CqOptions { budget: 3, ..Default::default() }, |_, _| {}).unwrap();
+    assert_eq!(lp.process_once(Wait::For(Duration::from_millis(50))).unwrap(), 0);
+    prefill(&p, 0, 10);
+    let mut total = 0;
+    let mut cycles = 0;
+    while total < 10 {
+        let n = lp.process_once(Wait::For(Duration::from_secs(30))).unwrap();
+        assert!(n <= 3, "a cycle delivered {n} completions (budget 3)");
+        total += n;
+        cycles += 1;
+        assert!(cycles < 100, "only {total} of 10 delivered");
+    }
+    assert_eq!(total, 10);
+    let s = lp.stats();
+    assert!(s.budget_yields >= 3, "{s:?}");
+}
+
 /// Deadlines that would overflow `Instant` saturate: a wait of
 /// `Duration::MAX`, a keepalive period of `Duration::MAX`. And the channel
 /// fd gets its own flags back when the loop goes.

@@ -553,7 +553,7 @@ impl Core {
 
     /// CQs a cycle could not finish: armed and drained in the next one
     /// (their list marks cleared first, so `push_unarmed` takes them).
-    fn requeue(&mut self, refs: &[Ref], listed: bool) {
+    pub(super) fn requeue(&mut self, refs: &[Ref], listed: bool) {
         for &r in refs {
             if listed {
                 if let Some(e) = self.entries.get_mut(r) {

@@ -6,11 +6,13 @@
 //! (`work_list` → `work_refs` → `work_one` → `drain`): the same steps in
 //! the same order, with the same counters and the same handling of errors
 //! and panics, without a working copy of the list, a frame per step or a
-//! lookup of the CQ per step. A first poll that fills the whole batch
-//! hands the rest of the drain to the general `drain_from`, which keeps
-//! the budget; anything else the general walk does for one CQ is done
-//! here the same way (the loop's tests run through both: one CQ fired
-//! takes this path, several the general one).
+//! lookup of the CQ per step. A first poll that returns all it asked for
+//! (the poll batch, or the budget when that is smaller) hands the rest of
+//! the drain to the general `drain_from`, which keeps the budget; anything
+//! else the general walk does for one CQ is done here the same way, down
+//! to the list marks of a CQ queued again after an error (the loop's tests
+//! run through both: one CQ fired takes this path, several the general
+//! one).
 
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering::*;
@@ -54,7 +56,7 @@ impl Core {
             Ok(0) => return Ok(0),
             Ok(raw) => raw,
             Err(err) => {
-                self.push_unarmed(r);
+                self.requeue(&[r], true);
                 return Err(err);
             }
         };
@@ -71,11 +73,11 @@ impl Core {
         match rest {
             Ok(Ok(n)) => Ok(n),
             Ok(Err(err)) => {
-                self.push_unarmed(r);
+                self.requeue(&[r], true);
                 Err(err)
             }
             Err(p) => {
-                self.push_unarmed(r);
+                self.requeue(&[r], true);
                 resume_unwind(p)
             }
         }
