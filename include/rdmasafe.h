@@ -461,7 +461,9 @@ struct rdmasafe_cq_loop_stats {
    * Of those, reads that found nothing (EAGAIN): event mode reads
    * before sleeping while recent cycles found their event pending and
    * sleeps first otherwise, probing at most once per 64 sleeps in
-   * steady state.
+   * steady state; it decides separately after a cycle that found its
+   * event pending and after one that slept (a ping-pong alternates
+   * the two).
    */
   uint64_t channel_reads_empty;
   /**

@@ -183,7 +183,9 @@ pub struct rdmasafe_cq_loop_stats {
     /// Of those, reads that found nothing (EAGAIN): event mode reads
     /// before sleeping while recent cycles found their event pending and
     /// sleeps first otherwise, probing at most once per 64 sleeps in
-    /// steady state.
+    /// steady state; it decides separately after a cycle that found its
+    /// event pending and after one that slept (a ping-pong alternates
+    /// the two).
     pub channel_reads_empty: u64,
     /// RDMASAFE_MODE_LEARNING (0 in the other modes): timed wakes of the
     /// plan's window (slept, then polled from just before the next

@@ -219,6 +219,85 @@ fn a_wakeup_that_must_sleep_costs_one_call_more() {
     assert_eq!(clocks, 0, "no clock read with timing statistics off");
 }
 
+/// Wakeups that alternate between an event already pending and one the
+/// loop must sleep for, as in a ping-pong (the handler's own send
+/// completes at once, the peer's answer takes a round trip): the pending
+/// ones cost one read and no `epoll_wait`, the others one `epoll_wait` and
+/// one read, plus only the backed-off probing reads. One decision for both
+/// kinds of wakeup got both wrong: in 100 round trips it slept first with
+/// the event pending 66 times and read first before a sleep (EAGAIN) 67
+/// times.
+#[test]
+fn alternating_wakeups_do_not_read_before_every_sleep() {
+    let bed = common::bed();
+    let _dog = common::watchdog("alternating", Duration::from_secs(240));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = Arc::new(rc_pair(bed.addr, &chan, false, 8));
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    lp.add_cq(&p.server_cq, |_, _| {}).unwrap();
+    assert_eq!(lp.process_once(Wait::None).unwrap(), 0, "arms the new CQ");
+    // In the wakeups that must sleep, the hook has the peer send one
+    // message right before the sleep; in the others it only counts.
+    let (tx, rx) = mpsc::channel::<u64>();
+    let (sent_tx, sent_rx) = mpsc::channel::<()>();
+    let pp = p.clone();
+    let sender = std::thread::spawn(move || {
+        for seq in rx {
+            one_message(&pp, seq);
+            sent_tx.send(()).unwrap();
+        }
+    });
+    let must_sleep = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let early_sleeps = Arc::new(AtomicU64::new(0));
+    let (ms, es) = (must_sleep.clone(), early_sleeps.clone());
+    let next = Arc::new(AtomicU64::new(1 << 32));
+    lp.set_before_sleep_hook(Some(Box::new(move || {
+        if ms.swap(false, SeqCst) {
+            tx.send(next.fetch_add(1, SeqCst)).unwrap();
+            sent_rx.recv().unwrap();
+        } else {
+            es.fetch_add(1, SeqCst);
+        }
+    })));
+    const WARM: u64 = 8;
+    const K: u64 = 100;
+    let (mut pending_sleeps, mut pending_reads, mut sleeps, mut reads, mut empty) = (0, 0, 0, 0, 0);
+    for seq in 0..WARM + K {
+        // An event already in the channel.
+        one_message(&p, seq);
+        let ready = sys::poll_readable([chan.as_raw_fd()], Wait::For(Duration::from_secs(60))).unwrap();
+        assert_eq!(ready, [true], "the CQ event of message {seq} arrived");
+        let (n, b, a, _) = counted(&lp, Wait::Forever);
+        assert_eq!(n, 1, "message {seq} delivered");
+        if seq >= WARM {
+            pending_sleeps += a.sleeps - b.sleeps;
+            pending_reads += a.channel_reads - b.channel_reads;
+        }
+        // Then one it must sleep for.
+        must_sleep.store(true, SeqCst);
+        let (n, b, a, _) = counted(&lp, Wait::Forever);
+        assert_eq!(n, 1, "the message sent during sleep {seq} delivered");
+        if seq >= WARM {
+            sleeps += a.sleeps - b.sleeps;
+            reads += a.channel_reads - b.channel_reads;
+            empty += a.channel_reads_empty - b.channel_reads_empty;
+        }
+    }
+    lp.set_before_sleep_hook(None);
+    drop(lp);
+    sender.join().unwrap();
+    println!(
+        "{K} pending wakeups: {pending_sleeps} epoll_wait, {pending_reads} reads; {K} that had to sleep: {sleeps} epoll_wait, {reads} reads ({empty} EAGAIN); {} sleeps with an event pending",
+        early_sleeps.load(SeqCst)
+    );
+    assert_eq!(pending_sleeps, 0, "no epoll_wait while an event is pending");
+    assert_eq!(pending_reads, K, "one read per pending wakeup");
+    assert_eq!(sleeps, K, "one epoll_wait per wakeup that must sleep");
+    assert_eq!(reads, K + empty, "one read per wakeup, plus the probes");
+    assert!(empty <= 2 + 6 + K / 64, "{empty} EAGAIN reads in {K} wakeups that had to sleep");
+}
+
 /// With timing statistics on: at most n + 1 clock reads per n handler
 /// calls in a wakeup, and the figures they feed are filled.
 #[test]

@@ -73,8 +73,22 @@ pub(crate) struct Core {
 /// after one that finds an event). In steady state a loop that must always
 /// sleep makes one probing read per 64 sleeps; one under load whose events
 /// are always pending never sleeps.
+///
+/// The decision is kept twice, by what the cycle before found: its event
+/// pending (read first, found) or not (it slept). A ping-pong alternates
+/// the two: after a wakeup that slept for the peer's message, the handler's
+/// own send completes at once (read first finds it); after that one, the
+/// next message takes a round trip (the loop must sleep). One decision for
+/// both would read first, and say EAGAIN, before every sleep.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct ReadFirst {
+    /// Indexed by whether the last cycle found its event by reading first.
+    by_last: [Probe; 2],
+    last_found: bool,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Probe {
     on: bool,
     /// Sleeps left before the next probe.
     wait: u32,
@@ -82,32 +96,44 @@ pub(super) struct ReadFirst {
     backoff: u32,
 }
 
+impl Probe {
+    const NEW: Probe = Probe { on: true, wait: 0, backoff: 1 };
+}
+
 impl ReadFirst {
     pub(super) const MAX_BACKOFF: u32 = 64;
 
     pub(super) fn new() -> ReadFirst {
-        ReadFirst { on: true, wait: 0, backoff: 1 }
+        ReadFirst { by_last: [Probe::NEW; 2], last_found: false }
     }
 
     /// Read before this sleep?
+    #[inline]
     pub(super) fn choose(&self) -> bool {
-        self.on || self.wait == 0
+        let p = &self.by_last[self.last_found as usize];
+        p.on || p.wait == 0
     }
 
     /// A read before a sleep found an event (`true`) or nothing.
+    #[inline]
     pub(super) fn outcome(&mut self, found: bool) {
+        let p = &mut self.by_last[self.last_found as usize];
         if found {
-            *self = ReadFirst::new();
+            *p = Probe::NEW;
         } else {
-            self.on = false;
-            self.wait = self.backoff;
-            self.backoff = (self.backoff * 2).min(Self::MAX_BACKOFF);
+            p.on = false;
+            p.wait = p.backoff;
+            p.backoff = (p.backoff * 2).min(Self::MAX_BACKOFF);
         }
+        self.last_found = found;
     }
 
     /// Slept without reading first.
+    #[inline]
     pub(super) fn slept(&mut self) {
-        self.wait = self.wait.saturating_sub(1);
+        let p = &mut self.by_last[self.last_found as usize];
+        p.wait = p.wait.saturating_sub(1);
+        self.last_found = false;
     }
 }
 
@@ -648,5 +674,66 @@ impl Core {
 impl Drop for Core {
     fn drop(&mut self) {
         self.shutdown();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ReadFirst;
+
+    /// A ping-pong's wakeups alternate: pending (read first finds it), then
+    /// one that must sleep (read first would say EAGAIN). Each kind learns
+    /// its own decision; the one that must sleep probes only as backed off.
+    #[test]
+    fn read_first_learns_alternating_wakeups() {
+        let mut rf = ReadFirst::new();
+        let (mut pending_sleeps, mut eagain) = (0, 0);
+        for round in 0..200 {
+            // pending: reading first finds the event
+            if rf.choose() {
+                rf.outcome(true);
+            } else {
+                rf.slept();
+                if round >= 8 {
+                    pending_sleeps += 1;
+                }
+            }
+            // must sleep: reading first finds nothing
+            if rf.choose() {
+                rf.outcome(false);
+                if round >= 8 {
+                    eagain += 1;
+                }
+            } else {
+                rf.slept();
+            }
+        }
+        assert_eq!(pending_sleeps, 0, "a pending wakeup never sleeps first");
+        // the back-off's ramp (1, 2, 4 ... 64: 7 probes), then one per 64
+        assert!(eagain <= 7 + 192 / ReadFirst::MAX_BACKOFF as usize, "{eagain} EAGAIN reads in 192 rounds");
+    }
+
+    /// Always pending: always read first; never pending: one probe per
+    /// MAX_BACKOFF sleeps in steady state.
+    #[test]
+    fn read_first_backs_off_only_where_it_misses() {
+        let mut rf = ReadFirst::new();
+        for _ in 0..100 {
+            assert!(rf.choose());
+            rf.outcome(true);
+        }
+        let mut rf = ReadFirst::new();
+        let mut probes = 0;
+        for i in 0..1000 {
+            if rf.choose() {
+                rf.outcome(false);
+                if i >= 200 {
+                    probes += 1;
+                }
+            } else {
+                rf.slept();
+            }
+        }
+        assert!((12..=13).contains(&probes), "{probes} probes in 800 sleeps (one per 64)");
     }
 }

@@ -183,7 +183,8 @@ pub struct LoopStats {
     /// reads before sleeping while recent cycles found their event
     /// pending, and sleeps first otherwise, probing now and then (at most
     /// one read per 64 sleeps in steady state) whether events are pending
-    /// again.
+    /// again; it decides separately after a cycle that found its event
+    /// pending and after one that slept (a ping-pong alternates the two).
     pub channel_reads_empty: u64,
     /// [`super::Mode::Learning`] (all 0 in the other modes): timed wakes
     /// of the plan's window (the loop slept, then polled from just before
