@@ -107,6 +107,51 @@ fn one_message(p: &RcPair, seq: u64) {
     assert_eq!(wcs[0].status(), WcStatus::SUCCESS, "send {seq}");
 }
 
+/// A server CQ on an event-mode loop with the default options, armed:
+/// the set-up of the tests whose peer sends from the loop's before-sleep
+/// hook. Fields drop in order: the loop before its CQ, the CQ before its
+/// channel and device.
+struct Armed {
+    lp: CqLoop,
+    p: Arc<RcPair>,
+    chan: CompChannel,
+    _keep: EventChannel,
+    _ctx: DeviceContext,
+    _dog: common::Watchdog,
+}
+
+fn armed(what: &'static str) -> Armed {
+    let bed = common::bed();
+    let _dog = common::watchdog(what, Duration::from_secs(240));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = Arc::new(rc_pair(bed.addr, &chan, false, 8));
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    lp.add_cq(&p.server_cq, |_, _| {}).unwrap();
+    assert_eq!(lp.process_once(Wait::None).unwrap(), 0, "arms the new CQ");
+    Armed { lp, p, chan, _keep, _ctx: ctx, _dog }
+}
+
+/// A peer on its own thread: the returned function has it send one
+/// message (`one_message`) and returns once it is sent, for a loop's
+/// before-sleep hook; dropping the function ends the thread (join it).
+fn peer(p: &Arc<RcPair>) -> (impl FnMut(u64) + Send + 'static, std::thread::JoinHandle<()>) {
+    let (tx, rx) = mpsc::channel::<u64>();
+    let (sent_tx, sent_rx) = mpsc::channel::<()>();
+    let pp = p.clone();
+    let sender = std::thread::spawn(move || {
+        for seq in rx {
+            one_message(&pp, seq);
+            sent_tx.send(()).unwrap();
+        }
+    });
+    let send = move |seq| {
+        tx.send(seq).unwrap();
+        sent_rx.recv().unwrap();
+    };
+    (send, sender)
+}
+
 /// The figures and this thread's clock reads around one `process_once`.
 fn counted(lp: &CqLoop, wait: Wait) -> (usize, LoopStats, LoopStats, u64) {
     let before = lp.stats();
@@ -171,36 +216,18 @@ fn an_event_already_pending_is_read_without_sleeping() {
 /// to be pending again; no clock read with timing off.
 #[test]
 fn a_wakeup_that_must_sleep_costs_one_call_more() {
-    let bed = common::bed();
-    let _dog = common::watchdog("must sleep", Duration::from_secs(240));
-    let (ctx, _keep) = device(bed.addr);
-    let chan = CompChannel::new(&ctx).unwrap();
-    let p = Arc::new(rc_pair(bed.addr, &chan, false, 8));
-    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
-    lp.add_cq(&p.server_cq, |_, _| {}).unwrap();
-    assert_eq!(lp.process_once(Wait::None).unwrap(), 0, "arms the new CQ");
+    let set = armed("must sleep");
+    let (lp, p) = (&set.lp, &set.p);
     // Right before each sleep the hook has the peer send one message.
-    let (tx, rx) = mpsc::channel::<u64>();
-    let (sent_tx, sent_rx) = mpsc::channel::<()>();
-    let pp = p.clone();
-    let sender = std::thread::spawn(move || {
-        for seq in rx {
-            one_message(&pp, seq);
-            sent_tx.send(()).unwrap();
-        }
-    });
+    let (mut send, sender) = peer(p);
     let next = Arc::new(AtomicU64::new(0));
     let nx = next.clone();
-    lp.set_before_sleep_hook(Some(Box::new(move || {
-        let seq = nx.fetch_add(1, SeqCst);
-        tx.send(seq).unwrap();
-        sent_rx.recv().unwrap();
-    })));
+    lp.set_before_sleep_hook(Some(Box::new(move || send(nx.fetch_add(1, SeqCst)))));
     const K: u64 = 200;
     let (mut wakeups, mut clocks) = (0, 0);
     let first = lp.stats();
     while wakeups < K {
-        let (n, _, _, c) = counted(&lp, Wait::Forever);
+        let (n, _, _, c) = counted(lp, Wait::Forever);
         clocks += c;
         wakeups += n as u64;
     }
@@ -208,8 +235,8 @@ fn a_wakeup_that_must_sleep_costs_one_call_more() {
     let sleeps = s.sleeps - first.sleeps;
     let reads = s.channel_reads - first.channel_reads;
     let empty = s.channel_reads_empty - first.channel_reads_empty;
+    // The hook goes, and with it the peer's channel: its thread ends.
     lp.set_before_sleep_hook(None);
-    drop(lp);
     sender.join().unwrap();
     println!("{K} wakeups that had to sleep: {sleeps} epoll_wait, {reads} channel reads ({empty} EAGAIN), {clocks} clock reads");
     assert_eq!(sleeps, K, "one epoll_wait per wakeup");
@@ -229,33 +256,18 @@ fn a_wakeup_that_must_sleep_costs_one_call_more() {
 /// times.
 #[test]
 fn alternating_wakeups_do_not_read_before_every_sleep() {
-    let bed = common::bed();
-    let _dog = common::watchdog("alternating", Duration::from_secs(240));
-    let (ctx, _keep) = device(bed.addr);
-    let chan = CompChannel::new(&ctx).unwrap();
-    let p = Arc::new(rc_pair(bed.addr, &chan, false, 8));
-    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
-    lp.add_cq(&p.server_cq, |_, _| {}).unwrap();
-    assert_eq!(lp.process_once(Wait::None).unwrap(), 0, "arms the new CQ");
+    let set = armed("alternating");
+    let (lp, p, chan) = (&set.lp, &set.p, &set.chan);
     // In the wakeups that must sleep, the hook has the peer send one
     // message right before the sleep; in the others it only counts.
-    let (tx, rx) = mpsc::channel::<u64>();
-    let (sent_tx, sent_rx) = mpsc::channel::<()>();
-    let pp = p.clone();
-    let sender = std::thread::spawn(move || {
-        for seq in rx {
-            one_message(&pp, seq);
-            sent_tx.send(()).unwrap();
-        }
-    });
+    let (mut send, sender) = peer(p);
     let must_sleep = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let early_sleeps = Arc::new(AtomicU64::new(0));
     let (ms, es) = (must_sleep.clone(), early_sleeps.clone());
     let next = Arc::new(AtomicU64::new(1 << 32));
     lp.set_before_sleep_hook(Some(Box::new(move || {
         if ms.swap(false, SeqCst) {
-            tx.send(next.fetch_add(1, SeqCst)).unwrap();
-            sent_rx.recv().unwrap();
+            send(next.fetch_add(1, SeqCst));
         } else {
             es.fetch_add(1, SeqCst);
         }
@@ -265,10 +277,10 @@ fn alternating_wakeups_do_not_read_before_every_sleep() {
     let (mut pending_sleeps, mut pending_reads, mut sleeps, mut reads, mut empty) = (0, 0, 0, 0, 0);
     for seq in 0..WARM + K {
         // An event already in the channel.
-        one_message(&p, seq);
+        one_message(p, seq);
         let ready = sys::poll_readable([chan.as_raw_fd()], Wait::For(Duration::from_secs(60))).unwrap();
         assert_eq!(ready, [true], "the CQ event of message {seq} arrived");
-        let (n, b, a, _) = counted(&lp, Wait::Forever);
+        let (n, b, a, _) = counted(lp, Wait::Forever);
         assert_eq!(n, 1, "message {seq} delivered");
         if seq >= WARM {
             pending_sleeps += a.sleeps - b.sleeps;
@@ -276,7 +288,7 @@ fn alternating_wakeups_do_not_read_before_every_sleep() {
         }
         // Then one it must sleep for.
         must_sleep.store(true, SeqCst);
-        let (n, b, a, _) = counted(&lp, Wait::Forever);
+        let (n, b, a, _) = counted(lp, Wait::Forever);
         assert_eq!(n, 1, "the message sent during sleep {seq} delivered");
         if seq >= WARM {
             sleeps += a.sleeps - b.sleeps;
@@ -284,8 +296,8 @@ fn alternating_wakeups_do_not_read_before_every_sleep() {
             empty += a.channel_reads_empty - b.channel_reads_empty;
         }
     }
+    // The hook goes, and with it the peer's channel: its thread ends.
     lp.set_before_sleep_hook(None);
-    drop(lp);
     sender.join().unwrap();
     println!(
         "{K} pending wakeups: {pending_sleeps} epoll_wait, {pending_reads} reads; {K} that had to sleep: {sleeps} epoll_wait, {reads} reads ({empty} EAGAIN); {} sleeps with an event pending",
