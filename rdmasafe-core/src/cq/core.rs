@@ -403,14 +403,12 @@ impl Core {
         let sh = &*ctl.0;
         loop {
             // Looked up again after every handler call (it may remove its CQ).
-            let Some(e) = self.entries.get(r) else { return Ok(total) };
+            let Some(e) = self.entries.get_mut(r) else { return Ok(total) };
             if total >= budget {
                 sh.counters.budget_yields.bump(1);
-                if let Some(e) = self.entries.get_mut(r) {
-                    if !e.in_ready {
-                        e.in_ready = true;
-                        self.ready.push_back(r);
-                    }
+                if !e.in_ready {
+                    e.in_ready = true;
+                    self.ready.push_back(r);
                 }
                 return Ok(total);
             }
@@ -681,6 +679,18 @@ impl Drop for Core {
 mod tests {
     use super::ReadFirst;
 
+    /// One wakeup whose channel has an event (`found`) or not: reads first
+    /// or sleeps first as `rf` decides. Returns whether it read first.
+    fn wakeup(rf: &mut ReadFirst, found: bool) -> bool {
+        let read = rf.choose();
+        if read {
+            rf.outcome(found);
+        } else {
+            rf.slept();
+        }
+        read
+    }
+
     /// A ping-pong's wakeups alternate: pending (read first finds it), then
     /// one that must sleep (read first would say EAGAIN). Each kind learns
     /// its own decision; the one that must sleep probes only as backed off.
@@ -690,22 +700,12 @@ mod tests {
         let (mut pending_sleeps, mut eagain) = (0, 0);
         for round in 0..200 {
             // pending: reading first finds the event
-            if rf.choose() {
-                rf.outcome(true);
-            } else {
-                rf.slept();
-                if round >= 8 {
-                    pending_sleeps += 1;
-                }
+            if !wakeup(&mut rf, true) && round >= 8 {
+                pending_sleeps += 1;
             }
             // must sleep: reading first finds nothing
-            if rf.choose() {
-                rf.outcome(false);
-                if round >= 8 {
-                    eagain += 1;
-                }
-            } else {
-                rf.slept();
+            if wakeup(&mut rf, false) && round >= 8 {
+                eagain += 1;
             }
         }
         assert_eq!(pending_sleeps, 0, "a pending wakeup never sleeps first");
@@ -719,19 +719,13 @@ mod tests {
     fn read_first_backs_off_only_where_it_misses() {
         let mut rf = ReadFirst::new();
         for _ in 0..100 {
-            assert!(rf.choose());
-            rf.outcome(true);
+            assert!(wakeup(&mut rf, true));
         }
         let mut rf = ReadFirst::new();
         let mut probes = 0;
         for i in 0..1000 {
-            if rf.choose() {
-                rf.outcome(false);
-                if i >= 200 {
-                    probes += 1;
-                }
-            } else {
-                rf.slept();
+            if wakeup(&mut rf, false) && i >= 200 {
+                probes += 1;
             }
         }
         assert!((12..=13).contains(&probes), "{probes} probes in 800 sleeps (one per 64)");
