@@ -215,10 +215,26 @@ fn rping_over_rdma_cm() {
     let mut server = spawn("rping-server", "rping", &["-s", "-a", a, "-C", "5", "-v"]);
     let pid = server.child.id();
     wait_until(&mut server, "rdma_cm LISTEN", || cm_listening(pid));
-    let client = spawn("rping-client", "rping", &["-c", "-a", a, "-C", "5", "-v"]).success();
-    server.success();
+    let client = rping_done(spawn("rping-client", "rping", &["-c", "-a", a, "-C", "5", "-v"]).wait(), "client");
+    rping_done(server.wait(), "server");
     let pings = client.stdout.lines().filter(|l| l.starts_with("ping data: rdma-ping-")).count();
     assert_eq!(pings, 5, "expected 5 ping data lines from the client");
+}
+
+/// An rping side that ran to its end: exit 0, or the one way rping of
+/// rdma-core 44.0 fails after a complete run on its own: its CM thread's
+/// rdma_get_cm_event after main destroyed the event channel (EBADF, then
+/// exit(-1), racing main's return; seen more often on a busy machine).
+/// Everything else fails.
+fn rping_done(done: Done, side: &str) -> Done {
+    const RACE: &str = "rdma_get_cm_event: Bad file descriptor";
+    let raced = done.stderr.lines().filter(|l| l.trim() == RACE).count() == 1;
+    let ok = done.status.success() || (raced && done.status.code() == Some(255));
+    assert!(ok, "[rping {side}] failed: {}\nstdout:\n{}\nstderr:\n{}", done.status, done.stdout, done.stderr);
+    if raced {
+        println!("[rping {side}] lost rping 44's own teardown race ({})", done.status);
+    }
+    done
 }
 
 #[test]

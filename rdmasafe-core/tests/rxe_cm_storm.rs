@@ -94,6 +94,10 @@ fn storm_of_500_connections_batch_and_four_workers() {
         seen = pending_requests(&addr, port);
         std::thread::sleep(Duration::from_millis(20));
     }
+    // The kernel lists a request's new id just before its event handler
+    // queues the event for the channel: let the last few handlers finish
+    // (a kernel worker of a busy guest may be descheduled in between).
+    std::thread::sleep(Duration::from_secs(1));
     let mut requests: Vec<CmEvent> = Vec::with_capacity(2 * N);
     let first_batch = sch.get_batch(&mut requests, 2 * N, Wait::For(STEP)).unwrap();
     println!("kernel held {seen} requests; one batch call returned {first_batch} events");

@@ -77,7 +77,7 @@ fn keepalive_detects_a_killed_idle_peer_with_infinite_retries() {
     lp.add_cq(&cq, move |w, _| s2.lock().unwrap().extend(w.iter().map(|w| (w.wr_id(), w.status())))).unwrap();
     let dead_qpn = Arc::new(AtomicU32::new(0));
     let d2 = dead_qpn.clone();
-    let cfg = Keepalive { period: Duration::from_millis(200), bound: Duration::from_secs(2), wr_id: u64::MAX - 7 };
+    let cfg = Keepalive { period: Duration::from_millis(200), bound: Duration::from_secs(5), wr_id: u64::MAX - 7 };
     let qp = id.raw_qp().unwrap();
     let qpn = id.qp_num().unwrap();
     // SAFETY: the QP lives (owned by `id`) until after the loop is dropped.
@@ -113,7 +113,7 @@ fn keepalive_detects_a_killed_idle_peer_with_infinite_retries() {
     let lp = t.stop().unwrap();
     let s = lp.stats();
     println!(
-        "peer killed; declared dead after {detected:?} (period 200 ms, bound 2 s); probes {} ok {}; delivered {:?}",
+        "peer killed; declared dead after {detected:?} (period 200 ms, bound 5 s); probes {} ok {}; delivered {:?}",
         s.keepalive_probes,
         s.keepalive_probes_ok,
         seen.lock().unwrap()
