@@ -82,7 +82,7 @@
 #endif
 
 #define MSG_SIZE 64
-#define STEP_MS 5000	     /* how long a completion may take */
+#define STEP_MS 30000	     /* how long a completion may take (turns a hang into a failure) */
 #define HOLD_MS 5000	     /* -H: how long the client keeps its DISCONNECTED */
 #define MAX_TOUCH_DELAY_MS 100 /* default of -d */
 #define WATCHDOG_S 120

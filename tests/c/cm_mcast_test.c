@@ -62,7 +62,7 @@
 #define NMSG 4
 #define MSG_SIZE 64
 #define GRH_SIZE 40
-#define STEP_MS 5000
+#define STEP_MS 30000 /* how long any one expected event may take (turns a hang into a failure) */
 
 static int passed, failed;
 static const char *volatile phase = "start";
@@ -464,7 +464,7 @@ static void run(void)
 
 out:
 	phase = "teardown";
-	alarm(30);
+	alarm(60);
 	if (snd->joined)
 		rdma_leave_multicast(snd->id, (struct sockaddr *)&group_addr);
 	if (rcv->joined)
@@ -489,7 +489,7 @@ int main(void)
 	signal(SIGALRM, on_alarm);
 	signal(SIGSEGV, on_fault);
 	signal(SIGBUS, on_fault);
-	alarm(60);
+	alarm(120); /* a watchdog: turns a hang into a failure */
 	if (CHECK(addr && *addr && parse(addr, &src_addr) == 0 && src_addr.ss_family == AF_INET &&
 			  parse(GROUP, &group_addr) == 0,
 		  "RDMASAFE_TEST_ADDR %s (IPv4) and group %s parsed", addr ? addr : "(unset)", GROUP)) {

@@ -61,7 +61,7 @@
 #define REP_PDATA 136	     /* SIDR REP private data */
 #define MSG_SIZE 64
 #define GRH_SIZE 40 /* a UD receive starts with room for the GRH */
-#define STEP_MS 5000 /* how long any one expected event may take */
+#define STEP_MS 30000 /* how long any one expected event may take (turns a hang into a failure) */
 
 static int passed, failed;
 static const char *volatile phase = "start";
@@ -554,7 +554,7 @@ static void run(void)
 
 out:
 	phase = "teardown";
-	alarm(30);
+	alarm(60);
 	node_free(&cli);
 	node_free(&srv);
 	if (cli.id)
@@ -575,7 +575,7 @@ int main(void)
 
 	setvbuf(stdout, NULL, _IOLBF, 0);
 	signal(SIGALRM, on_alarm);
-	alarm(60);
+	alarm(120); /* a watchdog: turns a hang into a failure */
 	if (CHECK(addr && *addr && parse_addr(addr) == 0, "RDMASAFE_TEST_ADDR %s parsed",
 		  addr ? addr : "(unset)"))
 		run();
