@@ -329,13 +329,13 @@ fn check_pair(
         let (stock_exit, stock_err) = as_meant(tool, side, so, se, stock_raced);
         c.that(stock_exit == Some(want_exit), format!("{stock}: exit {:?} (want {want_exit})", so.exit));
         if stock_raced && t.rping_races.insert(stock.clone(), false).is_none() {
-            println!("[preload] {stock}: lost rping 44's own teardown race (exit {:?}); compared as meant", so.exit);
+            println!("[preload] {stock}: lost rping's own teardown race (exit {:?}); compared as meant", so.exit);
         }
         if !c.that(to.exit.is_some(), format!("{this}: did not run")) {
             continue;
         }
         if raced && t.rping_races.insert(this.clone(), cfg == format!("p{side}")).is_none() {
-            println!("[preload] {this}: lost rping 44's own teardown race (exit {:?}); compared as meant", to.exit);
+            println!("[preload] {this}: lost rping's own teardown race (exit {:?}); compared as meant", to.exit);
         }
         let (this_exit, this_err) = as_meant(tool, side, to, te, raced);
         c.that(this_exit == stock_exit, format!("{this}: exit {:?}, stock {:?}", to.exit, so.exit));

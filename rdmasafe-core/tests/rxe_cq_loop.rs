@@ -575,6 +575,7 @@ fn learning_mode_delivers_periodic_messages_then_sleeps() {
     let learned = lp.control().stats();
     // Idle now: the loop must go to sleep (its spin is bounded by the plan).
     std::thread::sleep(Duration::from_millis(500));
+    assert!(!runner.is_finished(), "run() ended early: {:?}", runner.join());
     let (c0, t0) = (thread_cpu_seconds(&runner), std::time::Instant::now());
     std::thread::sleep(Duration::from_secs(1));
     let (cpu, wall) = (thread_cpu_seconds(&runner) - c0, t0.elapsed().as_secs_f64());

@@ -419,16 +419,27 @@ fn signals_interrupt_process_once_not_run_and_may_stop_it() {
 
     let l3 = lp.clone();
     let (tx, rx) = mpsc::channel();
+    let ctl = lp.control();
+    let slept = ctl.stats().sleeps;
     let t = std::thread::spawn(move || {
         // SAFETY: as above.
         tx.send(unsafe { libc::pthread_self() }).unwrap();
         l3.run()
     });
     let tid = rx.recv().unwrap();
-    for _ in 0..5 {
-        std::thread::sleep(Duration::from_millis(20));
-        // SAFETY: the thread runs until stopped below.
-        unsafe { libc::pthread_kill(tid, libc::SIGUSR1) };
+    wait_for("run sleeps", || ctl.stats().sleeps > slept);
+    // Nothing else wakes this idle loop: each of its sleeps after the first
+    // is one that a signal ended with EINTR and run shrugged off. A signal
+    // sent before the loop is in its wait ends nothing: signal until it has
+    // slept again.
+    for k in 0..5 {
+        let s0 = ctl.stats().sleeps;
+        wait_for(&format!("run sleeps again after signal {k}"), || {
+            std::thread::sleep(Duration::from_millis(20));
+            // SAFETY: the thread runs until stopped below.
+            unsafe { libc::pthread_kill(tid, libc::SIGUSR1) };
+            ctl.stats().sleeps > s0
+        });
     }
     prefill(&p, 0, 1);
     wait_for("run still delivers after 5 signals", || got.load(SeqCst) == 1);
@@ -1074,7 +1085,7 @@ fn a_keepalive_on_a_solicited_only_send_cq_sees_its_probes() {
     let p = rc_pair(bed.addr, &chan, false, 16);
     let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
     lp.add_cq_with(&p.server_cq, CqOptions { solicited_only: true, ..Default::default() }, |_, _| {}).unwrap();
-    let cfg = Keepalive { period: Duration::from_millis(100), bound: Duration::from_secs(10), wr_id: 0xabc };
+    let cfg = Keepalive { period: Duration::from_millis(100), bound: Duration::from_secs(5), wr_id: 0xabc };
     let dead = Arc::new(AtomicUsize::new(0));
     let d2 = dead.clone();
     // SAFETY: the QP lives in `p`, which outlives the loop.

@@ -227,8 +227,8 @@ finish cm_barrier_test_raw.preload.hold.run
 # the deadline has acked librdmacm's original, instead of never)
 scenario "copy mode: check_cm_bugs leak, double, destroy"
 for m in leak double destroy; do
-	# leak and double count no ack at the deadline: one no stall of a busy
-	# machine reaches (destroy relies on the default one)
+	# leak and double count no ack at the deadline: give them a deadline
+	# that no stall of a busy machine reaches (destroy relies on the default)
 	dl=()
 	[[ $m != destroy ]] && dl=(env RDMASAFE_ACK_DEADLINE_MS=60000)
 	start "check_cm_bugs.$m.copy" "${W[@]}" "${dl[@]}" "${PRE[@]}" "$pbin/check_cm_bugs" -m "$m"
@@ -238,13 +238,14 @@ done
 # 3. -----------------------------------------------------------------------
 # check LABEL MODE WAIT_FOR PROGRAM ARGS...: one check-mode run; with
 # WAIT_FOR (a report kind) the program is expected to hang after that
-# report: it is killed once the report is there. HOLD_MS: the check's
-# hold threshold (RDMASAFE_CHECK_HOLD_MS; 300 ms unless given).
+# report: it is killed once the report is there. check_hold_ms: the hold
+# threshold (RDMASAFE_CHECK_HOLD_MS) of the next check.
+check_hold_ms=300
 check() {
 	local label=$1 mode=$2 wait_for=$3 rep=$logs/$1.rep rc=0
 	shift 3
 	start "$label" "${W[@]}" env "LD_PRELOAD=$L" RDMASAFE_LOG=info RDMASAFE_CHECK="$mode" \
-		"RDMASAFE_CHECK_HOLD_MS=${HOLD_MS:-300}" "RDMASAFE_CHECK_FILE=$rep" "$@"
+		"RDMASAFE_CHECK_HOLD_MS=$check_hold_ms" "RDMASAFE_CHECK_FILE=$rep" "$@"
 	if [[ $wait_for != - ]]; then
 		if wait_file "$rep" ": $wait_for: " "$label"; then
 			if kill -0 "${pid_of[$label]}" 2>/dev/null; then
@@ -264,12 +265,13 @@ check() {
 
 scenario "check mode: CM event bugs"
 for m in ok held leak double; do
-	# ok must report nothing: a threshold no stall of a busy machine
-	# reaches between its get and its ack (held waits for its report)
-	hold=300
-	[[ $m == ok ]] && hold=10000
-	HOLD_MS=$hold check "check_cm_bugs.$m.run" 1 - "$pbin/check_cm_bugs" -m "$m" -w "$logs/check_cm_bugs.$m.run.rep"
+	# ok must report nothing: a threshold that no stall of a busy machine
+	# between its get and its ack reaches (held waits for its report)
+	check_hold_ms=300
+	[[ $m == ok ]] && check_hold_ms=10000
+	check "check_cm_bugs.$m.run" 1 - "$pbin/check_cm_bugs" -m "$m" -w "$logs/check_cm_bugs.$m.run.rep"
 done
+check_hold_ms=300
 check check_cm_bugs.destroy.run 1 destroy-id-waiting "$pbin/check_cm_bugs" -m destroy
 scenario "check mode: CQ event bugs"
 for m in ok unacked wrongcq overack; do
