@@ -248,6 +248,7 @@ fn check_events(runs: &BTreeMap<String, Block>, tool: &str, side: &str) -> Optio
     exit_lines(b).first().and_then(|l| field(l, "cm_events"))
 }
 
+#[derive(Default)]
 struct Totals {
     copied: u64,
     preloaded_runs: usize,
@@ -262,34 +263,32 @@ struct Totals {
 const RPING_RACE_LINE: &str = "rdma_get_cm_event: Bad file descriptor";
 
 /// rping of rdma-core 44.0 (Debian 12's rdmacm-utils) has a teardown race
-/// of its own, on both sides: its CM thread loops on rdma_get_cm_event forever, and the
-/// main thread destroys the event channel (closing its fd) right after its
-/// last rdma_destroy_id returns (the client's one id; the server's
-/// listening id, after the child's), without stopping that thread. If the
-/// thread comes back to rdma_get_cm_event after the close, the call fails
-/// with EBADF and the thread calls exit(-1) after printing
+/// of its own, on both sides: its CM thread loops on rdma_get_cm_event
+/// forever, and the main thread destroys the event channel (closing its fd)
+/// right after its last rdma_destroy_id returns (the client's one id; the
+/// server's listening id, after the child's), without stopping that thread.
+/// If the thread comes back to rdma_get_cm_event after the close, the call
+/// fails with EBADF and the thread calls exit(-1) after printing
 /// [`RPING_RACE_LINE`]. Its exit races main's return: the status is 255 or
 /// 0, at the very end of a run whose output is otherwise complete; if
 /// main's exit ends the process between the failed get and the print, only
 /// the preload's exit line shows it (one failed get). (rdma-core fixed it
 /// later: the CM thread polls an eventfd too and is joined before the
-/// channel is destroyed.) The window is the thread's time
-/// from its ack of DISCONNECTED, which lets the destroy return, to its next
-/// read of the fd: wider under the preload (the free and the next get do
-/// more than librdmacm's) and on a busy machine. Such a run is counted, and
-/// compared as the run rping meant: its stdout as stock's, its stderr as
-/// stock's but for that one line, exit 0, and under the preload a balanced
-/// exit line with exactly that one failed get.
+/// channel is destroyed.) The window is the thread's time from its ack of
+/// DISCONNECTED, which lets the destroy return, to its next read of the
+/// fd: wider under the preload (the free and the next get do more than
+/// librdmacm's) and on a busy machine. Such a run is counted, and compared
+/// as the run rping meant: its stdout as stock's, its stderr as stock's but
+/// for that one line, exit 0, and under the preload a balanced exit line
+/// with exactly that one failed get.
 fn rping_lost_race(tool: &str, out: &Block, err: &Block) -> bool {
     if tool != "rping" {
         return false;
     }
-    let printed = err.lines().filter(|l| l.trim() == RPING_RACE_LINE).count();
-    let failed_gets: Vec<_> = exit_lines(err).iter().map(|l| field(l, "get_errors")).collect();
-    match printed {
+    match err.lines().filter(|l| l.trim() == RPING_RACE_LINE).count() {
         1 => matches!(out.exit, Some(0) | Some(255)),
         // ended before the print: main's exit won, the preload counted it
-        0 => out.exit == Some(0) && failed_gets == [Some(1)],
+        0 => out.exit == Some(0) && exit_lines(err).iter().map(|l| field(l, "get_errors")).eq([Some(1)]),
         _ => false,
     }
 }
@@ -325,6 +324,7 @@ fn check_pair(
         let (so, se) = (runs.get(&stock).unwrap_or(&empty), runs.get(&format!("{stock}.err")).unwrap_or(&empty));
         let (to, te) = (runs.get(&this).unwrap_or(&empty), runs.get(&format!("{this}.err")).unwrap_or(&empty));
         let want_exit = if tool == "cmtime" && *side == "server" { 130 } else { 0 }; // stopped by SIGINT
+        let preloaded = cfg == format!("p{side}");
         let (stock_raced, raced) = (rping_lost_race(tool, so, se), rping_lost_race(tool, to, te));
         let (stock_exit, stock_err) = as_meant(tool, side, so, se, stock_raced);
         c.that(stock_exit == Some(want_exit), format!("{stock}: exit {:?} (want {want_exit})", so.exit));
@@ -334,7 +334,7 @@ fn check_pair(
         if !c.that(to.exit.is_some(), format!("{this}: did not run")) {
             continue;
         }
-        if raced && t.rping_races.insert(this.clone(), cfg == format!("p{side}")).is_none() {
+        if raced && t.rping_races.insert(this.clone(), preloaded).is_none() {
             println!("[preload] {this}: lost rping's own teardown race (exit {:?}); compared as meant", to.exit);
         }
         let (this_exit, this_err) = as_meant(tool, side, to, te, raced);
@@ -346,7 +346,6 @@ fn check_pair(
             format!("{this}.err: stderr differs from stock's: {}", diff(&stock_err, &this_err)),
         );
 
-        let preloaded = cfg == format!("p{side}");
         if cfg == "check" {
             let rep = runs.get(&format!("{this}.report"));
             c.that(rep.is_some_and(|r| r.out.trim().is_empty()), format!("{this}: check mode reported {rep:?}"));
@@ -391,7 +390,7 @@ fn check_pair(
 }
 
 fn check_copy_mode(c: &mut Checks, runs: &BTreeMap<String, Block>) -> Totals {
-    let mut t = Totals { copied: 0, preloaded_runs: 0, rping_runs: 0, rping_races: BTreeMap::new() };
+    let mut t = Totals::default();
     for tool in TOOLS {
         for cfg in ["pserver", "pclient", "check"] {
             check_pair(c, runs, tool, cfg, None, &mut t);
@@ -822,7 +821,7 @@ fn rping_pair(preloaded: &str, out: &str, err: &str, exit: i32) -> BTreeMap<Stri
                   cma_event type RDMA_CM_EVENT_ESTABLISHED cma_id 0x5600 (parent)\n\
                   ping data: rdma-ping-0: ABCDEF\n";
     let errs = [("server", "server DISCONNECT EVENT...\nwait for RDMA_READ_ADV state 10\n"), ("client", "")];
-    let (cfg, run) = if preloaded == "server" { ("pserver", 6) } else { ("pclient", 7) };
+    let (cfg, run) = rping_run(preloaded);
     let mut runs = BTreeMap::new();
     for (side, stock_out) in [("server", server), ("client", client)] {
         let stock_err = errs.iter().find(|e| e.0 == side).map_or("", |e| e.1);
@@ -840,6 +839,16 @@ fn rping_pair(preloaded: &str, out: &str, err: &str, exit: i32) -> BTreeMap<Stri
     runs
 }
 
+/// The run of rping_pair with `preloaded` under the preload: its config
+/// and number.
+fn rping_run(preloaded: &str) -> (&'static str, usize) {
+    if preloaded == "server" {
+        ("pserver", 6)
+    } else {
+        ("pclient", 7)
+    }
+}
+
 /// The preloaded side's exit line: `events` copied, `get_errors` failed gets.
 fn rping_exit_line(events: u64, get_errors: u64) -> String {
     format!(
@@ -852,8 +861,8 @@ fn rping_exit_line(events: u64, get_errors: u64) -> String {
 /// check_pair on rping_pair's blocks: the failures and the totals.
 fn check_rping(runs: &BTreeMap<String, Block>, preloaded: &str) -> (Vec<String>, Totals) {
     let mut c = Checks::default();
-    let mut t = Totals { copied: 0, preloaded_runs: 0, rping_runs: 0, rping_races: BTreeMap::new() };
-    let (cfg, run) = if preloaded == "server" { ("pserver", 6) } else { ("pclient", 7) };
+    let mut t = Totals::default();
+    let (cfg, run) = rping_run(preloaded);
     check_pair(&mut c, runs, "rping", cfg, Some(run), &mut t);
     (c.failures, t)
 }
@@ -888,7 +897,7 @@ fn a_stock_rping_that_lost_the_race_is_compared_as_meant_and_counted_once() {
         runs.get_mut(&format!("{label}.err")).unwrap().out = format!("{RPING_RACE_LINE}\n");
     }
     let mut c = Checks::default();
-    let mut t = Totals { copied: 0, preloaded_runs: 0, rping_runs: 0, rping_races: BTreeMap::new() };
+    let mut t = Totals::default();
     for _ in 0..3 {
         check_pair(&mut c, &runs, "rping", "pserver", Some(6), &mut t);
     }
@@ -932,7 +941,7 @@ fn a_lost_rping_race_forgives_that_line_and_nothing_else() {
 #[test]
 fn more_than_a_few_lost_races_fail() {
     let races = |preloaded: usize, stock: usize| {
-        let mut t = Totals { copied: 0, preloaded_runs: 0, rping_runs: 0, rping_races: BTreeMap::new() };
+        let mut t = Totals::default();
         for i in 0..preloaded {
             t.rping_races.insert(format!("rping.pclient.{i}.client"), true);
         }

@@ -366,6 +366,18 @@ extern "C" fn on_usr1(_: libc::c_int) {
 static STOP_FROM_SIGNAL: OnceLock<LoopControl> = OnceLock::new();
 static STOP_ARMED: AtomicBool = AtomicBool::new(false);
 
+/// Sends SIGUSR1 to `tid` every 20 ms until `done`: a signal that comes
+/// before the thread is in its wait interrupts nothing (on a busy machine
+/// it may not be there yet). `tid` must stay valid (not joined) meanwhile.
+fn signal_until(tid: libc::pthread_t, what: &str, mut done: impl FnMut() -> bool) {
+    wait_for(what, || {
+        std::thread::sleep(Duration::from_millis(20));
+        // SAFETY: the caller keeps the thread unjoined, so tid is valid.
+        unsafe { libc::pthread_kill(tid, libc::SIGUSR1) };
+        done()
+    });
+}
+
 fn install_usr1() {
     // SAFETY: a plain sigaction without SA_RESTART; the handler only does
     // async-signal-safe things (an atomic load, LoopControl::stop).
@@ -406,14 +418,7 @@ fn signals_interrupt_process_once_not_run_and_may_stop_it() {
         l2.process_once(Wait::Forever)
     });
     let tid = rx.recv().unwrap();
-    // A signal that comes before the thread is in its wait interrupts
-    // nothing (on a busy machine the thread may not be there yet): signal
-    // until the call has returned.
-    while !t.is_finished() {
-        std::thread::sleep(Duration::from_millis(100));
-        // SAFETY: the thread is not joined yet (below), so tid is valid.
-        unsafe { libc::pthread_kill(tid, libc::SIGUSR1) };
-    }
+    signal_until(tid, "process_once returns", || t.is_finished());
     let r = t.join().unwrap();
     assert_eq!(r.unwrap_err().errno(), libc::EINTR, "process_once: EINTR");
 
@@ -429,17 +434,10 @@ fn signals_interrupt_process_once_not_run_and_may_stop_it() {
     let tid = rx.recv().unwrap();
     wait_for("run sleeps", || ctl.stats().sleeps > slept);
     // Nothing else wakes this idle loop: each of its sleeps after the first
-    // is one that a signal ended with EINTR and run shrugged off. A signal
-    // sent before the loop is in its wait ends nothing: signal until it has
-    // slept again.
+    // is one that a signal ended with EINTR and run shrugged off.
     for k in 0..5 {
         let s0 = ctl.stats().sleeps;
-        wait_for(&format!("run sleeps again after signal {k}"), || {
-            std::thread::sleep(Duration::from_millis(20));
-            // SAFETY: the thread runs until stopped below.
-            unsafe { libc::pthread_kill(tid, libc::SIGUSR1) };
-            ctl.stats().sleeps > s0
-        });
+        signal_until(tid, &format!("run sleeps again after signal {k}"), || ctl.stats().sleeps > s0);
     }
     prefill(&p, 0, 1);
     wait_for("run still delivers after 5 signals", || got.load(SeqCst) == 1);

@@ -21,8 +21,9 @@
 #     the destroy waits at most the ack deadline); tests/preload/check_cm_bugs
 #     -m leak, double and destroy in copy mode.
 #  3. Check mode (RDMASAFE_CHECK=1, RDMASAFE_CHECK_HOLD_MS=300, 10 s for the
-#     correct "ok" mode of check_cm_bugs, reports to a file): tests/preload/check_cm_bugs in each mode and
-#     tests/preload/check_cq_bugs in each mode, with =1 and with =fix.
+#     correct "ok" mode of check_cm_bugs, reports to a file):
+#     tests/preload/check_cm_bugs in each mode and tests/preload/check_cq_bugs
+#     in each mode, with =1 and with =fix.
 #     A mode whose bug makes a call wait forever (cm destroy; cq unacked,
 #     wrongcq, overack under =1) is killed once its report is in the file
 #     (the report comes before the hang).
