@@ -299,6 +299,16 @@ struct rdmasafe_cq_loop_options {
    * drain and call timeouts, and adaptive mode's spin.
    */
   int timing_stats;
+  /**
+   * RDMASAFE_MODE_LEARNING only: how many microseconds of CPU one
+   * microsecond of added latency is worth when the loop prices the ways
+   * to wait, 1..1000 (default 1: alike). A wake from sleep adds its
+   * block + wake cost to a completion's latency; a weight of k prices
+   * that cost k times, so the loop spins longer after completions and
+   * polls in wider windows around periodic arrivals: lower latency for
+   * more CPU. Other modes ignore it.
+   */
+  int learn_latency_weight;
 };
 
 /**

@@ -100,6 +100,14 @@ pub struct rdmasafe_cq_loop_options {
     /// Off, the loop reads the clock only for keepalives, the watchdog,
     /// drain and call timeouts, and adaptive mode's spin.
     pub timing_stats: c_int,
+    /// RDMASAFE_MODE_LEARNING only: how many microseconds of CPU one
+    /// microsecond of added latency is worth when the loop prices the ways
+    /// to wait, 1..1000 (default 1: alike). A wake from sleep adds its
+    /// block + wake cost to a completion's latency; a weight of k prices
+    /// that cost k times, so the loop spins longer after completions and
+    /// polls in wider windows around periodic arrivals: lower latency for
+    /// more CPU. Other modes ignore it.
+    pub learn_latency_weight: c_int,
 }
 
 /// Options of one CQ (`rdmasafe_cq_loop_add_cq_ex`). Zero-initialise, set
@@ -240,7 +248,8 @@ fn options(o: Option<&rdmasafe_cq_loop_options>) -> Result<LoopOptions, c_int> {
     let o = o.copied().unwrap_or_default();
     let or = |v: c_int, d: c_int| if v == 0 { d } else { v };
     let (batch, ack, spin, wd) = (or(o.poll_batch, 16), or(o.ack_batch, 16), or(o.adaptive_spin_us, 50), o.watchdog_ms);
-    if batch < 1 || ack < 1 || spin < 0 || wd < 0 {
+    let weight = or(o.learn_latency_weight, 1);
+    if batch < 1 || ack < 1 || spin < 0 || wd < 0 || !(1..=1000).contains(&weight) {
         return Err(-libc::EINVAL);
     }
     let mode = match o.mode {
@@ -257,6 +266,7 @@ fn options(o: Option<&rdmasafe_cq_loop_options>) -> Result<LoopOptions, c_int> {
         ack_batch: ack as u32,
         watchdog: (wd > 0).then(|| Duration::from_millis(wd as u64)),
         timing_stats: o.timing_stats != 0,
+        learn_latency_weight: weight as u32,
     })
 }
 
@@ -1047,11 +1057,17 @@ mod tests {
         assert!(options(Some(&t)).unwrap().timing_stats);
         let o = rdmasafe_cq_loop_options { mode: RDMASAFE_MODE_ADAPTIVE, adaptive_spin_us: 7, ..Default::default() };
         assert_eq!(options(Some(&o)).unwrap().mode, Mode::Adaptive { spin: Duration::from_micros(7) });
+        assert_eq!(options(None).unwrap().learn_latency_weight, 1, "0: the default, 1");
+        let w =
+            rdmasafe_cq_loop_options { mode: RDMASAFE_MODE_LEARNING, learn_latency_weight: 8, ..Default::default() };
+        assert_eq!(options(Some(&w)).unwrap().learn_latency_weight, 8);
         for bad in [
             rdmasafe_cq_loop_options { mode: 9, ..Default::default() },
             rdmasafe_cq_loop_options { poll_batch: -1, ..Default::default() },
             rdmasafe_cq_loop_options { ack_batch: -5, ..Default::default() },
             rdmasafe_cq_loop_options { watchdog_ms: -1, ..Default::default() },
+            rdmasafe_cq_loop_options { learn_latency_weight: -1, ..Default::default() },
+            rdmasafe_cq_loop_options { learn_latency_weight: 1001, ..Default::default() },
         ] {
             assert_eq!(options(Some(&bad)).err(), Some(-libc::EINVAL));
         }

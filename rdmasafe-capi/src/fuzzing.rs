@@ -185,6 +185,7 @@ pub fn c_args_case(data: &[u8]) {
                     watchdog_ms: b.i32(),
                     solicited_only: b.i32(),
                     timing_stats: b.i32(),
+                    learn_latency_weight: b.i32(),
                 };
                 let mut out = std::ptr::null_mut();
                 assert_eq!(rdmasafe_cq_loop_create(std::ptr::null_mut(), &opts, &mut out), -libc::EINVAL);

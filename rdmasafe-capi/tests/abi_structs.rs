@@ -46,6 +46,7 @@ int main(void)
 	SIZE(rdmasafe_cq_loop_options); LAYOUT(rdmasafe_cq_loop_options, size);
 	LAYOUT(rdmasafe_cq_loop_options, mode); LAYOUT(rdmasafe_cq_loop_options, watchdog_ms);
 	LAYOUT(rdmasafe_cq_loop_options, timing_stats); LAYOUT(rdmasafe_cq_loop_stats, budget_yields);
+	LAYOUT(rdmasafe_cq_loop_options, learn_latency_weight);
 	LAYOUT(rdmasafe_cq_loop_stats, sleeps); LAYOUT(rdmasafe_cq_loop_stats, channel_reads_empty);
 	SIZE(rdmasafe_async_event); LAYOUT(rdmasafe_async_event, size);
 	LAYOUT(rdmasafe_async_event, element); LAYOUT(rdmasafe_async_event, port_num);
@@ -147,6 +148,7 @@ fn sized_structs_and_version_from_c() {
         ("rdmasafe_cq_loop_options.mode", offset_of!(rdmasafe_cq_loop_options, mode)),
         ("rdmasafe_cq_loop_options.watchdog_ms", offset_of!(rdmasafe_cq_loop_options, watchdog_ms)),
         ("rdmasafe_cq_loop_options.timing_stats", offset_of!(rdmasafe_cq_loop_options, timing_stats)),
+        ("rdmasafe_cq_loop_options.learn_latency_weight", offset_of!(rdmasafe_cq_loop_options, learn_latency_weight)),
         ("rdmasafe_cq_loop_stats.budget_yields", offset_of!(rdmasafe_cq_loop_stats, budget_yields)),
         ("rdmasafe_cq_loop_stats.sleeps", offset_of!(rdmasafe_cq_loop_stats, sleeps)),
         ("rdmasafe_cq_loop_stats.channel_reads_empty", offset_of!(rdmasafe_cq_loop_stats, channel_reads_empty)),

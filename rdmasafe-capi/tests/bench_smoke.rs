@@ -218,6 +218,20 @@ fn bench_programs_run_and_report_sane_numbers() {
         Some(r) => c.that(r.n("samples") == r.n("n") && r.n("p50_ns") > 0.0, "idle: samples / p50"),
         None => c.that(false, "idle_rdmasafe_adaptive: missing"),
     }
+    // the learning mode, plain and with a latency weight (-L 16): both ran
+    // the periodic pings to the end and measured a wake cost
+    for m in ["learn", "learn16"] {
+        let case = format!("adapt_idle1000_rdmasafe_{m}");
+        match (find(&case, "client"), find(&case, "server")) {
+            (Some(cl), Some(sv)) => {
+                c.that(cl.n("samples") == cl.n("n") && cl.n("p50_ns") > 0.0, format!("{case}: samples / p50"));
+                let k = if m == "learn" { 0.0 } else { 16.0 };
+                c.that(cl.n("latency_weight") == k, format!("{case}: latency_weight {}", cl.n("latency_weight")));
+                c.that(sv.n("learn_wake_cost_ns") > 0.0, format!("{case}: the server measured no wake cost"));
+            }
+            other => c.that(false, format!("{case}: missing records {other:?}")),
+        }
+    }
     for v in ["rdmasafe", "raw"] {
         let case = format!("stream_{v}_event");
         match (find(&case, "client"), find(&case, "server")) {

@@ -509,8 +509,18 @@ fn stop_in_embedded_mode_is_consumed() {
 /// is not on the channel): four receives kept posted, the wr_ids received
 /// in order in the returned list.
 fn learning_server(addr: std::net::IpAddr, chan: &CompChannel) -> (Arc<RcPair>, Arc<CqLoop>, Arc<Mutex<Vec<u64>>>) {
+    learning_server_weighted(addr, chan, 1)
+}
+
+/// [`learning_server`] with `learn_latency_weight` = `weight`.
+fn learning_server_weighted(
+    addr: std::net::IpAddr,
+    chan: &CompChannel,
+    weight: u32,
+) -> (Arc<RcPair>, Arc<CqLoop>, Arc<Mutex<Vec<u64>>>) {
     let p = Arc::new(rc_pair(addr, chan, false, 8));
-    let lp = Arc::new(CqLoop::new(chan, LoopOptions { mode: Mode::Learning, ..Default::default() }).unwrap());
+    let opts = LoopOptions { mode: Mode::Learning, learn_latency_weight: weight, ..Default::default() };
+    let lp = Arc::new(CqLoop::new(chan, opts).unwrap());
     let got = Arc::new(Mutex::new(Vec::new()));
     let (g, pp) = (got.clone(), p.clone());
     for k in 0..4u64 {
@@ -600,6 +610,44 @@ fn learning_mode_delivers_periodic_messages_then_sleeps() {
     assert!(s.learn_calibrations >= 1, "the wake-up latency was measured");
     assert!(s.learn_wake_cost_ns > 0);
     assert!(cpu < 0.3 * wall, "an idle learning loop sleeps: its thread used {cpu:.3} s CPU in {wall:.3} s");
+}
+
+/// `learn_latency_weight` reaches the loop's model: until it has idle
+/// samples the plan is the competitive spin, the wake cost as priced, so
+/// the spin it publishes is the weight times the wake cost it publishes
+/// beside it (both from the same model at the same moment, whatever the
+/// machine's timing). A weight outside 1..=1000 is refused.
+#[test]
+fn the_latency_weight_prices_the_wake_in_the_plan() {
+    let bed = common::bed();
+    let _dog = common::watchdog("latency weight", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    for k in [1u32, 8, 1000] {
+        let chan = CompChannel::new(&ctx).unwrap();
+        let (p, lp, got) = learning_server_weighted(bed.addr, &chan, k);
+        p.send(0, &7u64.to_le_bytes(), 8, 7);
+        let mut wcs = [empty_wc()];
+        while p.client_cq.poll(&mut wcs).unwrap() == 0 {
+            std::thread::yield_now();
+        }
+        while got.lock().unwrap().is_empty() {
+            lp.process_once(Wait::For(Duration::from_millis(50))).unwrap();
+        }
+        // idle now: spin per the plan, then sleep (the plan published)
+        for _ in 0..3 {
+            lp.process_once(Wait::For(Duration::from_millis(20))).unwrap();
+        }
+        let s = lp.stats();
+        println!("weight {k}: spin {} us, wake cost {} us", s.learn_spin_ns / 1000, s.learn_wake_cost_ns / 1000);
+        assert!(s.learn_wake_cost_ns > 0, "weight {k}: no plan published");
+        assert_eq!(s.learn_spin_ns, k as u64 * s.learn_wake_cost_ns, "weight {k}");
+        assert_eq!(*got.lock().unwrap(), vec![0], "weight {k}");
+    }
+    let chan = CompChannel::new(&ctx).unwrap();
+    for k in [0u32, 1001] {
+        let opts = LoopOptions { mode: Mode::Learning, learn_latency_weight: k, ..Default::default() };
+        assert_eq!(CqLoop::new(&chan, opts).err().map(|e| e.errno()), Some(libc::EINVAL), "weight {k}");
+    }
 }
 
 extern "C" fn on_usr1(_: libc::c_int) {}

@@ -42,8 +42,8 @@
  *   only; learn is RDMASAFE_MODE_LEARNING), -n N measured iterations /
  *   messages, -W warm-up iterations (pp/idle/poisson, default 50), -s
  *   bytes (64), -i us, -r seed (poisson), -q window (stream, 64), -A
- *   adaptive spin us, -B ack batch, -P poll batch (rdmasafe loop options;
- *   0 = the library's default), -C raw|rdmasafe the CM calls of the set-up
+ *   adaptive spin us, -L learning mode's latency weight, -B ack batch, -P
+ *   poll batch (rdmasafe loop options; 0 = the library's default), -C raw|rdmasafe the CM calls of the set-up
  *   (rdmasafe program only; default rdmasafe), -t SECS alarm (300).
  * The server prints "READY" once listening. Each side prints one RESULT
  * line: wall time and CPU of the measured window (after warm-up), loop
@@ -72,7 +72,7 @@ enum { M_EVENT, M_BUSY, M_ADAPTIVE, M_LEARN };
 
 struct app {
 	int server, workload, mode;
-	uint64_t n, warm, size, interval_us, window, spin_us, ack_batch, poll_batch;
+	uint64_t n, warm, size, interval_us, window, spin_us, ack_batch, poll_batch, latency_weight;
 	uint64_t seed; /* poisson: the gap generator's state (xorshift64*) */
 	uint64_t gaps, gap_sum_ns; /* poisson: gaps drawn, their sum */
 	/* resources */
@@ -252,6 +252,7 @@ static void loop_setup(struct app *a)
 		 : a->mode == M_ADAPTIVE ? RDMASAFE_MODE_ADAPTIVE
 		                         : RDMASAFE_MODE_LEARNING;
 	o.adaptive_spin_us = (int)a->spin_us;
+	o.learn_latency_weight = (int)a->latency_weight;
 	o.ack_batch = (int)a->ack_batch;
 	o.poll_batch = (int)a->poll_batch;
 	int r = rdmasafe_cq_loop_create(a->cc, &o, &a->loop);
@@ -558,7 +559,7 @@ int main(int argc, char **argv)
 	a->interval_us = 1000;
 	a->window = 64;
 	a->seed = 1;
-	while ((op = getopt(argc, argv, "Sa:p:w:m:n:W:s:i:r:q:A:B:P:C:t:")) != -1) {
+	while ((op = getopt(argc, argv, "Sa:p:w:m:n:W:s:i:r:q:A:L:B:P:C:t:")) != -1) {
 		switch (op) {
 		case 'S':
 			a->server = 1;
@@ -603,6 +604,9 @@ int main(int argc, char **argv)
 			break;
 		case 'A':
 			a->spin_us = strtoull(optarg, NULL, 0);
+			break;
+		case 'L':
+			a->latency_weight = strtoull(optarg, NULL, 0);
 			break;
 		case 'B':
 			a->ack_batch = strtoull(optarg, NULL, 0);
@@ -687,6 +691,7 @@ int main(int argc, char **argv)
 	if (a->workload == W_STREAM)
 		j_u64(&j, "window", a->window);
 	j_u64(&j, "spin_us", a->spin_us);
+	j_u64(&j, "latency_weight", a->latency_weight);
 	if (a->gaps) { /* poisson client: the gaps drawn (warm-up included) */
 		j_u64(&j, "gaps", a->gaps);
 		j_dbl(&j, "gap_mean_us", a->gap_sum_ns / 1e3 / (double)a->gaps);

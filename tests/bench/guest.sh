@@ -421,8 +421,8 @@ pp() { # VARIANT MODE WORKLOAD N REP [KIND] [EXTRA...]
 }
 
 # adapt VARIANT MODE WORKLOAD ARG N REP: one case of the adaptive frontier.
-# MODE: event, busy, learn or spinUS (adaptive, fixed spin of US
-# microseconds); ARG: -i (idle, poisson: the interval or mean gap, us) or
+# MODE: event, busy, learn, learnK (learning with latency weight K) or
+# spinUS (adaptive, fixed spin of US microseconds); ARG: -i (idle, poisson: the interval or mean gap, us) or
 # -q (stream: the window). Poisson gaps are seeded with the repeat number:
 # every mode of a repeat sees the same arrival times.
 adapt() {
@@ -431,6 +431,8 @@ adapt() {
 	if [[ $w == stream ]]; then opt=(-q "$arg"); else opt=(-i "$arg" -r "$rep"); fi
 	if [[ $m == spin* ]]; then
 		opt+=(-m adaptive -A "${m#spin}")
+	elif [[ $m == learn?* ]]; then
+		opt+=(-m learn -L "${m#learn}")
 	else
 		opt+=(-m "$m")
 	fi
@@ -544,6 +546,7 @@ if [[ $QUICK == 1 ]]; then
 		pp raw event stream "$STREAM_N" 1
 		pp rdmasafe adaptive idle "$IDLE_N" 1
 		adapt rdmasafe learn idle 1000 "$AD_IDLE_N" 1
+		adapt rdmasafe learn16 idle 1000 "$AD_IDLE_N" 1
 		adapt rdmasafe spin200 poisson 200 "$AD_P200_N" 1
 		adapt raw event poisson 2000 "$AD_P2000_N" 1
 		adapt rdmasafe learn stream 64 "$AD_STREAM_N" 1
@@ -582,6 +585,10 @@ scale_section() {
 }
 # ---- adaptive frontier (issue 14 target 4) -------------------------------
 AD_SPINS=(20 50 200 1000)
+# learning mode's latency weights beside the default 1 (run.sh passes
+# RDMASAFE_BENCH_AD_WEIGHTS through; word-split on purpose)
+# shellcheck disable=SC2206
+AD_WEIGHTS=(${RDMASAFE_BENCH_AD_WEIGHTS:-16})
 adaptive_section() {
 	local rep w arg n m cmds
 	section adaptive
@@ -590,15 +597,17 @@ adaptive_section() {
 		for w in idle:1000:$AD_IDLE_N poisson:200:$AD_P200_N poisson:2000:$AD_P2000_N; do
 			IFS=: read -r w arg n <<<"$w"
 			cmds=()
-			for m in event busy learn "${AD_SPINS[@]/#/spin}"; do
+			for m in event busy learn "${AD_WEIGHTS[@]/#/learn}" "${AD_SPINS[@]/#/spin}"; do
 				cmds+=("adapt rdmasafe $m $w $arg $n $rep")
 			done
 			cmds+=("adapt raw event $w $arg $n $rep" "adapt raw busy $w $arg $n $rep")
 			alternate "$rep" "${cmds[@]}"
 		done
-		alternate "$rep" "adapt rdmasafe busy stream 64 $AD_STREAM_N $rep" \
-			"adapt rdmasafe learn stream 64 $AD_STREAM_N $rep" \
-			"adapt rdmasafe spin50 stream 64 $AD_STREAM_N $rep"
+		cmds=()
+		for m in busy learn "${AD_WEIGHTS[@]/#/learn}" spin50; do
+			cmds+=("adapt rdmasafe $m stream 64 $AD_STREAM_N $rep")
+		done
+		alternate "$rep" "${cmds[@]}"
 	done
 }
 if [[ ${RDMASAFE_BENCH_ONLY:-} == adaptive ]]; then

@@ -1074,6 +1074,29 @@ AD_WORKLOADS = [("idle1000", "Periodic: one ping per 1 ms"),
 AD_STREAM = "stream64"
 
 
+def learn_weight(mo):
+    """the latency weight of a learning mode's name (learn: 1, learnK: K),
+    None for other modes"""
+    if mo == "learn":
+        return 1
+    if mo.startswith("learn") and mo[5:].isdigit():
+        return int(mo[5:])
+    return None
+
+
+def learn_label(mo):
+    """learning, learning (latency weight K), or None"""
+    k = learn_weight(mo)
+    return None if k is None else "learning" if mo == "learn" else f"learning (latency weight {k})"
+
+
+def learn_modes(d):
+    """the learning modes in the results (learn first, then by weight)"""
+    found = {c.split("_", 3)[3] for (c, role) in d.by if c.startswith("adapt_") and c.count("_") >= 3
+             and c.split("_")[2] == "rdmasafe"}
+    return sorted((mo for mo in found if learn_weight(mo) is not None), key=learn_weight)
+
+
 def ad_modes(d, wl):
     """[(variant, mode, label)] of the cases present for a workload, in plot order"""
     found = {(c.split("_")[2], c.split("_", 3)[3]) for (c, role) in d.by
@@ -1086,13 +1109,15 @@ def ad_modes(d, wl):
                 return (0 if v == "rdmasafe" else 1, 1, int(mo[4:]))
             except ValueError:
                 return (0 if v == "rdmasafe" else 1, 1, 0)
-        return (0 if v == "rdmasafe" else 1, {"event": 0, "learn": 2, "busy": 3}.get(mo, 4), 0)
+        if learn_weight(mo) is not None:
+            return (0 if v == "rdmasafe" else 1, 2, learn_weight(mo))
+        return (0 if v == "rdmasafe" else 1, {"event": 0, "busy": 3}.get(mo, 4), 0)
 
     out = []
     for v, mo in sorted(found, key=key):
         who = "rdmasafe" if v == "rdmasafe" else "hand-written" if v == "raw" else v
-        what = {"event": "event", "busy": "busy-poll", "learn": "learning"}.get(
-            mo, f"adaptive spin={mo[4:]} us" if mo.startswith("spin") else mo)
+        what = {"event": "event", "busy": "busy-poll"}.get(
+            mo, f"adaptive spin={mo[4:]} us" if mo.startswith("spin") else learn_label(mo) or mo)
         out.append((v, mo, f"{who} {what}"))
     return out
 
@@ -1117,10 +1142,10 @@ def ad_cpu(d, case, side):
     return out
 
 
-def ad_learned(d, case):
-    """One paragraph: what the learning mode had learned at the end of each
-    repeat, per side (its plan and measured wake cost, from the loop's
-    stats), or None for results without those figures."""
+def ad_learned(d, case, label="learning"):
+    """One paragraph: what the learning mode (`label`) had learned at the
+    end of each repeat, per side (its plan and measured wake cost, from the
+    loop's stats), or None for results without those figures."""
     parts = []
     for role in ("server", "client"):
         reps = d.reps(case, role)
@@ -1139,7 +1164,7 @@ def ad_learned(d, case):
         parts.append(f"{role}: " + "; ".join(f"repeat {k}: {plan(r)}" for k, r in got))
     if not parts:
         return None
-    return ("What the learning mode had learned at the end of the window (its plan, from the loop's stats; "
+    return (f"What the {label} mode had learned at the end of the window (its plan, from the loop's stats; "
             "times after the last completion): " + ". ".join(parts) + ".")
 
 
@@ -1162,11 +1187,11 @@ def line_at(pe, ce, pb, cb, p):
     return lo[1] + (hi[1] - lo[1]) * (p - lo[0]) / (hi[0] - lo[0])
 
 
-def ad_line(d, wl):
-    """per repeat: the line's CPU at learning's p50, whether that p50 is
-    inside [busy, event] p50, and learning's CPU / the line's, for the
-    repeats that have all three points"""
-    ca = {mo: f"adapt_{wl}_rdmasafe_{mo}" for mo in ("event", "busy", "learn")}
+def ad_line(d, wl, lm="learn"):
+    """per repeat: the line's CPU at learning's (mode `lm`) p50, whether
+    that p50 is inside [busy, event] p50, and learning's CPU / the line's,
+    for the repeats that have all three points"""
+    ca = {mo: f"adapt_{wl}_rdmasafe_{m}" for mo, m in (("event", "event"), ("busy", "busy"), ("learn", lm))}
     p = {mo: ad_p50(d, c) for mo, c in ca.items()}
     c = {mo: ad_cpu(d, cs, "both") for mo, cs in ca.items()}
     out = {}
@@ -1186,12 +1211,14 @@ def ad_stream_rate(d, mo):
     return d.vals(f"adapt_{AD_STREAM}_rdmasafe_{mo}", "x", "server", lambda r: r["n"] / r["window_s"])
 
 
-def adaptive_target_rows(d, verdict):
-    """the issue 14 #4 rows of the targets table (none without the data)"""
+def learn_target_rows(d, verdict, lm):
+    """the issue 14 #4 rows of one learning mode (learn or learnK)"""
     rows = []
     wl = "idle1000"
-    pl = paired(ad_p50(d, f"adapt_{wl}_rdmasafe_learn"), ad_p50(d, f"adapt_{wl}_rdmasafe_busy"))
-    pc = paired(ad_cpu(d, f"adapt_{wl}_rdmasafe_learn", "both"), ad_cpu(d, f"adapt_{wl}_rdmasafe_busy", "both"))
+    # the rows of the default mode keep their names; a weighted one says so
+    name = "learning" if lm == "learn" else f"learning with latency weight {learn_weight(lm)}"
+    pl = paired(ad_p50(d, f"adapt_{wl}_rdmasafe_{lm}"), ad_p50(d, f"adapt_{wl}_rdmasafe_busy"))
+    pc = paired(ad_cpu(d, f"adapt_{wl}_rdmasafe_{lm}", "both"), ad_cpu(d, f"adapt_{wl}_rdmasafe_busy", "both"))
     if pl and pc:
         ml, mc = med(pl.values()), med(pc.values())
         why = [] if ml <= 1.10 else [f"p50 {fnum(ml)}x > 1.10x"]
@@ -1203,23 +1230,23 @@ def adaptive_target_rows(d, verdict):
         # waiting strategy. The share of the waiting CPU (above event mode's)
         # that learning spends is shown beside it.
         pe = paired(ad_cpu(d, f"adapt_{wl}_rdmasafe_event", "both"), ad_cpu(d, f"adapt_{wl}_rdmasafe_busy", "both"))
-        cl, ce, cb = (ad_cpu(d, f"adapt_{wl}_rdmasafe_{mo}", "both") for mo in ("learn", "event", "busy"))
+        cl, ce, cb = (ad_cpu(d, f"adapt_{wl}_rdmasafe_{mo}", "both") for mo in (lm, "event", "busy"))
         share = {r: (cl[r] - ce[r]) / (cb[r] - ce[r]) for r in cl if r in ce and r in cb and cb[r] > ce[r]}
         floor = ""
         if pe:
             floor = (f"; the floor, event mode's CPU / busy-poll's: {mmm(pe)}x"
-                     + (f"; learning's CPU above event mode's / busy-poll's above event mode's: {mmm(share)}"
+                     + (f"; {name}'s CPU above event mode's / busy-poll's above event mode's: {mmm(share)}"
                         if share else ""))
-        rows.append(["Issue 14 #4: periodic 1 ms: learning p50 within 10% of busy-poll at <= 30% of its CPU",
+        rows.append([f"Issue 14 #4: periodic 1 ms: {name} p50 within 10% of busy-poll at <= 30% of its CPU",
                      f"p50 {mmm(pl)}x, CPU/msg (both sides) {mmm(pc)}x of busy-poll (per-repeat pairs)"
                      + floor + (f"; missed on: {', '.join(why)}" if why else ""), verdict(not why)])
-    pr = paired(ad_stream_rate(d, "learn"), ad_stream_rate(d, "busy"))
+    pr = paired(ad_stream_rate(d, lm), ad_stream_rate(d, "busy"))
     if pr:
         mr = med(pr.values())
-        rows.append(["Issue 14 #4: 64-deep stream: learning rate >= 0.98x busy-poll",
+        rows.append([f"Issue 14 #4: 64-deep stream: {name} rate >= 0.98x busy-poll",
                      f"rate {mmm(pr)}x of busy-poll (receiver, per-repeat pairs)", verdict(mr >= 0.98)])
     for wl, label in (("poisson200", "200 us"), ("poisson2000", "2 ms")):
-        ln = ad_line(d, wl)
+        ln = ad_line(d, wl, lm)
         if not ln:
             continue
         rt = {k: v["ratio"] for k, v in ln.items() if v["ratio"] is not None}
@@ -1227,11 +1254,19 @@ def adaptive_target_rows(d, verdict):
             continue
         inside = sum(1 for v in ln.values() if v["inside"])
         mx = med(rt.values())
-        rows.append([f"Issue 14 #4: Poisson mean {label}: learning on or below the event-busy line in (p50, CPU)",
-                     f"learning's CPU/msg (both sides) / the line's at learning's p50: {mmm(rt)}x per repeat "
-                     f"(<= 1: on or below); learning's p50 between busy-poll's and event's in {inside} of {len(ln)} "
+        rows.append([f"Issue 14 #4: Poisson mean {label}: {name} on or below the event-busy line in (p50, CPU)",
+                     f"{name}'s CPU/msg (both sides) / the line's at its p50: {mmm(rt)}x per repeat "
+                     f"(<= 1: on or below); its p50 between busy-poll's and event's in {inside} of {len(ln)} "
                      "repeats (outside that range: compared with the CPU of the end point with the nearer p50)",
                      verdict(mx <= 1.0)])
+    return rows
+
+
+def adaptive_target_rows(d, verdict):
+    """the issue 14 #4 rows of the targets table (none without the data)"""
+    rows = []
+    for lm in learn_modes(d) or ["learn"]:
+        rows += learn_target_rows(d, verdict, lm)
     return rows
 
 
@@ -1261,7 +1296,8 @@ def adaptive_section(d, w):
          if hl.get("load_samples") else "") + ".")
     w("")
     w("`cq_pingpong` with both sides in the same mode: rdmasafe's loop in event, busy-poll, learning "
-      "(`RDMASAFE_MODE_LEARNING`) and fixed-spin adaptive mode (`RDMASAFE_MODE_ADAPTIVE`, spin N us, "
+      "(`RDMASAFE_MODE_LEARNING`; with `-L K` its `learn_latency_weight` K, a microsecond of added latency "
+      "priced as K of CPU, default 1) and fixed-spin adaptive mode (`RDMASAFE_MODE_ADAPTIVE`, spin N us, "
       "`-A N`), and the hand-written event and busy-poll loops as reference. Workloads: `idle -i 1000` "
       "(the client sends one ping, waits for the pong, and sends the next 1 ms after the previous send) "
       "and `poisson -i MEAN` (the same, but the gaps between send times are exponential with mean MEAN, "
@@ -1316,10 +1352,11 @@ def adaptive_section(d, w):
                   f"{fnum(v['line'])} us ({'inside' if v['inside'] else 'outside'} the p50 range)"
                   for k, v in sorted(ln.items())) + ".")
             w("")
-        learned = ad_learned(d, f"adapt_{wl}_rdmasafe_learn")
-        if learned:
-            w(learned)
-            w("")
+        for lm in learn_modes(d):
+            learned = ad_learned(d, f"adapt_{wl}_rdmasafe_{lm}", learn_label(lm))
+            if learned:
+                w(learned)
+                w("")
         pl = paired(ad_p50(d, f"adapt_{wl}_rdmasafe_learn"), ad_p50(d, f"adapt_{wl}_rdmasafe_spin50"))
         pc = paired(ad_cpu(d, f"adapt_{wl}_rdmasafe_learn", "both"), ad_cpu(d, f"adapt_{wl}_rdmasafe_spin50", "both"))
         if pl:
@@ -1364,7 +1401,8 @@ def plot_adaptive(d, png):
             case = f"adapt_{wl}_{v}_{mo}"
             p, c = med(ad_p50(d, case).values()), med(ad_cpu(d, case, "both").values())
             if p is not None and c is not None:
-                short = (mo.replace("spin", "spin=").replace("learn", "learning") if v == "rdmasafe"
+                short = ((f"learning k={learn_weight(mo)}" if mo.startswith("learn") and mo != "learn"
+                          else mo.replace("spin", "spin=").replace("learn", "learning")) if v == "rdmasafe"
                          else f"hand-written {mo}")
                 pts.append((v, mo, p, c, short))
         if pts:
@@ -1381,8 +1419,10 @@ def plot_adaptive(d, png):
     # one colour and point type per mode (the key names them); hand-written
     # loops in open symbols
     colors = {"event": "#1f77b4", "busy": "#d62728", "learn": "#2ca02c", "spin20": "#9467bd",
-              "spin50": "#8c564b", "spin200": "#e377c2", "spin1000": "#bcbd22"}
-    ptype = {"event": 7, "busy": 5, "learn": 9, "spin20": 11, "spin50": 13, "spin200": 15, "spin1000": 3}
+              "spin50": "#8c564b", "spin200": "#e377c2", "spin1000": "#bcbd22", "learn4": "#17becf",
+              "learn8": "#98df8a", "learn16": "#2f6f2f"}
+    ptype = {"event": 7, "busy": 5, "learn": 9, "spin20": 11, "spin50": 13, "spin200": 15, "spin1000": 3,
+             "learn4": 8, "learn8": 8, "learn16": 8}
     for i, (title, pts) in enumerate(panels):
         fn = os.path.join(tmp, f"p{i}.dat")
         with open(fn, "w") as f:

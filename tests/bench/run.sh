@@ -121,7 +121,7 @@ if [[ -z $from ]]; then
 	sampler=$!
 	tests/bed/vm-run --timeout "$timeout" -- env RDMASAFE_BENCH_BIN="$bin" RDMASAFE_BENCH_QUICK="$quick" \
 		RDMASAFE_BENCH_REPEATS="$repeats" RDMASAFE_BENCH_BEFORE_BIN="$before_bin" RDMASAFE_BENCH_ONLY="$only" \
-		bash tests/bench/guest.sh >"$results" || rc=$?
+		RDMASAFE_BENCH_AD_WEIGHTS="${RDMASAFE_BENCH_AD_WEIGHTS:-}" bash tests/bench/guest.sh >"$results" || rc=$?
 	guest_s=$(($(now_s) - t_guest))
 	kill "$sampler" 2>/dev/null || true
 	wait "$sampler" 2>/dev/null || true

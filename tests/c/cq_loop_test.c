@@ -317,6 +317,8 @@ static void test_options(struct ibv_comp_channel *ch)
 		{ "ack_batch 65537", OPT(.ack_batch = 65537) },
 		{ "adaptive_spin_us -1", OPT(.mode = RDMASAFE_MODE_ADAPTIVE, .adaptive_spin_us = -1) },
 		{ "watchdog_ms -1", OPT(.watchdog_ms = -1) },
+		{ "learn_latency_weight -1", OPT(.mode = RDMASAFE_MODE_LEARNING, .learn_latency_weight = -1) },
+		{ "learn_latency_weight 1001", OPT(.mode = RDMASAFE_MODE_LEARNING, .learn_latency_weight = 1001) },
 		{ "poll_batch INT_MIN", OPT(.poll_batch = INT_MIN) },
 		{ "size 0 (never set)", { .size = 0, .mode = 0 } },
 		{ "size 5000", { .size = 5000 } },
@@ -332,6 +334,7 @@ static void test_options(struct ibv_comp_channel *ch)
 		{ "adaptive, spin 1 us, watchdog 5 ms", OPT(.mode = RDMASAFE_MODE_ADAPTIVE, .adaptive_spin_us = 1, .watchdog_ms = 5) },
 		{ "solicited only", OPT(.solicited_only = 1) },
 		{ "learning (adaptive_spin_us ignored)", OPT(.mode = RDMASAFE_MODE_LEARNING, .adaptive_spin_us = 123) },
+		{ "learning, latency weight 1000", OPT(.mode = RDMASAFE_MODE_LEARNING, .learn_latency_weight = 1000) },
 		/* an older caller: the struct ends before poll_batch (defaults from there on) */
 		{ "truncated (older header)", { .size = offsetof(struct rdmasafe_cq_loop_options, poll_batch), .mode = RDMASAFE_MODE_BUSY_POLL } },
 	};

@@ -177,7 +177,7 @@ impl Core {
             last_stamp: None,
             shut: false,
             read_first: ReadFirst::new(),
-            learn: Default::default(),
+            learn: super::learn::Learn::with_weight(opts.learn_latency_weight),
         })
     }
 

@@ -27,6 +27,13 @@
 //!   timer's wake costs CPU but adds no latency),
 //! - `spin + overhead + (window.1 - window.0) + W` after the window.
 //!
+//! With a latency weight `k` ([`super::LoopOptions::learn_latency_weight`],
+//! default 1) a microsecond of added latency counts as `k` of CPU: every
+//! `W` above is priced `k * W` (the spin and window CPU terms are not), so
+//! the plan spins longer and opens wider windows to avoid a wake. The
+//! floor for a window's start (at least `W` after the spin, below) is a
+//! CPU argument and stays unweighted.
+//!
 //! The plan with the least total over the samples wins: periodic arrivals
 //! get a window around the next one (sleep, then poll); random ones get a
 //! spin of about `W` or none; a stream (idle durations of a few
@@ -48,6 +55,8 @@ pub(super) const CALIBRATE_EVERY: u32 = 64;
 /// before the sleep's `epoll_wait` (long enough for arming the timer to be
 /// done before it expires, on a slow machine too).
 pub(super) const CALIBRATE_NS: u64 = 200_000;
+/// The largest latency weight ([`super::LoopOptions::learn_latency_weight`]).
+pub const MAX_LATENCY_WEIGHT: u32 = 1000;
 /// Idle durations longer than this (an hour, ns) count as this long.
 const MAX_IDLE: u64 = 3_600_000_000_000;
 /// A lateness or overhead sample counts as this much at most (10 ms, ns):
@@ -80,6 +89,13 @@ pub(super) struct Learn {
     pub passes: u32,
 }
 
+impl Learn {
+    /// A loop's learning state, its model pricing latency at `weight`.
+    pub(super) fn with_weight(weight: u32) -> Learn {
+        Learn { model: Model::with_weight(weight), ..Learn::default() }
+    }
+}
+
 /// ns in a duration, saturating.
 pub(super) fn ns(d: std::time::Duration) -> u64 {
     d.as_nanos().min(u64::MAX as u128) as u64
@@ -109,6 +125,9 @@ pub(super) struct Model {
     lateness_seen: bool,
     /// Sleeps since the lateness was last measured.
     since_lateness: u32,
+    /// What a microsecond of added latency costs, in microseconds of CPU
+    /// (1..=[`MAX_LATENCY_WEIGHT`]).
+    weight: u32,
 }
 
 impl Default for Model {
@@ -124,6 +143,7 @@ impl Default for Model {
             overhead: 5_000,
             lateness_seen: false,
             since_lateness: 0,
+            weight: 1,
         };
         m.plan = m.competitive();
         m
@@ -135,6 +155,14 @@ fn ewma(old: u64, sample: u64) -> u64 {
 }
 
 impl Model {
+    /// A model that prices a microsecond of added latency as `weight` of
+    /// CPU (clamped to 1..=[`MAX_LATENCY_WEIGHT`]).
+    pub(super) fn with_weight(weight: u32) -> Model {
+        let mut m = Model { weight: weight.clamp(1, MAX_LATENCY_WEIGHT), ..Model::default() };
+        m.plan = m.competitive();
+        m
+    }
+
     /// The block + wake cost `W`, ns.
     pub(super) fn wake_cost(&self) -> u64 {
         self.lateness + self.overhead
@@ -152,8 +180,13 @@ impl Model {
         }
     }
 
+    /// `W` as the plans price it: `W` times the latency weight.
+    fn priced_wake_cost(&self) -> u64 {
+        self.wake_cost().min(MAX_IDLE) * self.weight as u64
+    }
+
     fn competitive(&self) -> Plan {
-        Plan { spin: self.wake_cost(), window: None }
+        Plan { spin: self.priced_wake_cost(), window: None }
     }
 
     /// A completion came `ns` after the idle start.
@@ -204,7 +237,11 @@ impl Model {
         for k in 0..n {
             p[k + 1] = p[k] + y[k];
         }
-        let (w, c) = (self.wake_cost().min(MAX_IDLE) as i64, self.overhead.min(MAX_IDLE) as i64);
+        // w: the priced wake cost (weighted); w0: the unweighted one, for
+        // the floor of a window's start. A weight of at most 1000 times an
+        // hour, times SAMPLES, still fits an i64.
+        let (w, w0, c) =
+            (self.priced_wake_cost() as i64, self.wake_cost().min(MAX_IDLE) as i64, self.overhead.min(MAX_IDLE) as i64);
         let nn = n as i64;
         let min_inside = n.div_ceil(4);
         // The cost of a plan splits into a part that depends only on the
@@ -244,7 +281,7 @@ impl Model {
             // A window must start at least W after the spin ends (a shorter
             // sleep costs more than spinning through it) and after the
             // samples the spin catches.
-            let first = y.partition_point(|&v| v < spin + w).max(i);
+            let first = y.partition_point(|&v| v < spin + w0).max(i);
             if first < n {
                 let (b, j, k) = b_best[first];
                 if b != i64::MAX && a + b < winner.0 {
@@ -276,7 +313,7 @@ mod tests {
     /// The plan's cost for one idle duration, as the module's comment
     /// states it (a brute-force check of `search`).
     fn cost(m: &Model, p: Plan, x: u64) -> u64 {
-        let (w, c) = (m.wake_cost(), m.overhead);
+        let (w, c) = (m.wake_cost() * m.weight as u64, m.overhead);
         if x <= p.spin {
             return x;
         }
@@ -353,8 +390,10 @@ mod tests {
             seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
             seed >> 33
         };
-        for round in 0..200 {
+        for round in 0..400 {
             let mut m = model(rnd() % 50_000 + 1, rnd() % 20_000 + 1);
+            // every other round with a latency weight of 2..=20
+            m.weight = if round % 2 == 0 { 1 } else { (rnd() % 19 + 2) as u32 };
             let spread = [1_000u64, 50_000, 2_000_000][round % 3];
             let xs: Vec<u64> = (0..SAMPLES).map(|_| rnd() % spread + rnd() % 3 * spread).collect();
             feed(&mut m, xs.iter().copied());
@@ -376,6 +415,44 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_latency_weight_catches_more_arrivals_without_a_wake() {
+        // send completions ~30 us after the last completion, and replies
+        // spread over 150..1,900 us; a wake costs 100 us. Weight 1 spins
+        // for the sends and sleeps through most replies; weight 8 prices a
+        // wake 800 us and polls for more of them.
+        let xs: Vec<u64> = (0..SAMPLES as u64)
+            .map(|i| if i % 2 == 0 { 30_000 + i * 100 } else { 150_000 + (i * 7919 % 16) * 115_000 })
+            .collect();
+        let mut light = model(80_000, 20_000);
+        feed(&mut light, xs.iter().copied());
+        let mut heavy = model(80_000, 20_000);
+        heavy.weight = 8;
+        feed(&mut heavy, xs.iter().copied());
+        let (l, h) = (light.plan(), heavy.plan());
+        assert!(l.spin < 150_000 && l.spin >= 30_000, "{l:?}");
+        let caught =
+            |p: Plan| xs.iter().filter(|&&x| x <= p.spin || p.window.is_some_and(|(a, s)| x >= a && x <= s)).count();
+        assert!(caught(h) > caught(l), "{l:?} {h:?}");
+        // before any sample, the competitive spin is the priced W
+        assert_eq!(Model::with_weight(4).plan().spin, 4 * Model::default().wake_cost());
+        assert_eq!(Model::with_weight(0).plan(), Model::default().plan(), "0 counts as 1");
+    }
+
+    #[test]
+    fn a_latency_weight_widens_the_window_over_jittered_arrivals() {
+        // arrivals 1.0..1.6 ms after the idle start, spread evenly; W 300 us
+        let xs = (0..SAMPLES as u64).map(|i| 1_000_000 + i * 600_000 / SAMPLES as u64);
+        let mut light = model(250_000, 50_000);
+        feed(&mut light, xs.clone());
+        let mut heavy = model(250_000, 50_000);
+        heavy.weight = 8;
+        feed(&mut heavy, xs);
+        let (l, h) = (light.plan().window.expect("a window"), heavy.plan().window.expect("a window"));
+        assert!(h.0 <= l.0 && h.1 >= l.1 && h.1 - h.0 > l.1 - l.0, "{l:?} {h:?}");
+        assert_eq!(h.0, 1_000_000, "weight 8 polls from the first arrival on: {h:?}");
     }
 
     #[test]

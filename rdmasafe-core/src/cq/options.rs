@@ -30,7 +30,9 @@ pub enum Mode {
     /// completions, once per 4 empty polling passes after that (every pass
     /// when driven with [`crate::Wait::None`]), when completions come after
     /// an idle time (not while they keep coming), and around each sleep. A
-    /// single measured cost counts for at most 10 ms.
+    /// single measured cost counts for at most 10 ms. A microsecond of CPU
+    /// and one of added latency count alike, unless
+    /// [`LoopOptions::learn_latency_weight`] says otherwise.
     Learning,
 }
 
@@ -66,6 +68,14 @@ pub struct LoopOptions {
     /// time: keepalives, the watchdog, drain and call timeouts, and
     /// adaptive mode's spin.
     pub timing_stats: bool,
+    /// [`Mode::Learning`] only: how many microseconds of CPU one
+    /// microsecond of added latency is worth when the loop prices the ways
+    /// to wait (1..=1000, default 1: alike). A wake from sleep adds its
+    /// block + wake cost to a completion's latency; with a weight of `k`
+    /// that cost is priced `k` times, so the loop spins longer after
+    /// completions and polls in wider windows around periodic arrivals:
+    /// lower latency for more CPU. Other modes ignore it.
+    pub learn_latency_weight: u32,
 }
 
 impl Default for LoopOptions {
@@ -77,13 +87,16 @@ impl Default for LoopOptions {
             ack_batch: 16,
             watchdog: None,
             timing_stats: false,
+            learn_latency_weight: 1,
         }
     }
 }
 
 impl LoopOptions {
     pub(crate) fn check(&self) -> Result<()> {
-        let ok = (1..=4096).contains(&self.poll_batch) && (1..=65536).contains(&self.ack_batch);
+        let ok = (1..=4096).contains(&self.poll_batch)
+            && (1..=65536).contains(&self.ack_batch)
+            && (1..=super::learn::MAX_LATENCY_WEIGHT).contains(&self.learn_latency_weight);
         if ok {
             Ok(())
         } else {
@@ -141,6 +154,9 @@ mod tests {
         assert!(LoopOptions { poll_batch: 0, ..Default::default() }.check().is_err());
         assert!(LoopOptions { poll_batch: 5000, ..Default::default() }.check().is_err());
         assert!(LoopOptions { ack_batch: 0, ..Default::default() }.check().is_err());
+        assert!(LoopOptions { learn_latency_weight: 0, ..Default::default() }.check().is_err());
+        assert!(LoopOptions { learn_latency_weight: 1001, ..Default::default() }.check().is_err());
+        assert!(LoopOptions { learn_latency_weight: 1000, ..Default::default() }.check().is_ok());
         let o = LoopOptions { solicited_only: true, ..Default::default() };
         assert_eq!(o.cq_defaults(), CqOptions { solicited_only: true, budget: 0 });
     }
