@@ -106,7 +106,9 @@ pub struct rdmasafe_cq_loop_options {
     /// block + wake cost to a completion's latency; a weight of k prices
     /// that cost k times, so the loop spins longer after completions and
     /// polls in wider windows around periodic arrivals: lower latency for
-    /// more CPU. Other modes ignore it.
+    /// more CPU. A weighted wake is priced at most 10 ms (its own cost, if
+    /// that is more): no weight makes the loop spin for seconds. Other
+    /// modes ignore it, but it must be 0 or in range in every mode.
     pub learn_latency_weight: c_int,
 }
 

@@ -615,8 +615,8 @@ fn learning_mode_delivers_periodic_messages_then_sleeps() {
 /// `learn_latency_weight` reaches the loop's model: until it has idle
 /// samples the plan is the competitive spin, the wake cost as priced, so
 /// the spin it publishes is the weight times the wake cost it publishes
-/// beside it (both from the same model at the same moment, whatever the
-/// machine's timing). A weight outside 1..=1000 is refused.
+/// beside it, at most 10 ms (both from the same model at the same moment,
+/// whatever the machine's timing). A weight outside 1..=1000 is refused.
 #[test]
 fn the_latency_weight_prices_the_wake_in_the_plan() {
     let bed = common::bed();
@@ -640,7 +640,9 @@ fn the_latency_weight_prices_the_wake_in_the_plan() {
         let s = lp.stats();
         println!("weight {k}: spin {} us, wake cost {} us", s.learn_spin_ns / 1000, s.learn_wake_cost_ns / 1000);
         assert!(s.learn_wake_cost_ns > 0, "weight {k}: no plan published");
-        assert_eq!(s.learn_spin_ns, k as u64 * s.learn_wake_cost_ns, "weight {k}");
+        // a weight prices a wake at most 10 ms (W itself if larger)
+        let w = s.learn_wake_cost_ns;
+        assert_eq!(s.learn_spin_ns, w.max((k as u64 * w).min(10_000_000)), "weight {k}");
         assert_eq!(*got.lock().unwrap(), vec![0], "weight {k}");
     }
     let chan = CompChannel::new(&ctx).unwrap();

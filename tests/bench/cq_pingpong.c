@@ -626,7 +626,7 @@ int main(int argc, char **argv)
 		}
 	}
 	if (!addr || a->workload < 0 || a->mode < 0 || a->n < 1 || a->size < 1 || a->window < 1 || a->window > 1024 ||
-	    a->seed == 0 || raw_cm < 0)
+	    a->seed == 0 || raw_cm < 0 || a->latency_weight > 1000)
 		DIE("bad arguments");
 #ifndef USE_RDMASAFE
 	raw_cm = 1; /* the only CM there is */

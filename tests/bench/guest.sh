@@ -37,7 +37,10 @@
 # counts, and in the event-mode ping-pong times), RDMASAFE_BENCH_ONLY=scale
 # (only the scale case), =adaptive (only the adaptive frontier), =counts
 # (the counts phase only) or =cm (only the CM callgrind cases of the counts
-# phase: cm_evcost plain and with CM_LIVE live ids on the channel).
+# phase: cm_evcost plain and with CM_LIVE live ids on the channel),
+# RDMASAFE_BENCH_AD_WEIGHTS (the learning mode's latency weights the
+# adaptive section runs beside weight 1, space-separated; unset or empty:
+# 16; "none": no weighted mode).
 set -u
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -589,6 +592,7 @@ AD_SPINS=(20 50 200 1000)
 # RDMASAFE_BENCH_AD_WEIGHTS through; word-split on purpose)
 # shellcheck disable=SC2206
 AD_WEIGHTS=(${RDMASAFE_BENCH_AD_WEIGHTS:-16})
+[[ ${RDMASAFE_BENCH_AD_WEIGHTS:-} != none ]] || AD_WEIGHTS=()
 adaptive_section() {
 	local rep w arg n m cmds
 	section adaptive

@@ -1255,8 +1255,8 @@ def learn_target_rows(d, verdict, lm):
         inside = sum(1 for v in ln.values() if v["inside"])
         mx = med(rt.values())
         rows.append([f"Issue 14 #4: Poisson mean {label}: {name} on or below the event-busy line in (p50, CPU)",
-                     f"{name}'s CPU/msg (both sides) / the line's at its p50: {mmm(rt)}x per repeat "
-                     f"(<= 1: on or below); its p50 between busy-poll's and event's in {inside} of {len(ln)} "
+                     f"{name}'s CPU/msg (both sides) / the line's at {name}'s p50: {mmm(rt)}x per repeat "
+                     f"(<= 1: on or below); {name}'s p50 between busy-poll's and event's in {inside} of {len(ln)} "
                      "repeats (outside that range: compared with the CPU of the end point with the nearer p50)",
                      verdict(mx <= 1.0)])
     return rows
@@ -1296,8 +1296,8 @@ def adaptive_section(d, w):
          if hl.get("load_samples") else "") + ".")
     w("")
     w("`cq_pingpong` with both sides in the same mode: rdmasafe's loop in event, busy-poll, learning "
-      "(`RDMASAFE_MODE_LEARNING`; with `-L K` its `learn_latency_weight` K, a microsecond of added latency "
-      "priced as K of CPU, default 1) and fixed-spin adaptive mode (`RDMASAFE_MODE_ADAPTIVE`, spin N us, "
+      "(`RDMASAFE_MODE_LEARNING`" + ("; with `-L K` its `learn_latency_weight` K, a microsecond of added latency "
+      "priced as K of CPU, default 1" if any(mo != "learn" for mo in learn_modes(d)) else "") + ") and fixed-spin adaptive mode (`RDMASAFE_MODE_ADAPTIVE`, spin N us, "
       "`-A N`), and the hand-written event and busy-poll loops as reference. Workloads: `idle -i 1000` "
       "(the client sends one ping, waits for the pong, and sends the next 1 ms after the previous send) "
       "and `poisson -i MEAN` (the same, but the gaps between send times are exponential with mean MEAN, "

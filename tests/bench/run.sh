@@ -46,6 +46,8 @@
 #                      current library in the same guest
 #   --counts-only      the counts phase only (strace, callgrind, allocations);
 #                      implies --no-docs
+# Env: RDMASAFE_BENCH_AD_WEIGHTS="4 16" the learning mode's latency weights
+#      the adaptive section runs beside weight 1 (default 16; none: only 1)
 # Exit status: 0 only if every benchmark ran (guest.sh reports failures).
 set -euo pipefail
 
@@ -67,7 +69,7 @@ while [[ $# -gt 0 ]]; do
 	--scale-from) scale_from=$2; shift ;;
 	--before-lib) before_lib=$(cd "$2" && pwd); shift ;;
 	--counts-only) only=counts docs=0 ;;
-	-h | --help) sed -n '2,48p' "$0"; exit 0 ;;
+	-h | --help) sed -n '2,50p' "$0"; exit 0 ;;
 	*) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
 	esac
 	shift

@@ -30,9 +30,11 @@
 //! With a latency weight `k` ([`super::LoopOptions::learn_latency_weight`],
 //! default 1) a microsecond of added latency counts as `k` of CPU: every
 //! `W` above is priced `k * W` (the spin and window CPU terms are not), so
-//! the plan spins longer and opens wider windows to avoid a wake. The
-//! floor for a window's start (at least `W` after the spin, below) is a
-//! CPU argument and stays unweighted.
+//! the plan spins longer and opens wider windows to avoid a wake (the
+//! spins of about `W` below become `k * W`), with `k * W` priced at most
+//! 10 ms ([`MAX_COST_SAMPLE`]; `W` itself if larger): a weight never makes
+//! the loop spin for seconds. The floor for a window's start (at least `W`
+//! after the spin, below) is a CPU argument and stays unweighted.
 //!
 //! The plan with the least total over the samples wins: periodic arrivals
 //! get a window around the next one (sleep, then poll); random ones get a
@@ -180,9 +182,13 @@ impl Model {
         }
     }
 
-    /// `W` as the plans price it: `W` times the latency weight.
+    /// `W` as the plans price it: `W` times the latency weight, but a
+    /// weight never prices a wake above [`MAX_COST_SAMPLE`] (10 ms) unless
+    /// `W` itself is above it: a weight of 1000 on a 2 ms wake cost must
+    /// not make the loop spin for seconds.
     fn priced_wake_cost(&self) -> u64 {
-        self.wake_cost().min(MAX_IDLE) * self.weight as u64
+        let w = self.wake_cost().min(MAX_IDLE);
+        w.max((w * self.weight as u64).min(MAX_COST_SAMPLE))
     }
 
     fn competitive(&self) -> Plan {
@@ -237,9 +243,9 @@ impl Model {
         for k in 0..n {
             p[k + 1] = p[k] + y[k];
         }
-        // w: the priced wake cost (weighted); w0: the unweighted one, for
-        // the floor of a window's start. A weight of at most 1000 times an
-        // hour, times SAMPLES, still fits an i64.
+        // w: the priced wake cost (weighted, at most max(W, 10 ms)); w0:
+        // the unweighted one, for the floor of a window's start. Both are
+        // at most an hour: SAMPLES of them still fit an i64.
         let (w, w0, c) =
             (self.priced_wake_cost() as i64, self.wake_cost().min(MAX_IDLE) as i64, self.overhead.min(MAX_IDLE) as i64);
         let nn = n as i64;
@@ -313,7 +319,8 @@ mod tests {
     /// The plan's cost for one idle duration, as the module's comment
     /// states it (a brute-force check of `search`).
     fn cost(m: &Model, p: Plan, x: u64) -> u64 {
-        let (w, c) = (m.wake_cost() * m.weight as u64, m.overhead);
+        let w = m.wake_cost().max((m.wake_cost() * m.weight as u64).min(MAX_COST_SAMPLE));
+        let c = m.overhead;
         if x <= p.spin {
             return x;
         }
@@ -439,6 +446,21 @@ mod tests {
         // before any sample, the competitive spin is the priced W
         assert_eq!(Model::with_weight(4).plan().spin, 4 * Model::default().wake_cost());
         assert_eq!(Model::with_weight(0).plan(), Model::default().plan(), "0 counts as 1");
+    }
+
+    #[test]
+    fn a_latency_weight_never_prices_a_wake_above_10_ms() {
+        // a 2 ms wake cost at weight 1000 would be a 2 s spin
+        let mut m = Model::with_weight(1000);
+        m.lateness_sample(2_000_000);
+        assert_eq!(m.plan().spin, MAX_COST_SAMPLE);
+        // arrivals 1 s apart: no spin through them
+        feed(&mut m, [1_000_000_000; SAMPLES]);
+        assert!(m.plan().spin <= MAX_COST_SAMPLE, "{:?}", m.plan());
+        // a wake cost above the cap is priced as itself, as with weight 1
+        let mut slow = Model::with_weight(1000);
+        slow.lateness_sample(MAX_COST_SAMPLE);
+        assert_eq!(slow.plan().spin, MAX_COST_SAMPLE + slow.overhead);
     }
 
     #[test]

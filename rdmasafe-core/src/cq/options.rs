@@ -74,7 +74,10 @@ pub struct LoopOptions {
     /// block + wake cost to a completion's latency; with a weight of `k`
     /// that cost is priced `k` times, so the loop spins longer after
     /// completions and polls in wider windows around periodic arrivals:
-    /// lower latency for more CPU. Other modes ignore it.
+    /// lower latency for more CPU. A weighted wake is priced at most 10 ms
+    /// (its own cost, if that is more): no weight makes the loop spin for
+    /// seconds. Other modes ignore it, but it must be in range in every
+    /// mode.
     pub learn_latency_weight: u32,
 }
 
