@@ -12,7 +12,9 @@ use std::os::raw::{c_int, c_void};
 use std::ptr::NonNull;
 use std::time::Duration;
 
-use rdmasafe_core::cq::{self, CqLoop, CqOptions, Keepalive, LoopControl, LoopOptions, Mode, Outcome};
+use rdmasafe_core::cq::{
+    self, CqLoop, CqOptions, Keepalive, LoopControl, LoopOptions, Mode, Outcome, MAX_LATENCY_WEIGHT,
+};
 use rdmasafe_core::sys::{ibv_comp_channel, ibv_cq, ibv_qp, ibv_wc};
 use rdmasafe_core::Wait;
 
@@ -251,7 +253,7 @@ fn options(o: Option<&rdmasafe_cq_loop_options>) -> Result<LoopOptions, c_int> {
     let or = |v: c_int, d: c_int| if v == 0 { d } else { v };
     let (batch, ack, spin, wd) = (or(o.poll_batch, 16), or(o.ack_batch, 16), or(o.adaptive_spin_us, 50), o.watchdog_ms);
     let weight = or(o.learn_latency_weight, 1);
-    if batch < 1 || ack < 1 || spin < 0 || wd < 0 || !(1..=1000).contains(&weight) {
+    if batch < 1 || ack < 1 || spin < 0 || wd < 0 || !(1..=MAX_LATENCY_WEIGHT as c_int).contains(&weight) {
         return Err(-libc::EINVAL);
     }
     let mode = match o.mode {

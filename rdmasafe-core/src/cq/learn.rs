@@ -319,8 +319,7 @@ mod tests {
     /// The plan's cost for one idle duration, as the module's comment
     /// states it (a brute-force check of `search`).
     fn cost(m: &Model, p: Plan, x: u64) -> u64 {
-        let w = m.wake_cost().max((m.wake_cost() * m.weight as u64).min(MAX_COST_SAMPLE));
-        let c = m.overhead;
+        let (w, c) = (m.priced_wake_cost(), m.overhead);
         if x <= p.spin {
             return x;
         }

@@ -41,6 +41,7 @@ pub use async_events::{AsyncElement, AsyncEvent, AsyncEventType, AsyncEvents, As
 pub use control::{LoopControl, Outcome};
 pub use drain::{DRAIN_RECV_WR_ID, DRAIN_SEND_WR_ID};
 pub use event_loop::{CqLoop, LoopThread, Progress, RunEnd};
+pub use learn::MAX_LATENCY_WEIGHT;
 pub use local::{LocalControl, LocalCqLoop, StopHandle};
 pub use options::{CqOptions, Keepalive, LoopOptions, Mode};
 pub use stats::{LoopStats, BUCKETS};
