@@ -32,15 +32,22 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 /// unwinding into C (which would be undefined behaviour). The panic value
 /// is only computed on a panic (it may set errno). Every export goes
 /// through here, which is also where the C log backend is installed.
+#[inline(always)]
 pub(crate) fn guard<T>(on_panic: impl FnOnce() -> T, f: impl FnOnce() -> T) -> T {
     log::ensure_installed();
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(v) => v,
         Err(_) => {
-            ::log::error!(target: "rdmasafe", "internal panic caught at the C boundary");
+            log_panic();
             on_panic()
         }
     }
+}
+
+#[cold]
+#[inline(never)]
+fn log_panic() {
+    ::log::error!(target: "rdmasafe", "internal panic caught at the C boundary");
 }
 
 /// The panic boundary of the async-signal-safe exports: no logger set-up
@@ -54,6 +61,7 @@ pub(crate) fn guard_signal_safe<T>(on_panic: impl FnOnce() -> T, f: impl FnOnce(
 /// convention exactly: `Ok(v)` returns `v` with errno as it was when the
 /// call began (whatever the library's own system calls left in it);
 /// `Err(e)` sets errno to `e` and returns -1; a panic is -1 with EIO.
+#[inline(always)]
 pub(crate) fn guard_errno(f: impl FnOnce() -> Result<c_int, c_int>) -> c_int {
     // One lookup of the thread's errno slot for the save and the restore.
     let slot = rdmasafe_core::sys::errno_slot();

@@ -92,6 +92,7 @@ const LIBRDMACM_CM_EVENT_CALLS: CmEventCalls =
 static CM_EVENT_CALLS: std::sync::OnceLock<CmEventCalls> = std::sync::OnceLock::new();
 
 /// The table in use; the first use freezes it (default: librdmacm's symbols).
+#[inline]
 fn cm_event_calls() -> &'static CmEventCalls {
     CM_EVENT_CALLS.get_or_init(|| LIBRDMACM_CM_EVENT_CALLS)
 }
@@ -118,6 +119,7 @@ pub unsafe fn set_cm_event_calls(calls: CmEventCalls) -> Result<(), CmEventCalls
 ///
 /// # Safety
 /// As `rdma_get_cm_event`: `channel` a live event channel, `event` writable.
+#[inline]
 pub unsafe fn get_cm_event(channel: *mut rdma_event_channel, event: *mut *mut rdma_cm_event) -> c_int {
     // SAFETY: the table holds rdma_get_cm_event or a function that behaves
     // as it (set_cm_event_calls' contract); the caller's contract is its.
@@ -128,6 +130,7 @@ pub unsafe fn get_cm_event(channel: *mut rdma_event_channel, event: *mut *mut rd
 ///
 /// # Safety
 /// As `rdma_ack_cm_event`: `event` from [`get_cm_event`], not acked yet.
+#[inline]
 pub unsafe fn ack_cm_event(event: *mut rdma_cm_event) -> c_int {
     // SAFETY: as in get_cm_event.
     unsafe { (cm_event_calls().ack)(event) }
@@ -147,6 +150,7 @@ pub fn errno_raw() -> i32 {
 
 /// The address of the calling thread's errno: valid for as long as the
 /// thread lives, and only to be used on it (save + restore with one lookup).
+#[inline]
 pub fn errno_slot() -> *mut i32 {
     // SAFETY: __errno_location has no precondition; it returns the calling
     // thread's errno slot.
@@ -199,6 +203,7 @@ pub unsafe fn commit(at: NonNull<u8>, bytes: usize) -> std::io::Result<()> {
 /// a few ms of resolution). It is read from the vDSO's data page without
 /// touching the hardware clock, so it is no system call even on VMs whose
 /// clocksource (hpet) makes `CLOCK_MONOTONIC` one.
+#[inline]
 pub fn coarse_now_ms() -> u64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: ts is a valid out-pointer; this clock id exists since 2.6.32.

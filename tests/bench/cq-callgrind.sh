@@ -28,26 +28,9 @@
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-repo=$(cd "$here/../.." && pwd)
-target=${CARGO_TARGET_DIR:-$repo/target}
-bin=$target/bench/release
-
-summary() { # VARIANT: instructions per completion and the top functions
-	local v=$1 rt ir
-	rt=$(sed -n 's/.*"n":\([0-9]*\).*/\1/p' "$out/$v.c.out" | head -n1)
-	ir=$(awk '/^(summary|totals):/ { print $2; exit }' "$out/$v.cg")
-	echo "== $v: $ir Ir, $rt round trips: $(awk -v a="$ir" -v b="$rt" 'BEGIN { printf "%.1f", a / (2 * b) }') instructions per completion"
-	callgrind_annotate --threshold=99 --auto=no "$out/$v.cg" 2>/dev/null | awk -v d="$((2 * rt))" '
-		/^-+$/ { dashes++; next }
-		dashes == 6 && NF == 0 { exit }
-		dashes == 6 && $1 ~ /^[0-9,]+$/ {
-			ir = $1; gsub(/,/, "", ir)
-			line = $0; sub(/^ *[0-9,]+ +(\([ 0-9.]+%\) +)?/, "", line)
-			sub(/ \[[^]]*\]$/, "", line); sub(/^[^:]*:/, "", line)
-			sum[line] += ir
-		}
-		END { for (f in sum) if (sum[f] / d >= 3) printf "%8.1f  %s\n", sum[f] / d, substr(f, 1, 110) }' | sort -k1,1nr
-}
+# repo, target, bin and the callgrind_* functions
+# shellcheck source=tests/bench/callgrind-lib.sh
+. "$here/callgrind-lib.sh"
 
 if [[ ${1:-} == --times-in-guest ]]; then
 	# event-mode ping-pong, untraced, rdmasafe and raw back to back (order
@@ -117,11 +100,9 @@ if [[ ${1:-} == --in-guest ]]; then
 			"$p" -a "$addr" -p "$port" -w pp -m event -n "$n" -W "$warm" -t 300 "${cm[@]}" \
 			>"$out/$v.c.out" 2>"$out/$v.c.err" || { rc=1; tail -n 5 "$out/$v.c.err" >&2; }
 		wait "$sp" || { rc=1; tail -n 5 "$out/$v.s.err" >&2; }
-		summary "$v"
-		# the callgrind file itself, for the host to keep
-		echo "@@cg $v"
-		gzip -c "$out/$v.cg" | base64 -w 0
-		echo
+		rt=$(sed -n 's/.*"n":\([0-9]*\).*/\1/p' "$out/$v.c.out" | head -n1)
+		callgrind_summary "$v" "$out/$v.cg" "$((2 * rt))" completion 3
+		callgrind_send "$v" "$out/$v.cg"
 	done
 	exit $rc
 fi
@@ -152,17 +133,5 @@ if [[ ${1:-} != --no-build ]]; then
 	cargo build -q --release -p rdmasafe-capi
 	make -s -C "$here" LIBDIR="$target/release" OUT="$bin" >&2
 fi
-mkdir -p "$target/bench"
-raw=$target/bench/cq-callgrind.raw
-rc=0
-"$repo/tests/bed/vm-run" --timeout 900 -- env CARGO_TARGET_DIR="$target" CQ_CALLGRIND_OPTS="${CQ_CALLGRIND_OPTS:-}" \
-	CQ_CALLGRIND_N="${CQ_CALLGRIND_N:-200}" CQ_CALLGRIND_WARM="${CQ_CALLGRIND_WARM:-50}" bash "$here/cq-callgrind.sh" --in-guest >"$raw" || rc=$?
-mkdir -p "$target/bench/cq-callgrind"
-awk '/^@@cg / { v = $2; getline; print > (dir "/" v ".cg.gz.b64"); next } { print }' dir="$target/bench/cq-callgrind" "$raw" |
-	tee "$target/bench/cq-callgrind.txt"
-for f in "$target/bench/cq-callgrind"/*.cg.gz.b64; do
-	[[ -s $f ]] && base64 -d "$f" | gunzip >"${f%.gz.b64}" && rm -f "$f"
-done
-echo "(callgrind files: $target/bench/cq-callgrind/; callgrind_annotate --auto=yes them for lines)"
-exit $rc
-
+callgrind_guest_run cq-callgrind "$here/cq-callgrind.sh" CQ_CALLGRIND_OPTS="${CQ_CALLGRIND_OPTS:-}" \
+	CQ_CALLGRIND_N="${CQ_CALLGRIND_N:-200}" CQ_CALLGRIND_WARM="${CQ_CALLGRIND_WARM:-50}"

@@ -200,24 +200,14 @@ syscall_counts() {
 	' "$1"
 }
 
-# callgrind_ir FILE: the Ir total of a callgrind output file
-callgrind_ir() {
-	awk '/^(summary|totals):/ { print $2; exit }' "$1"
-}
+# callgrind_fn_sums, callgrind_ir
+# shellcheck source=tests/bench/callgrind-lib.sh
+. "$root/tests/bench/callgrind-lib.sh"
 
 # callgrind_top FILE: the 20 functions with the most instructions of their
 # own (exclusive Ir), as a JSON list of [Ir, "function"]
 callgrind_top() {
-	callgrind_annotate --threshold=100 --auto=no "$1" 2>/dev/null | awk '
-		/^-+$/ { dashes++; next }
-		dashes == 6 && NF == 0 { exit }
-		dashes == 6 && $1 ~ /^[0-9,]+$/ {
-			ir = $1; gsub(/,/, "", ir)
-			line = $0; sub(/^ *[0-9,]+ +(\([ 0-9.]+%\) +)?/, "", line)
-			sub(/ \[[^]]*\]$/, "", line); sub(/^[^:]*:/, "", line)
-			sum[line] += ir
-		}
-		END { for (f in sum) printf "%d\t%s\n", sum[f], f }' | sort -t "$(printf '\t')" -k1,1nr | head -n 20 |
+	callgrind_fn_sums "$1" | sort -t "$(printf '\t')" -k1,1nr | head -n 20 |
 		awk -F '\t' '{ gsub(/\\/, "\\\\", $2); gsub(/"/, "\\\"", $2); printf "%s[%s,\"%s\"]", (NR > 1 ? "," : ""), $1, $2 }'
 }
 

@@ -265,6 +265,7 @@ impl<'a> ChannelRef<'a> {
     /// once as the `struct rdma_cm_event *` that [`CmEvent::free_raw`] (or
     /// [`CmEvent::from_raw`]) takes back. The same steps as `get`, without
     /// building a [`CmEvent`] around the slot only to take it apart again.
+    #[inline]
     pub fn get_raw(&self) -> Result<*mut rdma_cm_event> {
         let (mut slot, ev) = self.take_event()?;
         self.settle(&mut slot, ev);
@@ -300,6 +301,7 @@ impl<'a> ChannelRef<'a> {
 
     /// The limit, a slot, one `rdma_get_cm_event`, the copy: the slot and
     /// librdmacm's original, not acked yet (see [`ChannelRef::settle`]).
+    #[inline]
     fn take_event(&self) -> Result<(pool::SlotBox, *mut rdma_cm_event)> {
         // Storage and the limit first: a failure here leaves the event in
         // the kernel.
@@ -326,6 +328,7 @@ impl<'a> ChannelRef<'a> {
     /// [`ChannelRef::take_event`], un-acked, nothing read from it any more):
     /// acked at once, or held by the slot until the copy is freed or the
     /// ack deadline passes.
+    #[inline]
     fn settle(&self, slot: &mut pool::SlotBox, ev: *mut rdma_cm_event) {
         log::trace!(target: "rdmasafe", "copied CM event {} status {}", EventType(slot.raw().event), slot.raw().status);
         let deadline_ms = match self.ack_deadline {

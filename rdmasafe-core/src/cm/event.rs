@@ -161,6 +161,7 @@ impl fmt::Debug for UdParam {
 /// not NULL, and its `listen_id`, if not NULL, must point to live
 /// `rdma_cm_id`s, and the buffer after the event must be readable for
 /// `private_data_len` bytes when `private_data` points there.
+#[inline]
 pub(crate) unsafe fn copy_raw(raw: *const rdma_cm_event, slot: &mut SlotBox) {
     // SAFETY (whole block): guaranteed by the caller as documented above.
     unsafe {
@@ -376,8 +377,9 @@ impl CmEvent {
     /// [`CmEvent::from_raw`] returns would (a copy handed to C never owns a
     /// connect request). `false`, nothing read or written, for any pointer
     /// `from_raw` refuses.
+    #[inline]
     pub fn free_raw(raw: *const rdma_cm_event) -> bool {
-        SlotBox::from_c(raw).map(drop).is_some()
+        SlotBox::from_c(raw).map(SlotBox::free).is_some()
     }
 
     /// For a copy held by C: the ids' contexts captured at copy time

@@ -51,8 +51,10 @@ const OWNED: u32 = 1;
 const WITH_C: u32 = 2;
 
 /// One copy's storage. `#[repr(C)]` with the C event first: a pointer to
-/// the slot is the `struct rdma_cm_event *` the C app gets.
-#[repr(C, align(64))]
+/// the slot is the `struct rdma_cm_event *` the C app gets. Aligned (and so
+/// sized) to a power of two, 512 bytes, so that checking a pointer from C
+/// (on a slot boundary, below the slots in use) is a mask and a shift.
+#[repr(C, align(512))]
 pub(crate) struct Slot {
     /// The C view; `param.*.private_data` points into `data` when the
     /// original pointed into librdmacm's own buffer, else is passed through.
@@ -83,6 +85,7 @@ pub(crate) struct Slot {
 unsafe impl Sync for Slot {}
 
 const STRIDE: usize = std::mem::size_of::<Slot>();
+const _: () = assert!(STRIDE.is_power_of_two() && STRIDE == 512, "a slot is 512 bytes");
 
 struct Arena {
     base: NonNull<u8>,
@@ -110,7 +113,8 @@ unsafe impl Sync for Arena {}
 /// `new`). Sequences compare as the low 32 bits of the 64-bit positions
 /// (RING divides 2^32).
 struct FreeRing {
-    cells: Box<[AtomicU64]>,
+    /// A fixed-size array: a masked position needs no bounds check.
+    cells: Box<[AtomicU64; RING]>,
     head: AtomicU64,
     tail: AtomicU64,
 }
@@ -118,24 +122,31 @@ struct FreeRing {
 impl FreeRing {
     fn new() -> FreeRing {
         FreeRing {
-            cells: (0..RING as u64).map(|k| AtomicU64::new(k << 32)).collect(),
+            cells: (0..RING as u64)
+                .map(|k| AtomicU64::new(k << 32))
+                .collect::<Box<[AtomicU64]>>()
+                .try_into()
+                .unwrap_or_else(|_| unreachable!("RING cells were collected")),
             head: AtomicU64::new(0),
             tail: AtomicU64::new(0),
         }
     }
 
+    #[inline]
     fn cell(&self, pos: u64) -> &AtomicU64 {
         &self.cells[pos as usize & (RING - 1)]
     }
 
     /// Entries now (exact when nobody pushes or pops meanwhile; head is
     /// read first, so the result never wraps below zero).
+    #[inline]
     fn len(&self) -> usize {
         let head = self.head.load(Acquire);
         self.tail.load(Acquire).wrapping_sub(head) as usize
     }
 
     /// Appends `i`; gives it back when the ring is full.
+    #[inline]
     fn push(&self, i: u32) -> Result<(), u32> {
         let mut pos = self.tail.load(Relaxed);
         loop {
@@ -159,6 +170,7 @@ impl FreeRing {
     }
 
     /// Removes the oldest entry.
+    #[inline]
     fn pop(&self) -> Option<u32> {
         let mut pos = self.head.load(Relaxed);
         loop {
@@ -190,6 +202,7 @@ impl FreeRing {
     }
 }
 
+#[inline]
 fn arena() -> &'static Arena {
     static A: OnceLock<Arena> = OnceLock::new();
     A.get_or_init(|| Arena {
@@ -205,6 +218,7 @@ fn arena() -> &'static Arena {
 }
 
 impl Arena {
+    #[inline]
     fn slot(&self, i: usize) -> &'static Slot {
         debug_assert!(i < self.allocated.load(Relaxed));
         // SAFETY: slot i lies in the committed part of the arena (i <
@@ -215,11 +229,13 @@ impl Arena {
     }
 
     /// The slot a pointer the app gave us points to, if any: arithmetic only.
+    #[inline]
     fn slot_of(&self, p: *const u8) -> Option<&'static Slot> {
         let off = (p as usize).checked_sub(self.base.as_ptr() as usize)?;
         (off % STRIDE == 0 && off / STRIDE < self.allocated.load(Acquire)).then(|| self.slot(off / STRIDE))
     }
 
+    #[inline]
     fn index_of(&self, s: &Slot) -> u32 {
         ((s as *const Slot as usize - self.base.as_ptr() as usize) / STRIDE) as u32
     }
@@ -248,6 +264,7 @@ impl Arena {
         Some(i as u32)
     }
 
+    #[inline]
     fn pop_free(&self) -> Option<u32> {
         if self.free.len() > QUARANTINE {
             if let Some(i) = self.free.pop() {
@@ -257,21 +274,31 @@ impl Arena {
         // Overflow entries were freed while the ring was full: at least
         // RING - QUARANTINE slots have been handed out since.
         if self.overflow_len.load(Relaxed) > 0 {
-            let mut o = self.overflow.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(i) = o.pop() {
-                self.overflow_len.store(o.len(), Relaxed);
-                return Some(i);
-            }
+            return self.pop_overflow();
         }
         None
     }
 
+    #[cold]
+    fn pop_overflow(&self) -> Option<u32> {
+        let mut o = self.overflow.lock().unwrap_or_else(|e| e.into_inner());
+        let i = o.pop()?;
+        self.overflow_len.store(o.len(), Relaxed);
+        Some(i)
+    }
+
+    #[inline]
     fn push_free(&self, i: u32) {
         if let Err(i) = self.free.push(i) {
-            let mut o = self.overflow.lock().unwrap_or_else(|e| e.into_inner());
-            o.push(i);
-            self.overflow_len.store(o.len(), Relaxed);
+            self.push_overflow(i);
         }
+    }
+
+    #[cold]
+    fn push_overflow(&self, i: u32) {
+        let mut o = self.overflow.lock().unwrap_or_else(|e| e.into_inner());
+        o.push(i);
+        self.overflow_len.store(o.len(), Relaxed);
     }
 }
 
@@ -293,6 +320,19 @@ fn outstanding() -> u64 {
     COPIED.load(Relaxed).saturating_sub(freed)
 }
 
+/// The "many copies held" warning, once per doubling (out of the get path).
+#[cold]
+fn warn_many_held(n: u64, next: u64) {
+    if NEXT_WARNING.compare_exchange(next, next.saturating_mul(2), Relaxed, Relaxed).is_ok() {
+        log::warn!(
+            target: "rdmasafe",
+            "{n} CM event copies are held and not freed (oldest {} ms): free copies when done with them \
+             (rdmasafe_event_free / drop), or bound them with rdmasafe_cm_set_limit",
+            counters().oldest_age_ms
+        );
+    }
+}
+
 /// The owner of one slot: the only code that touches its event, private
 /// data and QP type while it lives (the invariant that makes the
 /// `UnsafeCell` accesses below sound).
@@ -304,11 +344,13 @@ pub(crate) struct SlotBox(&'static Slot);
 unsafe impl Send for SlotBox {}
 
 impl SlotBox {
+    #[inline]
     pub(crate) fn raw(&self) -> &rdma_cm_event {
         // SAFETY: the owner has exclusive access (type invariant).
         unsafe { &*self.0.raw.get() }
     }
 
+    #[inline]
     pub(crate) fn raw_mut(&mut self) -> &mut rdma_cm_event {
         // SAFETY: as above, and &mut self is unique.
         unsafe { &mut *self.0.raw.get() }
@@ -322,6 +364,7 @@ impl SlotBox {
     /// Fills the private data with `src` and zeroes whatever an earlier
     /// copy left past it (librdmacm's events read 0 there too). Returns the
     /// address of the bytes, for the C view's pointer.
+    #[inline]
     pub(crate) fn set_data(&mut self, src: &[u8]) -> *const u8 {
         // SAFETY: as for `raw_mut`.
         let (data, dirty) = unsafe { (&mut *self.0.data.get(), &mut *self.0.dirty.get()) };
@@ -334,6 +377,7 @@ impl SlotBox {
     }
 
     /// Clears leftover private data of an earlier copy (no data this time).
+    #[inline]
     pub(crate) fn clear_data(&mut self) {
         self.set_data(&[]);
     }
@@ -343,6 +387,7 @@ impl SlotBox {
         unsafe { *self.0.qp_type.get() }
     }
 
+    #[inline]
     pub(crate) fn set_qp_type(&mut self, t: u32) {
         // SAFETY: as for `raw_mut`.
         unsafe { *self.0.qp_type.get() = t };
@@ -356,12 +401,9 @@ impl SlotBox {
         self.0.listen_context.load(Relaxed)
     }
 
-    fn clear_contexts(&mut self) {
-        self.set_contexts(0, 0);
-    }
-
     /// Counts the slot as a live copy (copied, high-water mark, the
     /// "many copies held" warning) and stamps its age.
+    #[inline]
     pub(crate) fn mark_copied(&mut self) {
         // SAFETY: the owner's exclusive field.
         unsafe { *self.0.counted.get() = true };
@@ -372,16 +414,12 @@ impl SlotBox {
             HIGH_WATER.fetch_max(n, Relaxed);
         }
         let next = NEXT_WARNING.load(Relaxed);
-        if n >= next && NEXT_WARNING.compare_exchange(next, next.saturating_mul(2), Relaxed, Relaxed).is_ok() {
-            log::warn!(
-                target: "rdmasafe",
-                "{n} CM event copies are held and not freed (oldest {} ms): free copies when done with them \
-                 (rdmasafe_event_free / drop), or bound them with rdmasafe_cm_set_limit",
-                counters().oldest_age_ms
-            );
+        if n >= next {
+            warn_many_held(n, next);
         }
     }
 
+    #[inline]
     pub(crate) fn set_contexts(&mut self, context: usize, listen_context: usize) {
         self.0.context.store(context, Relaxed);
         self.0.listen_context.store(listen_context, Relaxed);
@@ -393,6 +431,7 @@ impl SlotBox {
     /// # Safety
     /// `original` must be an un-acked event from `rdma_get_cm_event`, not
     /// acked by anyone else afterwards.
+    #[inline]
     pub(crate) unsafe fn hold_original(&mut self, original: *mut rdma_cm_event, ms: u64) {
         let s = self.0;
         let gen = s.ack.load(Relaxed) >> 1;
@@ -413,6 +452,7 @@ impl SlotBox {
     }
 
     /// Hands the copy to C: its address is the `struct rdma_cm_event *`.
+    #[inline]
     pub(crate) fn into_c(self) -> *mut rdma_cm_event {
         let s = self.0;
         std::mem::forget(self);
@@ -423,6 +463,7 @@ impl SlotBox {
     /// Takes a copy back from C. `None` (nothing read or written) unless
     /// `p` is a copy handed to C and not taken back yet; of two threads
     /// taking back the same pointer at once, one gets it.
+    #[inline]
     pub(crate) fn from_c(p: *const rdma_cm_event) -> Option<SlotBox> {
         let s = arena().slot_of(p.cast())?;
         s.state.compare_exchange(WITH_C, OWNED, Acquire, Relaxed).ok()?;
@@ -448,6 +489,7 @@ impl Slot {
 
     /// If the original of generation `gen` is still pending, claims it
     /// (exactly one caller wins) and returns it, to be acked.
+    #[inline]
     fn claim_original(&self, gen: u64) -> Option<*mut rdma_cm_event> {
         let pending = gen << 1 | 1;
         if self.ack.load(Acquire) != pending {
@@ -460,8 +502,19 @@ impl Slot {
     }
 }
 
-impl Drop for SlotBox {
-    fn drop(&mut self) {
+impl SlotBox {
+    /// Frees the slot now (what dropping it does), in the caller's frame:
+    /// the C free path's one call.
+    #[inline(always)]
+    pub(crate) fn free(self) {
+        std::mem::ManuallyDrop::new(self).release();
+    }
+
+    /// Drop's body: the slot goes back to the free list, its held original
+    /// (if any) is acked last. Called exactly once per owner, by `drop` or
+    /// by `free` (which then forgets the owner).
+    #[inline(always)]
+    fn release(&mut self) {
         let s = self.0;
         let held = s.claim_original(s.ack.load(Relaxed) >> 1);
         // SAFETY: the owner's exclusive field.
@@ -469,7 +522,8 @@ impl Drop for SlotBox {
             FREED.fetch_add(1, Relaxed);
         }
         s.state.store(FREE, Release);
-        arena().push_free(arena().index_of(s));
+        let a = arena();
+        a.push_free(a.index_of(s));
         // The ack comes last, as with librdmacm's own free: a thread waiting
         // in rdma_destroy_id wakes only after this copy is completely gone.
         if let Some(o) = held {
@@ -480,27 +534,39 @@ impl Drop for SlotBox {
     }
 }
 
+impl Drop for SlotBox {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
 /// Takes a slot for a new copy; it counts as a copy once
 /// [`SlotBox::mark_copied`]. ENOMEM when the arena is full or memory cannot
 /// be committed. Taken *before* librdmacm is asked for an event, so a
 /// failure here loses nothing.
+#[inline]
 pub(crate) fn take() -> crate::Result<SlotBox> {
     let a = arena();
-    let i = a.pop_free().or_else(|| a.new_slot()).ok_or(crate::Error::new("rdmasafe: CM event copy", libc::ENOMEM))?;
+    let i = a
+        .pop_free()
+        .or_else(|| a.new_slot())
+        .ok_or_else(|| crate::Error::new("rdmasafe: CM event copy", libc::ENOMEM))?;
     let s = a.slot(i as usize);
     let gen = (s.ack.load(Relaxed) >> 1) + 1;
     s.ack.store(gen << 1, Relaxed);
     s.copied_at_ms.store(0, Relaxed);
     s.state.store(OWNED, Relaxed);
-    let mut b = SlotBox(s);
+    let b = SlotBox(s);
     // SAFETY: the new owner's exclusive field.
     unsafe { *b.0.counted.get() = false };
-    b.clear_contexts();
+    // The contexts are left as they were: nothing reads them before the
+    // copy (copy_raw) sets them, since only a copy handed to C is peeked.
     Ok(b)
 }
 
 /// Refuses a new copy while [`set_limit`]'s bound is reached (ENOBUFS),
 /// before anything is taken from librdmacm.
+#[inline]
 pub(crate) fn check_limit() -> crate::Result<()> {
     let limit = LIMIT.load(Relaxed);
     if limit != 0 && outstanding() >= limit {
@@ -537,6 +603,7 @@ pub fn ack_deadline() -> Duration {
 }
 
 /// [`ack_deadline`] in milliseconds (the get path's form: one load once set).
+#[inline]
 pub(crate) fn ack_deadline_ms() -> u64 {
     match ACK_DEADLINE_MS.load(Relaxed) {
         u64::MAX => read_ack_deadline_env(),
@@ -592,6 +659,7 @@ struct Reaper {
 /// Scans with nothing held before the reaper goes idle.
 const IDLE_SCANS: u32 = 8;
 
+#[inline]
 fn reaper() -> &'static Reaper {
     static R: Reaper =
         Reaper { m: Mutex::new(()), cv: Condvar::new(), started: AtomicBool::new(false), idle: AtomicBool::new(false) };
@@ -600,23 +668,35 @@ fn reaper() -> &'static Reaper {
 
 impl Reaper {
     /// An original is held: make sure the thread runs.
+    #[inline]
     fn kick(&'static self) {
         if !self.started.load(Relaxed) {
-            if !self.started.swap(true, AcqRel) {
-                let spawned = std::thread::Builder::new().name("rdmasafe-ack".into()).spawn(move || self.run());
-                if let Err(e) = spawned {
-                    // Without the thread, originals are still acked when their
-                    // copies are freed; only the deadline is lost.
-                    log::error!(target: "rdmasafe", "cannot start the CM ack deadline thread: {e}");
-                    self.started.store(false, Relaxed);
-                }
-            }
-            return;
+            return self.start();
         }
         // SeqCst: after the DEFERRED increment (hold_original), paired with
         // the thread's store of `idle` and its load of DEFERRED: either it
         // sees the original, or this sees it idle and wakes it.
-        if self.idle.load(SeqCst) && self.idle.swap(false, SeqCst) {
+        if self.idle.load(SeqCst) {
+            self.wake();
+        }
+    }
+
+    #[cold]
+    fn start(&'static self) {
+        if !self.started.swap(true, AcqRel) {
+            let spawned = std::thread::Builder::new().name("rdmasafe-ack".into()).spawn(move || self.run());
+            if let Err(e) = spawned {
+                // Without the thread, originals are still acked when their
+                // copies are freed; only the deadline is lost.
+                log::error!(target: "rdmasafe", "cannot start the CM ack deadline thread: {e}");
+                self.started.store(false, Relaxed);
+            }
+        }
+    }
+
+    #[cold]
+    fn wake(&self) {
+        if self.idle.swap(false, SeqCst) {
             let _g = self.m.lock().unwrap_or_else(|e| e.into_inner());
             self.cv.notify_one();
         }
