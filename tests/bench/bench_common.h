@@ -21,6 +21,7 @@
 
 #define _GNU_SOURCE
 #include <errno.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -152,6 +153,41 @@ static inline uint64_t pct(const uint64_t *sorted, size_t n, double p)
 	if (i >= n)
 		i = n - 1;
 	return sorted[i];
+}
+
+/*
+ * -T of cm_evcost and cm_storm: one more thread, blocked for the whole run
+ * on a pipe nobody writes to. From the first pthread_create on, glibc
+ * takes its multi-threaded paths in the whole process, and the kernel
+ * counts the process's memory as used on every CPU its threads ran on, as
+ * in rdmasafe's program (its ack-deadline thread) and in any program that
+ * has threads anyway: the raw program with -T is the comparison at the
+ * same threading state.
+ */
+struct idle_thread {
+	int pipe[2];
+	pthread_t tid;
+};
+
+static void *idle_thread_main(void *arg)
+{
+	char c;
+	while (read(*(int *)arg, &c, 1) < 0 && errno == EINTR)
+		;
+	return NULL;
+}
+
+static inline void idle_thread_start(struct idle_thread *t)
+{
+	if (pipe(t->pipe) || pthread_create(&t->tid, NULL, idle_thread_main, &t->pipe[0]))
+		DIE("idle thread");
+}
+
+static inline void idle_thread_stop(struct idle_thread *t)
+{
+	close(t->pipe[1]); /* the idle thread's read returns 0 */
+	pthread_join(t->tid, NULL);
+	close(t->pipe[0]);
 }
 
 #endif

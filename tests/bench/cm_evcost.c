@@ -32,7 +32,6 @@
 
 #include <getopt.h>
 #include <poll.h>
-#include <pthread.h>
 #include <rdma/rdma_cma.h>
 
 #ifdef USE_RDMASAFE
@@ -43,15 +42,6 @@
 #define GET_EVENT(ch, ev) rdma_get_cm_event((ch), (ev))
 #define RELEASE_EVENT(ev) rdma_ack_cm_event(ev)
 #endif
-
-/* -T: the idle thread, blocked on a pipe nobody writes to */
-static void *idle_thread(void *arg)
-{
-	char c;
-	while (read(*(int *)arg, &c, 1) < 0 && errno == EINTR)
-		;
-	return NULL;
-}
 
 int main(int argc, char **argv)
 {
@@ -85,10 +75,9 @@ int main(int argc, char **argv)
 	if (!addr || k < 1 || rounds < 1 || warm < 0 || live < 0)
 		DIE("bad arguments");
 	alarm(300);
-	static int idle_pipe[2];
-	pthread_t idle;
-	if (thread && (pipe(idle_pipe) || pthread_create(&idle, NULL, idle_thread, &idle_pipe[0])))
-		DIE("idle thread");
+	struct idle_thread idle;
+	if (thread)
+		idle_thread_start(&idle);
 	struct rdma_addrinfo hints = { .ai_port_space = RDMA_PS_TCP }, *ai;
 	if (rdma_getaddrinfo(addr, "7610", &hints, &ai))
 		DIE("rdma_getaddrinfo");
@@ -199,9 +188,7 @@ int main(int argc, char **argv)
 	free(extra);
 	rdma_destroy_event_channel(ch);
 	rdma_freeaddrinfo(ai);
-	if (thread) {
-		close(idle_pipe[1]); /* the idle thread's read returns 0 */
-		pthread_join(idle, NULL);
-	}
+	if (thread)
+		idle_thread_stop(&idle);
 	return wrong ? 1 : 0;
 }

@@ -15,7 +15,10 @@
  *                                          listening, exits after N
  *                                          connections were torn down
  *   cm_storm -a ADDR -p PORT -c N         client
- * Options: -t SECS (alarm, default 300), -b BACKLOG (default 4096).
+ * Options: -t SECS (alarm, default 300), -b BACKLOG (default 4096),
+ * -T (one more, idle thread for the whole run: see bench_common.h; the raw
+ * program with -T on both sides is the comparison at rdmasafe's threading
+ * state, whose ack-deadline thread runs from the first held event).
  * Each side prints one RESULT line (see bench_common.h).
  */
 #include "bench_common.h"
@@ -285,8 +288,8 @@ static int client(struct rdma_addrinfo *ai)
 
 int main(int argc, char **argv)
 {
-	int is_server = 0, secs = 300, op;
-	while ((op = getopt(argc, argv, "Sa:p:c:t:b:")) != -1) {
+	int is_server = 0, secs = 300, thread = 0, op;
+	while ((op = getopt(argc, argv, "Sa:p:c:t:b:T")) != -1) {
 		switch (op) {
 		case 'S':
 			is_server = 1;
@@ -306,8 +309,11 @@ int main(int argc, char **argv)
 		case 'b':
 			backlog = atoi(optarg);
 			break;
+		case 'T':
+			thread = 1;
+			break;
 		default:
-			fprintf(stderr, "usage: %s [-S] -a ADDR [-p PORT] [-c N] [-t SECS] [-b BACKLOG]\n", argv[0]);
+			fprintf(stderr, "usage: %s [-S] -a ADDR [-p PORT] [-c N] [-t SECS] [-b BACKLOG] [-T]\n", argv[0]);
 			return 2;
 		}
 	}
@@ -326,7 +332,12 @@ int main(int argc, char **argv)
 		hints.ai_flags = RAI_PASSIVE;
 	if (rdma_getaddrinfo(addr, port, &hints, &ai))
 		DIE("rdma_getaddrinfo %s:%s", addr, port);
+	struct idle_thread idle;
+	if (thread)
+		idle_thread_start(&idle);
 	int rc = is_server ? server(ai) : client(ai);
 	rdma_freeaddrinfo(ai);
+	if (thread)
+		idle_thread_stop(&idle);
 	return rc;
 }

@@ -36,8 +36,9 @@
 # "before" next to "rdmasafe" and "raw" in the CQ event-mode and CM event
 # counts, and in the event-mode ping-pong times), RDMASAFE_BENCH_ONLY=scale
 # (only the scale case), =adaptive (only the adaptive frontier), =counts
-# (the counts phase only) or =cm (only the CM callgrind cases of the counts
-# phase: cm_evcost plain and with CM_LIVE live ids on the channel),
+# (the counts phase only), =cm (only the CM callgrind cases of the counts
+# phase: cm_evcost plain and with CM_LIVE live ids on the channel) or
+# =storm (only the CM storms of the times phase, with their controls),
 # RDMASAFE_BENCH_AD_WEIGHTS (the learning mode's latency weights the
 # adaptive section runs beside weight 1, space-separated; unset or empty:
 # 16; "none": no weighted mode).
@@ -338,11 +339,12 @@ run_single() {
 }
 
 # ---- the workloads -------------------------------------------------------
-storm() { # VARIANT N REP [KIND]
-	local v=$1 n=$2 rep=$3 kind=${4:-}
+storm() { # VARIANT N REP [KIND] (KIND thread: -T, one more idle thread per process)
+	local v=$1 n=$2 rep=$3 kind=${4:-} t=()
 	next_port
-	S=("$(prog cm_storm "$v")" -S -a "$ADDR" -p "$port" -c "$n" -t 300)
-	C=("$(prog cm_storm "$v")" -a "$ADDR" -p "$port" -c "$n" -t 300)
+	[[ $kind == thread ]] && t=(-T)
+	S=("$(prog cm_storm "$v")" -S -a "$ADDR" -p "$port" -c "$n" -t 300 "${t[@]}")
+	C=("$(prog cm_storm "$v")" -a "$ADDR" -p "$port" -c "$n" -t 300 "${t[@]}")
 	run_pair "storm_${v}_$n${kind:+_$kind}" "$rep" "$kind"
 }
 
@@ -633,6 +635,33 @@ if [[ ${RDMASAFE_BENCH_ONLY:-} == cm ]]; then
 	exit
 fi
 
+# storm_repeat REP: the CM storms of one repeat, every N
+storm_repeat() {
+	local n
+	for n in "${STORM_NS[@]}"; do
+		# "storm raw ... aa": raw against raw, the A/A control that shows
+		# the noise floor of the rdmasafe / raw ratio; "... thread": raw
+		# with one more idle thread per process (-T), rdmasafe's threading
+		# state (its ack-deadline thread)
+		alternate "$1" "storm rdmasafe $n $1" "storm raw $n $1" "storm_cmtime $n $1" "storm raw $n $1 aa" \
+			"storm raw $n $1 thread"
+	done
+}
+
+# ---- storm only (RDMASAFE_BENCH_ONLY=storm): the CM storms' repeats -------
+if [[ ${RDMASAFE_BENCH_ONLY:-} == storm ]]; then
+	section times
+	for ((rep = 1; rep <= REPEATS; rep++)); do
+		say "repeat $rep of $REPEATS"
+		storm_repeat "$rep"
+	done
+	section
+	say "done (storm only): $failures failed"
+	echo "@@ {\"kind\":\"summary\",\"failures\":$failures,\"seconds\":$((($(now_ms) - t_start) / 1000))}"
+	[[ $failures -eq 0 ]]
+	exit
+fi
+
 # ---- counts ----------------------------------------------------------------
 section counts
 for v in rdmasafe raw; do
@@ -689,11 +718,7 @@ fi
 section times
 for ((rep = 1; rep <= REPEATS; rep++)); do
 	say "repeat $rep of $REPEATS"
-	for n in "${STORM_NS[@]}"; do
-		# "storm raw ... aa": raw against raw, the A/A control that shows
-		# the noise floor of the rdmasafe / raw ratio
-		alternate "$rep" "storm rdmasafe $n $rep" "storm raw $n $rep" "storm_cmtime $n $rep" "storm raw $n $rep aa"
-	done
+	storm_repeat "$rep"
 	alternate "$rep" "evcost rdmasafe $rep" "evcost raw $rep"
 	before_pp=()
 	[[ -n $BEFORE ]] && before_pp=("pp before event pp $PP_N $rep")

@@ -348,19 +348,25 @@ def build(d, png_name):
                  f"{fnum(a)} (rdmasafe {fnum(pp_ir[rs])}, raw {fnum(pp_ir[raw])})",
                  verdict(None if a is None else a <= 500)])
     # 3 CM rate
-    storm_ratio, storm_aa = {}, {}
+    storm_ratio, storm_aa, storm_thread = {}, {}, {}
     for n in (200, 1000, 10, 20):
         t_rs = d.vals(f"storm_{rs}_{n}", "total_ms")
         t_raw = d.vals(f"storm_{raw}_{n}", "total_ms")
         t_aa = d.vals(f"storm_raw_{n}_aa", "total_ms")
+        t_thr = d.vals(f"storm_raw_{n}_thread", "total_ms")
         if t_rs and t_raw:
             storm_ratio[n] = paired(t_raw, t_rs)  # rate ratio = raw time / rdmasafe time
         if t_raw and t_aa:
             storm_aa[n] = paired(t_aa, t_raw)  # raw / raw: the noise floor
+        if t_rs and t_thr:
+            storm_thread[n] = paired(t_thr, t_rs)  # rdmasafe / raw with one idle thread
     for n, pr in storm_ratio.items():
         mm = med(pr.values())
         aa = storm_aa.get(n)
         floor = f"; A/A control raw / raw {mmm(aa)}x" if aa else "; no A/A control in this run"
+        thr = storm_thread.get(n)
+        if thr:
+            floor += f"; against raw with one idle thread per process (`-T`) {mmm(thr)}x"
         rows.append([f"CM storm N={n}: connection rate >= 0.98x raw",
                      f"{mmm(pr)}x (per-repeat pairs){floor}", verdict(None if mm is None else mm >= 0.98)])
     # 4 allocations
@@ -755,8 +761,10 @@ def build(d, png_name):
       "to each other), then summarised.")
     w("")
     for n in (200, 1000, 10, 20):
-        cases = [(f"storm_{rs}_{n}", "rdmasafe C calls"), (f"storm_{raw}_{n}", "same program, raw librdmacm"),
-                 (f"storm_cmtime_{n}", "stock cmtime")]
+        cases = [(f"storm_{rs}_{n}", "rdmasafe C calls"), (f"storm_{raw}_{n}", "same program, raw librdmacm")]
+        if d.reps(f"storm_raw_{n}_thread"):
+            cases.append((f"storm_raw_{n}_thread", "raw, one idle thread per process (`-T`)"))
+        cases.append((f"storm_cmtime_{n}", "stock cmtime"))
         if not d.reps(cases[0][0]):
             continue
         w(f"### CM connection storm, N = {n} (client step times, ms)")
@@ -769,7 +777,7 @@ def build(d, png_name):
         rows.append(["us per connection"] + [mmm(d.vals(c, "total_ms"), 1000.0 / n) for c, _ in cases])
         rows.append(["connections / s"] + [mmm(d.vals(c, "x", f=lambda r: n / r["total_ms"] * 1000)) for c, _ in cases])
         rows.append(["client CPU ms"] + [mmm(d.vals(c, "x", f=lambda r: (r["cpu_user_s"] + r["cpu_sys_s"]) * 1000))
-                                         for c, _ in cases[:2]] + ["n/a"])
+                                         for c, _ in cases[:-1]] + ["n/a"])
         w(table(["step"] + [lab for _, lab in cases], rows))
         w("")
         pr = storm_ratio.get(n, {})
@@ -783,6 +791,14 @@ def build(d, png_name):
               f"repeat, `storm_raw_{n}_aa`), rate per repeat {mmm(aa)}x "
               f"(per repeat: {', '.join(fnum(aa[k]) for k in sorted(aa))}): a rdmasafe / raw "
               "ratio inside this spread is not a measured difference.")
+            w("")
+        thr = storm_thread.get(n, {})
+        if thr:
+            w(f"Threading control: rdmasafe against the raw program with one more, idle thread in "
+              f"each process (`cm_storm -T`, `storm_raw_{n}_thread`: glibc's multi-threaded paths "
+              "and the kernel's view of a process whose threads ran on several CPUs, as with "
+              f"rdmasafe's ack-deadline thread), rate per repeat {mmm(thr)}x "
+              f"(per repeat: {', '.join(fnum(thr[k]) for k in sorted(thr))}).")
             w("")
     w("### CM event cost (cm_evcost, per event, ns)")
     w("")

@@ -37,6 +37,10 @@
 #   --only cm          only the CM callgrind cases (cm_evcost, plain and with
 #                      10..10,000 live ids on its channel; ~5 min); implies
 #                      --no-docs (report.py FILE can still read it)
+#   --only storm       only the CM connection storms of the times phase (N=200
+#                      and 1000, rdmasafe, raw, cmtime, the A/A control and raw
+#                      with one idle thread per process; ~5 min); implies
+#                      --no-docs (report.py FILE can still read it)
 #   --scale-from FILE  the page's CQ loop scale section (and target row) from
 #                      FILE, the results of an --only scale run, e.g.
 #                      --from results-full.txt --scale-from results-scale.txt
@@ -75,8 +79,8 @@ while [[ $# -gt 0 ]]; do
 	shift
 done
 [[ $profile == release || $profile == debug ]] || { echo "--profile release|debug" >&2; exit 2; }
-[[ -z $only || $only == scale || $only == adaptive || $only == counts || $only == cm ]] || { echo "--only scale|adaptive|cm (the cases that run alone; --counts-only for the counts phase)" >&2; exit 2; }
-[[ $only != cm ]] || docs=0
+[[ -z $only || $only == scale || $only == adaptive || $only == counts || $only == cm || $only == storm ]] || { echo "--only scale|adaptive|cm|storm (the cases that run alone; --counts-only for the counts phase)" >&2; exit 2; }
+[[ $only != cm && $only != storm ]] || docs=0
 [[ -z $only || $quick == 0 ]] || { echo "--only and --quick do not mix" >&2; exit 2; }
 
 msg() { echo "[bench] $*" >&2; }
