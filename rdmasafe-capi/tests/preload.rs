@@ -309,7 +309,8 @@ fn teardown_race(tool: &str) -> Option<TeardownRace> {
 /// event thread (`process_events`) loops on rdma_get_cm_event, and main
 /// destroys the channel after its last rdma_destroy_id (cleanup_nodes)
 /// without stopping or joining that thread (rdma-core's current cmtime
-/// still does). The thread that comes back to the fd after the close prints
+/// still does not join it; it prints another line and exits on the failed
+/// get instead). The thread that comes back to the fd after the close prints
 /// [`CMTIME_RACE_LINE`] and returns; main's run is complete and exits 0.
 /// A full run on 2 busy cores (2026-12-03) saw it in 2 of the 4 cmtime
 /// clients, the preloaded one and the one in check mode; with 4 clients a

@@ -179,8 +179,13 @@ static void *idle_thread_main(void *arg)
 
 static inline void idle_thread_start(struct idle_thread *t)
 {
-	if (pipe(t->pipe) || pthread_create(&t->tid, NULL, idle_thread_main, &t->pipe[0]))
-		DIE("idle thread");
+	if (pipe(t->pipe))
+		DIE("idle thread: pipe");
+	int e = pthread_create(&t->tid, NULL, idle_thread_main, &t->pipe[0]);
+	if (e) {
+		errno = e; /* pthread_create returns its error, DIE prints errno */
+		DIE("idle thread: pthread_create");
+	}
 }
 
 static inline void idle_thread_stop(struct idle_thread *t)

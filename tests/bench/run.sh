@@ -39,7 +39,7 @@
 #                      --no-docs (report.py FILE can still read it)
 #   --only storm       only the CM connection storms of the times phase (N=200
 #                      and 1000, rdmasafe, raw, cmtime, the A/A control and raw
-#                      with one idle thread per process; ~5 min); implies
+#                      with one idle thread per process; ~2 min); implies
 #                      --no-docs (report.py FILE can still read it)
 #   --scale-from FILE  the page's CQ loop scale section (and target row) from
 #                      FILE, the results of an --only scale run, e.g.
@@ -73,7 +73,7 @@ while [[ $# -gt 0 ]]; do
 	--scale-from) scale_from=$2; shift ;;
 	--before-lib) before_lib=$(cd "$2" && pwd); shift ;;
 	--counts-only) only=counts docs=0 ;;
-	-h | --help) sed -n '2,50p' "$0"; exit 0 ;;
+	-h | --help) sed -n '2,/^set -euo/{/^set -euo/!p}' "$0"; exit 0 ;;
 	*) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
 	esac
 	shift
