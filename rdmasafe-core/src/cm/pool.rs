@@ -85,7 +85,7 @@ pub(crate) struct Slot {
 unsafe impl Sync for Slot {}
 
 const STRIDE: usize = std::mem::size_of::<Slot>();
-const _: () = assert!(STRIDE.is_power_of_two() && STRIDE == 512, "a slot is 512 bytes");
+const _: () = assert!(STRIDE == 512, "a slot is 512 bytes (a power of two: slot_of is a mask and a shift)");
 
 struct Arena {
     base: NonNull<u8>,
