@@ -165,21 +165,26 @@ pub unsafe extern "C" fn rdmasafe_get_events(
         };
         let ch = self::channel(channel, true).ok_or(libc::EINVAL)?;
         // A small inline buffer would need unsafe; reuse one Vec per thread
-        // so steady state allocates nothing.
+        // so steady state allocates nothing. It is taken out of its cell
+        // for the call (not borrowed): a log callback that calls back in
+        // here (the header allows it) gets an empty Vec of its own instead
+        // of a borrow conflict.
         thread_local! {
-            static BUF: std::cell::RefCell<Vec<CmEvent>> = const { std::cell::RefCell::new(Vec::new()) };
+            static BUF: std::cell::Cell<Vec<CmEvent>> = const { std::cell::Cell::new(Vec::new()) };
         }
-        BUF.with(|buf| {
-            let mut buf = buf.borrow_mut();
-            buf.clear();
-            let n = ch.get_batch(&mut buf, max as usize, wait).map_err(|e| e.errno())?;
+        let mut buf = BUF.take();
+        buf.clear();
+        let got = ch.get_batch(&mut buf, max as usize, wait).map_err(|e| e.errno());
+        if got.is_ok() {
             for (i, ev) in buf.drain(..).enumerate() {
                 // SAFETY: events has room for max >= n entries (caller's
                 // contract), checked non-NULL.
                 unsafe { *events.add(i) = hand_out(ev) };
             }
-            Ok(n as c_int)
-        })
+        }
+        buf.clear();
+        BUF.set(buf);
+        Ok(got? as c_int)
     })
 }
 
