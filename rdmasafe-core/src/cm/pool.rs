@@ -8,10 +8,15 @@
 //! * a pointer the C app hands back is checked by arithmetic alone (inside
 //!   the arena, on a slot boundary) and then by the slot's state, before
 //!   anything is read through it: no registry, no lock;
-//! * a freed slot goes to the back of a FIFO free list and is handed out
-//!   again only when at least [`QUARANTINE`] other free slots are ahead of
-//!   it, so a stale pointer freed a second time soon after finds its slot
-//!   still free (EINVAL) instead of freeing somebody else's copy.
+//! * a freed copy's slot goes to the back of a FIFO free list and is
+//!   handed out again only after at least [`QUARANTINE`] other copies were
+//!   made since its free (the slot records the copy count from which it
+//!   may be reused; a free list whose oldest slot is not there yet makes a
+//!   new slot instead), so a stale pointer freed a second time soon after
+//!   finds its slot still free (EINVAL) instead of freeing somebody else's
+//!   copy. A get that fails (EAGAIN on a non-blocking channel, say) hands
+//!   no copy out: its slot is kept aside as the next get's, so failed gets
+//!   neither age the quarantine nor make new slots.
 //!
 //! A slot can also hold librdmacm's *original* event un-acked, for at most
 //! a deadline (see [`ack_deadline`]): the original is acked when the copy is
@@ -33,7 +38,7 @@ use crate::sys::{self, rdma_cm_event, RDMA_MAX_PRIVATE_DATA};
 
 /// Most free slots [`reserve`] allocates ahead of time.
 pub const FREE_LIST_CAPACITY: usize = 4096;
-/// A freed slot is handed out again only after this many other free slots.
+/// A freed copy's slot is handed out again only after this many other copies.
 pub const QUARANTINE: usize = 64;
 /// Most copies alive at once (the arena's size; about 500 bytes each).
 pub const MAX_SLOTS: usize = 1 << 21;
@@ -77,6 +82,10 @@ pub(crate) struct Slot {
     original: AtomicPtr<rdma_cm_event>,
     copied_at_ms: AtomicU64,
     deadline_ms: AtomicU64,
+    /// The copy count ([`COPIED`]) from which this slot may be handed out
+    /// again: its last copy's free's count + [`QUARANTINE`] (0: never
+    /// held a copy). Written before the free list's push publishes it.
+    ripe_at: AtomicU64,
 }
 
 // SAFETY: the fields other threads touch (the reaper, counters, a C
@@ -94,9 +103,19 @@ struct Arena {
     committed: AtomicUsize,
     grow: Mutex<()>,
     free: FreeRing,
-    overflow: Mutex<Vec<u32>>,
+    /// Slots freed while the ring was full, oldest first.
+    overflow: Mutex<std::collections::VecDeque<u32>>,
     overflow_len: AtomicUsize,
+    /// Slots that may be handed out at once, taken before the free list:
+    /// those of failed gets (they never held a copy) and those
+    /// [`reserve`] made.
+    ready: FreeRing<READY_RING>,
 }
+
+/// Entries of [`Arena::ready`]: [`FREE_LIST_CAPACITY`] + [`QUARANTINE`]
+/// reserved and the slots of failed gets in flight fit (when it is full, a
+/// slot goes to the free list instead).
+const READY_RING: usize = 8192;
 
 // SAFETY: `base` is an address, never unmapped; everything else is Sync.
 unsafe impl Send for Arena {}
@@ -105,28 +124,33 @@ unsafe impl Sync for Arena {}
 
 /// The lock-free part of the free list: a bounded FIFO of slot indices for
 /// any number of threads, one `AtomicU64` per cell holding a sequence
-/// number (high 32 bits) and the index (low 32 bits). Cell `p % RING`
+/// number (high 32 bits) and the index (low 32 bits), `N` cells (a power
+/// of two, [`RING`] by default). Cell `p % N`
 /// takes the push of position `p` when its sequence reads `p`, and gives
-/// it to the pop of `p` when it reads `p + 1`; the pop leaves `p + RING`
+/// it to the pop of `p` when it reads `p + 1`; the pop leaves `p + N`
 /// for the next lap. A push claims `p` by moving `tail`, a pop by moving
 /// `head` (one compare-and-swap each, no lock, nothing allocated after
 /// `new`). Sequences compare as the low 32 bits of the 64-bit positions
-/// (RING divides 2^32).
-struct FreeRing {
+/// (N divides 2^32).
+struct FreeRing<const N: usize = RING> {
     /// A fixed-size array: a masked position needs no bounds check.
-    cells: Box<[AtomicU64; RING]>,
+    cells: Box<[AtomicU64; N]>,
     head: AtomicU64,
     tail: AtomicU64,
 }
 
-impl FreeRing {
-    fn new() -> FreeRing {
+impl<const N: usize> FreeRing<N> {
+    const POWER_OF_TWO: () = assert!(N.is_power_of_two() && N <= 1 << 31);
+
+    fn new() -> FreeRing<N> {
+        #[allow(clippy::let_unit_value)]
+        let () = Self::POWER_OF_TWO;
         FreeRing {
-            cells: (0..RING as u64)
+            cells: (0..N as u64)
                 .map(|k| AtomicU64::new(k << 32))
                 .collect::<Box<[AtomicU64]>>()
                 .try_into()
-                .unwrap_or_else(|_| unreachable!("RING cells were collected")),
+                .unwrap_or_else(|_| unreachable!("N cells were collected")),
             head: AtomicU64::new(0),
             tail: AtomicU64::new(0),
         }
@@ -134,7 +158,7 @@ impl FreeRing {
 
     #[inline]
     fn cell(&self, pos: u64) -> &AtomicU64 {
-        &self.cells[pos as usize & (RING - 1)]
+        &self.cells[pos as usize & (N - 1)]
     }
 
     /// Entries now (exact when nobody pushes or pops meanwhile; head is
@@ -169,18 +193,25 @@ impl FreeRing {
         }
     }
 
-    /// Removes the oldest entry.
-    #[inline]
+    #[cfg(test)]
     fn pop(&self) -> Option<u32> {
+        self.pop_if(|_| true)
+    }
+
+    /// Removes the oldest entry if `ready` says it may go (`None` when the
+    /// ring is empty or the oldest entry is not ready).
+    #[inline]
+    fn pop_if(&self, ready: impl Fn(u32) -> bool) -> Option<u32> {
         let mut pos = self.head.load(Relaxed);
         loop {
             let c = self.cell(pos).load(Acquire);
             match ((c >> 32) as u32).wrapping_sub((pos as u32).wrapping_add(1)) as i32 {
                 // Filled for pos. `c` stays valid if the claim succeeds: the
                 // cell is rewritten only after a pop of pos, which is us.
+                0 if !ready(c as u32) => return None,
                 0 => match self.head.compare_exchange_weak(pos, pos + 1, Relaxed, Relaxed) {
                     Ok(_) => {
-                        self.cell(pos).store(((pos as u32).wrapping_add(RING as u32) as u64) << 32, Release);
+                        self.cell(pos).store(((pos as u32).wrapping_add(N as u32) as u64) << 32, Release);
                         return Some(c as u32);
                     }
                     Err(now) => pos = now,
@@ -212,8 +243,9 @@ fn arena() -> &'static Arena {
         committed: AtomicUsize::new(0),
         grow: Mutex::new(()),
         free: FreeRing::new(),
-        overflow: Mutex::new(Vec::new()),
+        overflow: Mutex::new(std::collections::VecDeque::new()),
         overflow_len: AtomicUsize::new(0),
+        ready: FreeRing::new(),
     })
 }
 
@@ -264,15 +296,19 @@ impl Arena {
         Some(i as u32)
     }
 
+    /// Slot `i` is out of its quarantine: [`QUARANTINE`] copies were made
+    /// since its last copy was freed (a stale COPIED read only says no).
+    #[inline]
+    fn ripe(&self, i: u32) -> bool {
+        self.slot(i as usize).ripe_at.load(Relaxed) <= COPIED.load(Relaxed)
+    }
+
+    /// The oldest free slot, if it is out of its quarantine.
     #[inline]
     fn pop_free(&self) -> Option<u32> {
-        if self.free.len() > QUARANTINE {
-            if let Some(i) = self.free.pop() {
-                return Some(i);
-            }
+        if let Some(i) = self.free.pop_if(|i| self.ripe(i)) {
+            return Some(i);
         }
-        // Overflow entries were freed while the ring was full: at least
-        // RING - QUARANTINE slots have been handed out since.
         if self.overflow_len.load(Relaxed) > 0 {
             return self.pop_overflow();
         }
@@ -282,9 +318,36 @@ impl Arena {
     #[cold]
     fn pop_overflow(&self) -> Option<u32> {
         let mut o = self.overflow.lock().unwrap_or_else(|e| e.into_inner());
-        let i = o.pop()?;
+        let i = *o.front()?;
+        if !self.ripe(i) {
+            return None;
+        }
+        o.pop_front();
         self.overflow_len.store(o.len(), Relaxed);
         Some(i)
+    }
+
+    /// A slot of [`Arena::ready`], if any.
+    #[inline]
+    fn take_ready(&self) -> Option<u32> {
+        if self.ready.len() == 0 {
+            return None;
+        }
+        self.take_ready_slow()
+    }
+
+    #[cold]
+    fn take_ready_slow(&self) -> Option<u32> {
+        self.ready.pop_if(|_| true)
+    }
+
+    /// A slot that may be handed out at once (it never held a copy, or its
+    /// quarantine is over) goes to [`Arena::ready`].
+    #[cold]
+    fn push_ready(&self, i: u32) {
+        if let Err(i) = self.ready.push(i) {
+            self.push_free(i);
+        }
     }
 
     #[inline]
@@ -297,7 +360,7 @@ impl Arena {
     #[cold]
     fn push_overflow(&self, i: u32) {
         let mut o = self.overflow.lock().unwrap_or_else(|e| e.into_inner());
-        o.push(i);
+        o.push_back(i);
         self.overflow_len.store(o.len(), Relaxed);
     }
 }
@@ -518,12 +581,24 @@ impl SlotBox {
         let s = self.0;
         let held = s.claim_original(s.ack.load(Relaxed) >> 1);
         // SAFETY: the owner's exclusive field.
-        if unsafe { *s.counted.get() } {
+        let counted = unsafe { *s.counted.get() };
+        if counted {
             FREED.fetch_add(1, Relaxed);
+            // Published by the push below (Release), read by a pop after it.
+            s.ripe_at.store(COPIED.load(Relaxed) + QUARANTINE as u64, Relaxed);
         }
         s.state.store(FREE, Release);
         let a = arena();
-        a.push_free(a.index_of(s));
+        let i = a.index_of(s);
+        // A slot that holds no copy (its get failed) was out of its
+        // quarantine when taken: it is the next get's, and the free list
+        // does not move (failed gets neither age the quarantine of the
+        // slots in it nor make new slots).
+        if counted {
+            a.push_free(i);
+        } else {
+            a.push_ready(i);
+        }
         // The ack comes last, as with librdmacm's own free: a thread waiting
         // in rdma_destroy_id wakes only after this copy is completely gone.
         if let Some(o) = held {
@@ -548,7 +623,8 @@ impl Drop for SlotBox {
 pub(crate) fn take() -> crate::Result<SlotBox> {
     let a = arena();
     let i = a
-        .pop_free()
+        .take_ready()
+        .or_else(|| a.pop_free())
         .or_else(|| a.new_slot())
         .ok_or_else(|| crate::Error::new("rdmasafe: CM event copy", libc::ENOMEM))?;
     let s = a.slot(i as usize);
@@ -766,19 +842,26 @@ fn scan(now: u64) {
 }
 
 /// Allocates slots up front so that the next `n` copies (at most
-/// [`FREE_LIST_CAPACITY`]) allocate nothing, the quarantine included.
+/// [`FREE_LIST_CAPACITY`]) allocate nothing, the quarantine included: they
+/// are taken before the free list, whose slots may still be in their
+/// quarantine (just freed), and [`QUARANTINE`] more cover the copies made
+/// while the first ones freed come out of theirs.
 /// Returns how many copies can be taken now without allocating.
 pub fn reserve(n: usize) -> usize {
     let a = arena();
-    let free = || a.free.len() + a.overflow_len.load(Relaxed);
     let want = n.min(FREE_LIST_CAPACITY) + QUARANTINE;
-    while free() < want {
+    while a.ready.len() < want {
         match a.new_slot() {
-            Some(i) => a.push_free(i),
+            Some(i) => {
+                if let Err(i) = a.ready.push(i) {
+                    a.push_free(i);
+                    break;
+                }
+            }
             None => break,
         }
     }
-    free().saturating_sub(QUARANTINE)
+    a.ready.len().saturating_sub(QUARANTINE)
 }
 
 /// Process-wide figures about event copies.
@@ -844,12 +927,37 @@ mod tests {
         assert_eq!((STRIDE * CHUNK_SLOTS) % 4096, 0, "chunks commit whole pages");
     }
 
-    /// A freed slot stays out of circulation for QUARANTINE other takes,
+    /// A slot taken and marked as a copy, as a get that copied an event.
+    fn copy() -> SlotBox {
+        let mut s = take().unwrap();
+        s.mark_copied();
+        s
+    }
+
+    /// Empties the free list (the ring, its overflow and the spare) for a
+    /// test that needs to know what is in it; `restore` puts it back.
+    fn drain_free_list() -> Vec<u32> {
+        let a = arena();
+        let mut all: Vec<u32> = std::iter::from_fn(|| a.free.pop()).collect();
+        all.extend(a.overflow.lock().unwrap().drain(..));
+        a.overflow_len.store(0, Relaxed);
+        all.extend(std::iter::from_fn(|| a.take_ready()));
+        all
+    }
+
+    fn restore(drained: Vec<u32>) {
+        let a = arena();
+        for i in drained {
+            a.push_free(i);
+        }
+    }
+
+    /// A freed slot stays out of circulation for QUARANTINE other copies,
     /// and a pointer to a free slot is never taken back from C.
     #[test]
     fn quarantine_and_stale_pointers() {
         let _g = crate::cm::tests_lock();
-        let first = take().unwrap();
+        let first = copy();
         let p = first.into_c();
         let back = SlotBox::from_c(p).expect("a live C copy is taken back");
         assert!(SlotBox::from_c(p).is_none(), "the same pointer twice: refused");
@@ -857,14 +965,56 @@ mod tests {
         assert!(SlotBox::from_c(p).is_none(), "a freed copy: refused");
         let mut held = Vec::new();
         for _ in 0..QUARANTINE {
-            let s = take().unwrap();
+            let s = copy();
             assert_ne!(s.0 as *const Slot as *const rdma_cm_event, p as *const _, "reused inside the quarantine");
             held.push(s.into_c());
         }
-        assert!(SlotBox::from_c(p).is_none(), "still free after {QUARANTINE} other takes");
+        assert!(SlotBox::from_c(p).is_none(), "still free after {QUARANTINE} other copies");
         for h in held {
             drop(SlotBox::from_c(h).unwrap());
         }
+    }
+
+    /// The quarantine counts copies made since the free, not slots queued
+    /// behind it: with the free list empty, QUARANTINE + 1 copies freed in
+    /// a row and one more get must not hand out the first one's slot (it
+    /// did when reuse waited for QUARANTINE slots behind it).
+    #[test]
+    fn quarantine_counts_copies_not_queued_slots() {
+        let _g = crate::cm::tests_lock();
+        let drained = drain_free_list();
+        let copies: Vec<_> = (0..=QUARANTINE).map(|_| copy().into_c()).collect();
+        for &c in &copies {
+            drop(SlotBox::from_c(c).unwrap());
+        }
+        let next = copy().into_c();
+        assert_ne!(next, copies[0], "the first freed slot handed out again with no copy in between");
+        assert!(SlotBox::from_c(copies[0]).is_none(), "a stale pointer freed again: refused");
+        assert!(SlotBox::peek_c(next).is_some(), "the new copy is still alive");
+        drop(SlotBox::from_c(next).unwrap());
+        restore(drained);
+    }
+
+    /// Gets that fail (a slot taken, no copy made) neither age the
+    /// quarantine nor make new slots: after a free, 2 * QUARANTINE + 1
+    /// failed gets and then one copy, the freed slot is still free (with a
+    /// FIFO that failed gets cycled, it was at the head by then).
+    #[test]
+    fn failed_gets_do_not_age_the_quarantine() {
+        let _g = crate::cm::tests_lock();
+        let drained = drain_free_list();
+        let p = copy().into_c();
+        drop(SlotBox::from_c(p).unwrap());
+        let before = ALLOCATED.load(Relaxed);
+        for _ in 0..2 * QUARANTINE + 1 {
+            drop(take().unwrap());
+        }
+        assert!(ALLOCATED.load(Relaxed) - before <= 1, "failed gets made new slots");
+        let next = copy().into_c();
+        assert_ne!(next, p, "a slot handed out again after failed gets only");
+        assert!(SlotBox::from_c(p).is_none(), "a stale pointer freed again: refused");
+        drop(SlotBox::from_c(next).unwrap());
+        restore(drained);
     }
 
     #[test]
@@ -886,7 +1036,7 @@ mod tests {
     /// threads at once.
     #[test]
     fn free_ring_fifo_and_concurrent() {
-        let r = FreeRing::new();
+        let r = FreeRing::<RING>::new();
         assert_eq!(r.pop(), None);
         for lap in 0..5u32 {
             for i in 0..RING as u32 {
@@ -899,7 +1049,7 @@ mod tests {
             }
             assert_eq!(r.pop(), None, "empty");
         }
-        let r = std::sync::Arc::new(FreeRing::new());
+        let r = std::sync::Arc::new(FreeRing::<RING>::new());
         let per = 20_000u32;
         let seen: Vec<u32> = std::thread::scope(|sc| {
             for t in 0..2u32 {
