@@ -657,9 +657,9 @@ int rdmasafe_get_event_timeout(struct rdma_event_channel *channel,
  * costs one system call; otherwise a poll() is added per event.
  *
  * Returns n >= 1, or -1 with errno: EINVAL (NULL argument, `max < 1`,
- * `timeout_ms < -1`), EAGAIN, ETIMEDOUT, ENOBUFS, ENOMEM, or the error of
- * `rdma_get_cm_event`. Nothing is stored on failure; errno is untouched
- * on success.
+ * `timeout_ms < -1`), EAGAIN, ETIMEDOUT, EINTR (a signal), ENOBUFS,
+ * ENOMEM, or the error of `rdma_get_cm_event`. Nothing is stored on
+ * failure; errno is untouched on success.
  *
  * # Safety
  * `channel` NULL or live; `events` NULL or writable for `max` pointers.
@@ -758,8 +758,8 @@ int rdmasafe_cm_get_counters(struct rdmasafe_cm_counters *out);
 /**
  * Pre-allocates storage so that the next `n` copies allocate nothing (at
  * most 4096 are prepared; larger `n` are treated as 4096). Returns how many
- * copies can be got now without allocating (>= `n`), -EINVAL if `n < 0`,
- * or -ENOMEM. Thread-safe.
+ * copies can be got now without allocating (at least `n`, or 4096 for a
+ * larger `n`), -EINVAL if `n < 0`, or -ENOMEM. Thread-safe.
  */
 int rdmasafe_cm_reserve(int n);
 
@@ -971,8 +971,10 @@ int rdmasafe_cq_loop_get_stats(struct rdmasafe_cq_loop *cq_loop,
  * `rdmasafe_cq_loop_drain_qp_async` to be told when it is done).
  *
  * Returns 0, RDMASAFE_PENDING, -EINVAL (NULL, unknown loop, CQs not in the
- * loop, `timeout_ms <= 0`), -ETIMEDOUT, -ECANCELED (a CQ of the QP left
- * the loop meanwhile), or the negative errno of a verbs call.
+ * loop, `timeout_ms <= 0`; also a CQ of the QP that left the loop
+ * between the call and the drain's start), -ETIMEDOUT, -ECANCELED (a CQ
+ * of the QP left the loop while the drain ran), or the negative errno of
+ * a verbs call.
  *
  * # Safety
  * `qp` NULL or a live QP with a free slot on each queue, alive until the
@@ -986,7 +988,8 @@ int rdmasafe_cq_loop_drain_qp(struct rdmasafe_cq_loop *cq_loop,
 /**
  * Starts a drain (see `rdmasafe_cq_loop_drain_qp`) and never blocks:
  * `done(done_ctx, qp, result)` is called once with its result (0,
- * -ETIMEDOUT, -ECANCELED, ...) on the thread that runs the loop; the
+ * -ETIMEDOUT, -ECANCELED, -EINVAL when a CQ of the QP left the loop
+ * before the drain started, ...) on the thread that runs the loop; the
  * drain makes progress as the loop runs.
  *
  * Returns 0 (`done` will be called), -EINVAL (NULL `qp` or `done`, unknown

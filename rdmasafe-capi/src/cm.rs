@@ -144,9 +144,9 @@ pub unsafe extern "C" fn rdmasafe_get_event_timeout(
 /// costs one system call; otherwise a poll() is added per event.
 ///
 /// Returns n >= 1, or -1 with errno: EINVAL (NULL argument, `max < 1`,
-/// `timeout_ms < -1`), EAGAIN, ETIMEDOUT, ENOBUFS, ENOMEM, or the error of
-/// `rdma_get_cm_event`. Nothing is stored on failure; errno is untouched
-/// on success.
+/// `timeout_ms < -1`), EAGAIN, ETIMEDOUT, EINTR (a signal), ENOBUFS,
+/// ENOMEM, or the error of `rdma_get_cm_event`. Nothing is stored on
+/// failure; errno is untouched on success.
 ///
 /// # Safety
 /// `channel` NULL or live; `events` NULL or writable for `max` pointers.
@@ -393,8 +393,8 @@ pub unsafe extern "C" fn rdmasafe_cm_get_counters(out: *mut rdmasafe_cm_counters
 
 /// Pre-allocates storage so that the next `n` copies allocate nothing (at
 /// most 4096 are prepared; larger `n` are treated as 4096). Returns how many
-/// copies can be got now without allocating (>= `n`), -EINVAL if `n < 0`,
-/// or -ENOMEM. Thread-safe.
+/// copies can be got now without allocating (at least `n`, or 4096 for a
+/// larger `n`), -EINVAL if `n < 0`, or -ENOMEM. Thread-safe.
 #[no_mangle]
 pub extern "C" fn rdmasafe_cm_reserve(n: c_int) -> c_int {
     guard(

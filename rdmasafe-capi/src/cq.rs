@@ -814,8 +814,10 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_get_stats(
 /// `rdmasafe_cq_loop_drain_qp_async` to be told when it is done).
 ///
 /// Returns 0, RDMASAFE_PENDING, -EINVAL (NULL, unknown loop, CQs not in the
-/// loop, `timeout_ms <= 0`), -ETIMEDOUT, -ECANCELED (a CQ of the QP left
-/// the loop meanwhile), or the negative errno of a verbs call.
+/// loop, `timeout_ms <= 0`; also a CQ of the QP that left the loop
+/// between the call and the drain's start), -ETIMEDOUT, -ECANCELED (a CQ
+/// of the QP left the loop while the drain ran), or the negative errno of
+/// a verbs call.
 ///
 /// # Safety
 /// `qp` NULL or a live QP with a free slot on each queue, alive until the
@@ -848,7 +850,8 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_drain_qp(
 
 /// Starts a drain (see `rdmasafe_cq_loop_drain_qp`) and never blocks:
 /// `done(done_ctx, qp, result)` is called once with its result (0,
-/// -ETIMEDOUT, -ECANCELED, ...) on the thread that runs the loop; the
+/// -ETIMEDOUT, -ECANCELED, -EINVAL when a CQ of the QP left the loop
+/// before the drain started, ...) on the thread that runs the loop; the
 /// drain makes progress as the loop runs.
 ///
 /// Returns 0 (`done` will be called), -EINVAL (NULL `qp` or `done`, unknown

@@ -38,7 +38,7 @@
 //! on it, each with a handler that gets batches of [`verbs::Wc`] (errors
 //! included, each completion exactly once): arm, wait, get, ack to the CQ
 //! the event names (batched), re-arm *before* the final drain, in event,
-//! busy-poll or adaptive mode. CQs come and go while it runs, from any
+//! busy-poll, adaptive (fixed spin) or learning mode. CQs come and go while it runs, from any
 //! thread ([`cq::LoopControl`]) or from a handler. It runs on your thread
 //! ([`cq::CqLoop::run`], [`cq::CqLoop::run_for`]), on its own
 //! ([`cq::CqLoop::spawn`]), or one cycle at a time from your own epoll
