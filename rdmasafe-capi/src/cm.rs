@@ -201,8 +201,8 @@ pub unsafe extern "C" fn rdmasafe_get_events(
 /// EINVAL, nothing is touched, and an error-level log line says so (a
 /// librdmacm event must go to `rdma_ack_cm_event`, or its id's destroy
 /// waits forever). A freed copy's storage is handed out again only after at
-/// least 64 other copies were got since its free (gets that fail do not
-/// count), so a stale pointer freed a second time within that window is
+/// least 64 other copies were got since its free, on any thread and
+/// channel (gets that fail do not count), so a stale pointer freed a second time within that window is
 /// always EINVAL; beyond it, it cannot be told apart from the newer copy
 /// that reuses the storage.
 ///

@@ -5,8 +5,9 @@
 //! or fails with EAGAIN as a non-blocking channel with nothing ready does.
 //!
 //! The header's promise: "A freed copy's storage is handed out again only
-//! after at least 64 other copies, so a stale pointer freed a second time
-//! within that window is always EINVAL".
+//! after at least 64 other copies were got since its free (gets that fail
+//! do not count), so a stale pointer freed a second time within that
+//! window is always EINVAL".
 
 use std::os::raw::c_int;
 use std::ptr::null_mut;

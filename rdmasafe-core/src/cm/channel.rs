@@ -330,7 +330,6 @@ impl<'a> ChannelRef<'a> {
     /// ack deadline passes.
     #[inline]
     fn settle(&self, slot: &mut pool::SlotBox, ev: *mut rdma_cm_event) {
-        log::trace!(target: "rdmasafe", "copied CM event {} status {}", EventType(slot.raw().event), slot.raw().status);
         let deadline_ms = match self.ack_deadline {
             Some(d) => d.as_millis().min(u64::MAX as u128) as u64,
             None => pool::ack_deadline_ms(),
@@ -343,6 +342,9 @@ impl<'a> ChannelRef<'a> {
             // SAFETY: as above; from now on the slot acks it, once.
             unsafe { slot.hold_original(ev, deadline_ms) };
         }
+        // After the ack or the hold: a log callback that waits on the id
+        // (rdma_destroy_id) is released by the free or the deadline.
+        log::trace!(target: "rdmasafe", "copied CM event {} status {}", EventType(slot.raw().event), slot.raw().status);
     }
 
     fn get_with(&self, wait: Wait, owner: Option<&Arc<ChannelInner>>) -> Result<CmEvent> {

@@ -16,7 +16,11 @@
 //!   finds its slot still free (EINVAL) instead of freeing somebody else's
 //!   copy. A get that fails (EAGAIN on a non-blocking channel, say) hands
 //!   no copy out: its slot is kept aside as the next get's, so failed gets
-//!   neither age the quarantine nor make new slots.
+//!   neither age the quarantine nor make new slots. The slots [`reserve`]
+//!   prepares are kept aside the same way (new ones, or free ones out of
+//!   their quarantine) and taken before the free list.
+//! * The quarantine counts every copy of the process: all threads, all
+//!   channels, the Rust API's too.
 //!
 //! A slot can also hold librdmacm's *original* event un-acked, for at most
 //! a deadline (see [`ack_deadline`]): the original is acked when the copy is
@@ -36,7 +40,7 @@ use std::time::Duration;
 
 use crate::sys::{self, rdma_cm_event, RDMA_MAX_PRIVATE_DATA};
 
-/// Most free slots [`reserve`] allocates ahead of time.
+/// Most copies one [`reserve`] call prepares for.
 pub const FREE_LIST_CAPACITY: usize = 4096;
 /// A freed copy's slot is handed out again only after this many other copies.
 pub const QUARANTINE: usize = 64;
@@ -169,7 +173,10 @@ impl<const N: usize> FreeRing<N> {
         self.tail.load(Acquire).wrapping_sub(head) as usize
     }
 
-    /// Appends `i`; gives it back when the ring is full.
+    /// Appends `i`; gives it back when the ring is full, or looks full: a
+    /// pop preempted between its claim and its release of the cell blocks
+    /// pushes to that cell until it runs again (then the caller's fallback,
+    /// the overflow list or the free list, takes `i`; nothing is lost).
     #[inline]
     fn push(&self, i: u32) -> Result<(), u32> {
         let mut pos = self.tail.load(Relaxed);
@@ -849,19 +856,34 @@ fn scan(now: u64) {
 /// Returns how many copies can be taken now without allocating.
 pub fn reserve(n: usize) -> usize {
     let a = arena();
-    let want = n.min(FREE_LIST_CAPACITY) + QUARANTINE;
-    while a.ready.len() < want {
-        match a.new_slot() {
-            Some(i) => {
-                if let Err(i) = a.ready.push(i) {
-                    a.push_free(i);
-                    break;
-                }
-            }
-            None => break,
+    let n = n.min(FREE_LIST_CAPACITY);
+    let want = n + QUARANTINE;
+    // Free slots out of their quarantine first, new ones only when there
+    // are none: a reserve per get or per burst reuses the slots the copies
+    // before it freed instead of growing the arena. A fixed number of
+    // rounds: getters taking from `ready` meanwhile cannot keep it going.
+    let mut failed = false;
+    for _ in 0..want.saturating_sub(a.ready.len()) {
+        if a.ready.len() >= want {
+            break;
+        }
+        let Some(i) = a.pop_free().or_else(|| a.new_slot()) else {
+            failed = true;
+            break;
+        };
+        if let Err(i) = a.ready.push(i) {
+            a.push_free(i);
+            break;
         }
     }
-    a.ready.len().saturating_sub(QUARANTINE)
+    let got = a.ready.len().saturating_sub(QUARANTINE);
+    // Only a failed allocation reports fewer than asked: what other
+    // threads took meanwhile was theirs to take.
+    if failed {
+        got
+    } else {
+        got.max(n)
+    }
 }
 
 /// Process-wide figures about event copies.
@@ -934,7 +956,7 @@ mod tests {
         s
     }
 
-    /// Empties the free list (the ring, its overflow and the spare) for a
+    /// Empties the free list (the ring, its overflow and `ready`) for a
     /// test that needs to know what is in it; `restore` puts it back.
     fn drain_free_list() -> Vec<u32> {
         let a = arena();
@@ -1015,6 +1037,35 @@ mod tests {
         assert!(SlotBox::from_c(p).is_none(), "a stale pointer freed again: refused");
         drop(SlotBox::from_c(next).unwrap());
         restore(drained);
+    }
+
+    /// A reserve before every get, or before every burst of gets, reuses
+    /// the slots the copies before it freed: the arena stays bounded (it
+    /// grew by one slot per reserved copy when reserve made new slots only).
+    #[test]
+    fn reserve_reuses_freed_slots() {
+        let _g = crate::cm::tests_lock();
+        for _ in 0..200 {
+            assert!(reserve(1) >= 1);
+            drop(copy());
+        }
+        let before = ALLOCATED.load(Relaxed);
+        for _ in 0..5_000 {
+            assert!(reserve(1) >= 1);
+            drop(copy());
+        }
+        let grown = ALLOCATED.load(Relaxed) - before;
+        assert!(grown <= QUARANTINE as u64, "a reserve per get made {grown} new slots in 5,000 gets");
+        let before = ALLOCATED.load(Relaxed);
+        for _ in 0..10 {
+            assert!(reserve(500) >= 500);
+            let burst: Vec<_> = (0..500).map(|_| copy()).collect();
+            drop(burst);
+        }
+        let grown = ALLOCATED.load(Relaxed) - before;
+        // At most two bursts' worth: the last burst's slots are still in
+        // their quarantine when the next reserve runs.
+        assert!(grown <= 2 * (500 + QUARANTINE) as u64, "10 bursts of 500 made {grown} new slots");
     }
 
     #[test]
