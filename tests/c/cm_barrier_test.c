@@ -117,6 +117,7 @@ static int check_at(int line, int ok, const char *fmt, ...)
 {
 	va_list ap;
 
+	flockfile(stdout); /* one line at a time: other threads print too */
 	printf("%s %s: ", ok ? "ok  " : "FAIL", side);
 	va_start(ap, fmt);
 	vprintf(fmt, ap);
@@ -129,6 +130,7 @@ static int check_at(int line, int ok, const char *fmt, ...)
 		passed++;
 	else
 		failed++;
+	funlockfile(stdout);
 	return ok;
 }
 #define CHECK(ok, ...) check_at(__LINE__, !!(ok), __VA_ARGS__)
@@ -138,12 +140,14 @@ static void info(const char *fmt, ...)
 {
 	va_list ap;
 
+	flockfile(stdout); /* one line at a time: other threads print too */
 	printf("info %s: ", side);
 	va_start(ap, fmt);
 	vprintf(fmt, ap);
 	va_end(ap);
 	printf("\n");
 	fflush(stdout);
+	funlockfile(stdout);
 }
 
 static void on_alarm(int sig)

@@ -58,6 +58,7 @@ static const char *volatile phase = "start";
 
 static void vcheck(int ok, int line, const char *fmt, va_list ap)
 {
+	flockfile(stdout); /* one line at a time: other threads print too */
 	printf("%s ", ok ? "ok  " : "FAIL");
 	vprintf(fmt, ap);
 	if (!ok)
@@ -68,6 +69,7 @@ static void vcheck(int ok, int line, const char *fmt, va_list ap)
 		passed++;
 	else
 		failed++;
+	funlockfile(stdout);
 }
 
 static int check_at(int line, int ok, const char *fmt, ...)
@@ -88,12 +90,14 @@ static void info(const char *fmt, ...)
 {
 	va_list ap;
 
+	flockfile(stdout); /* one line at a time: other threads print too */
 	printf("info ");
 	va_start(ap, fmt);
 	vprintf(fmt, ap);
 	va_end(ap);
 	printf("\n");
 	fflush(stdout);
+	funlockfile(stdout);
 }
 
 /* A call of the -1/errno convention failed with exactly `want`. */

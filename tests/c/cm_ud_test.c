@@ -74,6 +74,7 @@ static int check_at(int line, int ok, const char *fmt, ...)
 {
 	va_list ap;
 
+	flockfile(stdout); /* one line at a time: other threads print too */
 	printf("%s ", ok ? "ok  " : "FAIL");
 	va_start(ap, fmt);
 	vprintf(fmt, ap);
@@ -86,6 +87,7 @@ static int check_at(int line, int ok, const char *fmt, ...)
 		passed++;
 	else
 		failed++;
+	funlockfile(stdout);
 	return ok;
 }
 #define CHECK(ok, ...) check_at(__LINE__, !!(ok), __VA_ARGS__)
@@ -95,12 +97,14 @@ static void info(const char *fmt, ...)
 {
 	va_list ap;
 
+	flockfile(stdout); /* one line at a time: other threads print too */
 	printf("info ");
 	va_start(ap, fmt);
 	vprintf(fmt, ap);
 	va_end(ap);
 	printf("\n");
 	fflush(stdout);
+	funlockfile(stdout);
 }
 
 static void on_alarm(int sig)
