@@ -200,7 +200,7 @@ impl<const N: usize> FreeRing<N> {
         }
     }
 
-    #[cfg(test)]
+    /// Removes the oldest entry.
     fn pop(&self) -> Option<u32> {
         self.pop_if(|_| true)
     }
@@ -345,7 +345,7 @@ impl Arena {
 
     #[cold]
     fn take_ready_slow(&self) -> Option<u32> {
-        self.ready.pop_if(|_| true)
+        self.ready.pop()
     }
 
     /// A slot that may be handed out at once (it never held a copy, or its
