@@ -21,6 +21,10 @@ use crate::guard;
 /// NUL-terminated string valid during the call. Called from whichever
 /// thread logs (the loop's thread for trace messages about CQ wakeups), so
 /// it must be thread-safe. It may call rdmasafe functions (no lock is held).
+/// It may block: a line written by a CM get comes after librdmacm's
+/// original event is acked or held, so a callback that waits for a thread
+/// in `rdma_destroy_id` of that event's id is released by the ack deadline
+/// at the latest (a callback that blocks on a loop's thread stalls that loop).
 pub type rdmasafe_log_cb = Option<unsafe extern "C" fn(ctx: *mut c_void, level: c_int, msg: *const c_char)>;
 
 struct CSink {

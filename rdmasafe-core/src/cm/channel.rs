@@ -267,8 +267,8 @@ impl<'a> ChannelRef<'a> {
     /// building a [`CmEvent`] around the slot only to take it apart again.
     #[inline]
     pub fn get_raw(&self) -> Result<*mut rdma_cm_event> {
-        let (mut slot, ev) = self.take_event()?;
-        self.settle(&mut slot, ev);
+        let (mut slot, ev, alive) = self.take_event()?;
+        self.settle(&mut slot, ev, alive);
         Ok(slot.into_c())
     }
 
@@ -278,7 +278,7 @@ impl<'a> ChannelRef<'a> {
     /// With an owner, a CONNECT_REQUEST's new id gets a token as context and
     /// is owned by the returned event.
     fn fetch(&self, owner: Option<&Arc<ChannelInner>>) -> Result<CmEvent> {
-        let (mut slot, ev) = self.take_event()?;
+        let (mut slot, ev, alive) = self.take_event()?;
         let request = match owner {
             Some(owner) if EventType(slot.raw().event) == EventType::CONNECT_REQUEST && !slot.raw().id.is_null() => {
                 let token = IdToken::next();
@@ -295,14 +295,15 @@ impl<'a> ChannelRef<'a> {
             }
             _ => None,
         };
-        self.settle(&mut slot, ev);
+        self.settle(&mut slot, ev, alive);
         Ok(CmEvent::new(slot, request))
     }
 
-    /// The limit, a slot, one `rdma_get_cm_event`, the copy: the slot and
-    /// librdmacm's original, not acked yet (see [`ChannelRef::settle`]).
+    /// The limit, a slot, one `rdma_get_cm_event`, the copy: the slot,
+    /// librdmacm's original, not acked yet (see [`ChannelRef::settle`]),
+    /// and the copies alive now.
     #[inline]
-    fn take_event(&self) -> Result<(pool::SlotBox, *mut rdma_cm_event)> {
+    fn take_event(&self) -> Result<(pool::SlotBox, *mut rdma_cm_event, u64)> {
         // Storage and the limit first: a failure here leaves the event in
         // the kernel.
         pool::check_limit()?;
@@ -320,16 +321,17 @@ impl<'a> ChannelRef<'a> {
         }
         // SAFETY: ev is a fresh, unacked librdmacm event: ids live, private
         // data readable in its own buffer, as copy_raw requires.
-        unsafe { copy_raw(ev, &mut slot) };
-        Ok((slot, ev))
+        let alive = unsafe { copy_raw(ev, &mut slot) };
+        Ok((slot, ev, alive))
     }
 
     /// The original `ev` of the copy in `slot` (fresh from
     /// [`ChannelRef::take_event`], un-acked, nothing read from it any more):
     /// acked at once, or held by the slot until the copy is freed or the
-    /// ack deadline passes.
+    /// ack deadline passes. Then the get path's log lines (the trace of
+    /// the copy, the "many copies held" warning for `alive` copies).
     #[inline]
-    fn settle(&self, slot: &mut pool::SlotBox, ev: *mut rdma_cm_event) {
+    fn settle(&self, slot: &mut pool::SlotBox, ev: *mut rdma_cm_event, alive: u64) {
         let deadline_ms = match self.ack_deadline {
             Some(d) => d.as_millis().min(u64::MAX as u128) as u64,
             None => pool::ack_deadline_ms(),
@@ -345,6 +347,7 @@ impl<'a> ChannelRef<'a> {
         // After the ack or the hold: a log callback that waits on the id
         // (rdma_destroy_id) is released by the free or the deadline.
         log::trace!(target: "rdmasafe", "copied CM event {} status {}", EventType(slot.raw().event), slot.raw().status);
+        pool::warn_if_many_held(alive);
     }
 
     fn get_with(&self, wait: Wait, owner: Option<&Arc<ChannelInner>>) -> Result<CmEvent> {

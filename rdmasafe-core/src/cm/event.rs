@@ -153,7 +153,8 @@ impl fmt::Debug for UdParam {
 /// MULTICAST_JOIN / MULTICAST_ERROR's context pointer of the app, USER's
 /// `param.arg` cookie (rdma-core v60), what later event types may put there.
 /// Bytes of the slot past the private data read 0, as in librdmacm's
-/// zeroed event.
+/// zeroed event. Returns the copies alive now: pass it to
+/// [`super::pool::warn_if_many_held`] once the original is acked or held.
 ///
 /// # Safety
 /// `raw` must be an event returned by `rdma_get_cm_event` (or laid out
@@ -162,7 +163,7 @@ impl fmt::Debug for UdParam {
 /// `rdma_cm_id`s, and the buffer after the event must be readable for
 /// `private_data_len` bytes when `private_data` points there.
 #[inline]
-pub(crate) unsafe fn copy_raw(raw: *const rdma_cm_event, slot: &mut SlotBox) {
+pub(crate) unsafe fn copy_raw(raw: *const rdma_cm_event, slot: &mut SlotBox) -> u64 {
     // SAFETY (whole block): guaranteed by the caller as documented above.
     unsafe {
         let ev = &*raw;
@@ -191,7 +192,7 @@ pub(crate) unsafe fn copy_raw(raw: *const rdma_cm_event, slot: &mut SlotBox) {
             slot.clear_data();
         }
     }
-    slot.mark_copied();
+    slot.mark_copied()
 }
 
 /// An owned copy of one CM event, in storage rdmasafe owns. Dropping it
@@ -449,7 +450,8 @@ impl SyntheticEvent {
 pub unsafe fn copy_synthetic(raw: *const rdma_cm_event) -> CmEvent {
     let mut slot = super::pool::take().expect("a slot for a synthetic copy");
     // SAFETY: forwarded contract.
-    unsafe { copy_raw(raw, &mut slot) };
+    let alive = unsafe { copy_raw(raw, &mut slot) };
+    super::pool::warn_if_many_held(alive);
     CmEvent::new(slot, None)
 }
 

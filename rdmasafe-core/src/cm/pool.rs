@@ -390,7 +390,20 @@ fn outstanding() -> u64 {
     COPIED.load(Relaxed).saturating_sub(freed)
 }
 
-/// The "many copies held" warning, once per doubling (out of the get path).
+/// The "many copies held" warning, once per doubling, for a copy that made
+/// `alive` copies alive ([`SlotBox::mark_copied`]'s result). Call it after
+/// the copy's original is acked or held: a log callback may block on the
+/// event's id (an app lock held by a thread in `rdma_destroy_id`), and only
+/// a held original is acked by the deadline.
+#[inline]
+pub(crate) fn warn_if_many_held(alive: u64) {
+    let next = NEXT_WARNING.load(Relaxed);
+    if alive >= next {
+        warn_many_held(alive, next);
+    }
+}
+
+/// [`warn_if_many_held`]'s message (out of the get path).
 #[cold]
 fn warn_many_held(n: u64, next: u64) {
     if NEXT_WARNING.compare_exchange(next, next.saturating_mul(2), Relaxed, Relaxed).is_ok() {
@@ -471,10 +484,12 @@ impl SlotBox {
         self.0.listen_context.load(Relaxed)
     }
 
-    /// Counts the slot as a live copy (copied, high-water mark, the
-    /// "many copies held" warning) and stamps its age.
+    /// Counts the slot as a live copy (copied, high-water mark) and stamps
+    /// its age. Returns the copies alive now, for [`warn_if_many_held`],
+    /// which the caller calls once librdmacm's original is acked or held
+    /// (a log callback may wait on the event's id).
     #[inline]
-    pub(crate) fn mark_copied(&mut self) {
+    pub(crate) fn mark_copied(&mut self) -> u64 {
         // SAFETY: the owner's exclusive field.
         unsafe { *self.0.counted.get() = true };
         self.0.copied_at_ms.store(sys::coarse_now_ms(), Relaxed);
@@ -483,10 +498,7 @@ impl SlotBox {
         if n > HIGH_WATER.load(Relaxed) {
             HIGH_WATER.fetch_max(n, Relaxed);
         }
-        let next = NEXT_WARNING.load(Relaxed);
-        if n >= next {
-            warn_many_held(n, next);
-        }
+        n
     }
 
     #[inline]
@@ -952,7 +964,7 @@ mod tests {
     /// A slot taken and marked as a copy, as a get that copied an event.
     fn copy() -> SlotBox {
         let mut s = take().unwrap();
-        s.mark_copied();
+        let _ = s.mark_copied();
         s
     }
 
