@@ -27,7 +27,12 @@
 //!
 //! Handlers run on the runtime's thread that drives the loop: keep them
 //! short and never block in them (send work to a task instead, e.g.
-//! through an unbounded channel).
+//! through an unbounded channel). A blocking request from a thread outside
+//! the runtime ([`LoopControl::drain_id`], [`LoopControl::remove_cq`])
+//! waits for the running loop to apply and finish it, so the handlers stay
+//! on the runtime's thread and that thread is never held up by it; made
+//! on the runtime's thread itself (outside a handler), it runs the loop
+//! there, as a blocking call does when nobody runs the loop.
 //!
 //! Cancellation: every future here may be dropped at any await point.
 //! A dropped [`AsyncEventChannel::next`] loses no event (events are taken
@@ -245,6 +250,9 @@ impl AsyncCqLoop {
         }
         let _flush = FlushOnDrop(lp, &self.active);
         loop {
+            // Blocking changes from other threads wait for this thread (the
+            // one polling the run now) instead of running handlers there.
+            lp.set_async_driver(true);
             // Wait for the fd, or for the loop's next deadline (the fd's
             // timer fires then too; this is the runtime's own timer for it).
             let deadline = lp.next_timeout().map(|d| tokio::time::Instant::now() + d);
@@ -265,6 +273,7 @@ impl AsyncCqLoop {
                 .await
                 .map_err(Error::from)?
             };
+            lp.set_async_driver(true);
             let mut guard = guard;
             let mut turn = 0;
             loop {
@@ -322,6 +331,7 @@ struct FlushOnDrop<'a>(&'a CqLoop, &'a AtomicBool);
 impl Drop for FlushOnDrop<'_> {
     fn drop(&mut self) {
         let _ = self.0.flush_acks();
+        self.0.set_async_driver(false);
         self.1.store(false, SeqCst);
     }
 }

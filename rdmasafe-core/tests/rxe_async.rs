@@ -276,3 +276,63 @@ fn keepalive_deadlines_drive_an_idle_async_loop() {
         drop(p);
     });
 }
+
+/// A blocking drain from a plain thread while a spawned async loop runs on
+/// a current-thread runtime: the request waits for the loop, so the
+/// handlers run on the runtime's thread (as the module promises), never on
+/// the draining thread. Before, the draining thread ran the loop itself
+/// (the flushed completions were delivered there, and the runtime's thread
+/// blocked on the loop meanwhile).
+#[test]
+fn a_blocking_drain_from_a_plain_thread_leaves_the_handlers_on_the_runtime() {
+    let _s = serial();
+    let bed = common::bed();
+    let _dog = common::watchdog("async loop, blocking drain from a thread", Duration::from_secs(240));
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let runtime_thread = std::thread::current().id();
+    rt.block_on(async {
+        let ctx = {
+            let ch = EventChannel::new().unwrap();
+            let id = ch.create_id(PortSpace::Tcp).unwrap();
+            id.bind_addr((bed.addr, 0).into()).unwrap();
+            id.device_context().unwrap()
+        };
+        let chan = CompChannel::new(&ctx).unwrap();
+        let p = Arc::new(rc_pair(bed.addr, &chan, false, 16));
+        let task = AsyncCqLoop::new(CqLoop::new(&chan, LoopOptions::default()).unwrap()).unwrap().spawn();
+        let ctl = task.control();
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let c2 = calls.clone();
+        ctl.add_cq(&p.server_cq, ctl.default_cq_options(), move |wcs, _| {
+            for wc in wcs {
+                c2.lock().unwrap().push((wc.wr_id(), std::thread::current().id()));
+            }
+        })
+        .unwrap();
+        for k in 0..4 {
+            p.recv(k * SLOT, SLOT as u32, 100 + k as u64);
+        }
+        let (p2, ctl2) = (p.clone(), ctl.clone());
+        let drainer = std::thread::spawn(move || {
+            let s = p2.server.lock().unwrap();
+            ctl2.drain_id(&s.id, Duration::from_secs(60)).map_err(|e| e.to_string())
+        });
+        // The runtime keeps running the loop while the thread waits.
+        while !drainer.is_finished() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let drainer_thread = drainer.thread().id();
+        drainer.join().unwrap().expect("the drain");
+        let lp = task.stop().await.unwrap();
+        let calls = calls.lock().unwrap().clone();
+        let mut ids: Vec<u64> = calls.iter().map(|c| c.0).collect();
+        ids.sort_unstable();
+        assert_eq!(ids, [100, 101, 102, 103], "the four flushed receives, once each");
+        for (wr_id, thread) in calls {
+            assert_ne!(thread, drainer_thread, "wr_id {wr_id}: handler ran on the draining thread");
+            assert_eq!(thread, runtime_thread, "wr_id {wr_id}: handler ran off the runtime's thread");
+        }
+        assert_eq!(lp.get_ref().stats().unacked_now, 0);
+        drop(lp);
+    });
+}

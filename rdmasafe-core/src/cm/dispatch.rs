@@ -9,6 +9,10 @@
 //!   are not lost, with one exception the kernel imposes: connect requests
 //!   beyond the listener's backlog (see [`super::CmId::listen`]) are dropped
 //!   by the kernel, and those clients end in UNREACHABLE after ~70 s.
+//!   The same when no copy can be made (the copy limit of
+//!   [`super::set_limit`] is reached, or memory is short): the thread
+//!   waits for copies to be freed, retrying every few milliseconds
+//!   ([`DispatcherStats::storage_waits`]), and goes on.
 //! * Stop is prompt: the thread waits in poll() on the channel fd and an
 //!   eventfd, and [`Dispatcher::stop`] (or a [`StopHandle`], also usable
 //!   from inside the callback) writes the eventfd.
@@ -220,6 +224,11 @@ pub struct DispatcherStats {
     pub max_batch: u64,
     /// Times the thread found the work queue full and waited.
     pub queue_full_waits: u64,
+    /// Times a get was refused for want of storage (the copy limit of
+    /// [`super::set_limit`] reached: ENOBUFS; no memory: ENOMEM) and the
+    /// thread waited for copies to be freed. The event stays in the kernel
+    /// meanwhile; nothing is lost.
+    pub storage_waits: u64,
 }
 
 #[derive(Default)]
@@ -229,6 +238,7 @@ struct Shared {
     events: AtomicU64,
     max_batch: AtomicU64,
     full_waits: AtomicU64,
+    storage_waits: AtomicU64,
 }
 
 /// Asks a dispatcher to stop; cheap to clone, callable from any thread,
@@ -305,6 +315,7 @@ impl Dispatcher {
             events: s.events.load(Relaxed),
             max_batch: s.max_batch.load(Relaxed),
             queue_full_waits: s.full_waits.load(Relaxed),
+            storage_waits: s.storage_waits.load(Relaxed),
         }
     }
 
@@ -336,9 +347,15 @@ impl Drop for Dispatcher {
     }
 }
 
+/// The first wait for copies to be freed when a get finds no storage;
+/// each further one in a row doubles, up to the last.
+const STORAGE_WAIT_FIRST: Duration = Duration::from_millis(1);
+const STORAGE_WAIT_LAST: Duration = Duration::from_millis(64);
+
 fn run(ch: EventChannel, mut sink: Sink, h: StopHandle) -> Result<()> {
     let s = &h.shared;
     let stopped = || s.stop.load(SeqCst);
+    let mut storage_wait = STORAGE_WAIT_FIRST;
     let result = (|| {
         while !stopped() {
             let [_, woken] = sys::poll_readable([ch.inner_fd(), h.wake.fd()], Wait::Forever)
@@ -348,7 +365,29 @@ fn run(ch: EventChannel, mut sink: Sink, h: StopHandle) -> Result<()> {
             }
             let mut batch = 0u64;
             while batch < DRAIN_PER_WAKEUP as u64 && !stopped() {
-                let Some(ev) = ch.try_get()? else { break };
+                let ev = match ch.try_get() {
+                    Ok(Some(ev)) => {
+                        storage_wait = STORAGE_WAIT_FIRST;
+                        ev
+                    }
+                    Ok(None) => break,
+                    // No storage for a copy: the event stays in the kernel
+                    // until copies are freed; wait (stop still ends it), then
+                    // try again. Any other error ends the thread.
+                    Err(e) if matches!(e.errno(), libc::ENOBUFS | libc::ENOMEM) => {
+                        if s.storage_waits.fetch_add(1, Relaxed) == 0 {
+                            log::warn!(target: "rdmasafe", "CM dispatcher: {e}; waiting for copies to be freed");
+                        } else if storage_wait == STORAGE_WAIT_FIRST {
+                            log::debug!(target: "rdmasafe", "CM dispatcher: {e}; waiting for copies to be freed");
+                        }
+                        if let Ok([true]) = sys::poll_readable([h.wake.fd()], Wait::For(storage_wait)) {
+                            h.wake.drain();
+                        }
+                        storage_wait = (storage_wait * 2).min(STORAGE_WAIT_LAST);
+                        break;
+                    }
+                    Err(e) => return Err(e),
+                };
                 batch += 1;
                 s.events.fetch_add(1, Relaxed);
                 match &mut sink {

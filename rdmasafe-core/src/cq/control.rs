@@ -128,6 +128,11 @@ pub(crate) struct Shared {
     pub(crate) running: AtomicBool,
     /// `sys::thread_tag` of the thread holding `core`, 0 if none.
     pub(crate) owner: AtomicU64,
+    /// `sys::thread_tag` of the thread that last polled an async run of
+    /// this loop while that run is alive, 0 if none: a blocking change from
+    /// another thread then waits for that run to apply and finish it,
+    /// instead of driving the loop (running handlers) itself.
+    pub(crate) driver: AtomicU64,
     cmds: Mutex<VecDeque<Cmd>>,
     pub(crate) cmds_pending: AtomicBool,
     changed: Condvar,
@@ -167,6 +172,7 @@ impl Shared {
             core: Mutex::new(core),
             running: AtomicBool::new(false),
             owner: AtomicU64::new(0),
+            driver: AtomicU64::new(0),
             cmds: Mutex::new(VecDeque::new()),
             cmds_pending: AtomicBool::new(false),
             changed: Condvar::new(),
@@ -386,7 +392,9 @@ impl LoopControl {
     /// Removes a CQ without ever blocking; `done` is called (on the loop's
     /// thread, or on the caller's if the loop is idle) once the removal is
     /// complete, with the CQ's acks flushed: `ibv_destroy_cq` may be called
-    /// from `done`.
+    /// from `done`. Once this returns `Ok`, `done` is called exactly once:
+    /// with ECANCELED if the loop is dropped first (on the dropping thread,
+    /// or on the caller's if the drop raced with this call).
     pub fn remove_raw_cq_then(&self, cq: *mut ibv_cq, done: Box<dyn FnOnce(Result<()>) + Send>) -> Result<()> {
         self.check_cq(cq)?;
         self.submit_async(Cmd::RemoveCq { cq: cq as usize, done: Done::Call(done) })
@@ -426,8 +434,10 @@ impl LoopControl {
 
     /// [`LoopControl::add_keepalive`] for the QP a [`CmId`] owns: safe,
     /// since the id tells the loop when it destroys the QP (the keepalive
-    /// then ends by itself; [`LoopControl::remove_keepalive`] first is
-    /// still the tidy order). EINVAL if the id has no QP.
+    /// then ends by itself within about a period, `on_dead` dropped, also
+    /// after a drain or after the peer was declared dead;
+    /// [`LoopControl::remove_keepalive`] first is still the tidy order).
+    /// EINVAL if the id has no QP.
     pub fn add_keepalive_id(&self, id: &CmId, cfg: Keepalive, on_dead: DeadPeer) -> Result<Outcome> {
         let qp = id.live_qp().ok_or(Error::new("rdmasafe keepalive: the id has no QP", libc::EINVAL))?;
         self.add_keepalive_live(qp, cfg, on_dead)
@@ -473,7 +483,9 @@ impl LoopControl {
     /// dead peer.
     ///
     /// From another thread this waits (running the loop itself if nobody
-    /// does) until done or `timeout` (ETIMEDOUT). From inside a handler it
+    /// does; a live [`crate::aio::AsyncCqLoop::run`] on another thread
+    /// counts as somebody: the wait is for it) until done or `timeout`
+    /// (ETIMEDOUT). From inside a handler it
     /// starts the drain and returns `Pending`: use
     /// [`LoopControl::drain_qp_then`] to learn when it is done. EINVAL if
     /// the QP's CQs are not in this loop.
@@ -553,7 +565,18 @@ impl LoopControl {
     /// fd itself also becomes readable at those deadlines (a timerfd).
     pub fn next_timeout(&self) -> Option<Duration> {
         match self.0.core.try_lock() {
-            Ok(c) => c.next_timeout(&self.0),
+            Ok(c) => {
+                let t = c.next_timeout(&self.0);
+                drop(c);
+                // A change queued meanwhile by a caller that found the state
+                // taken (by us) relies on the holder: apply it, as Held does.
+                if self.0.cmds_pending.load(SeqCst) {
+                    if let Ok(g) = self.0.core.try_lock() {
+                        drop(Held::new(&self.0, g, self.clone()));
+                    }
+                }
+                t
+            }
             // Being driven right now: call again soon.
             Err(_) => Some(Duration::ZERO),
         }
@@ -596,6 +619,14 @@ impl LoopControl {
             let done = wait.0.lock().unwrap_or_else(|e| e.into_inner()).take();
             if let Some(r) = done {
                 return r.map(|_| Outcome::Done);
+            }
+            let driver = sh.driver.load(SeqCst);
+            if driver != 0 && driver != sys::thread_tag() {
+                // An async run drives the loop on its runtime's thread,
+                // which is woken (above): it applies the change and runs
+                // the handlers; its end (or the loop's) wakes us too.
+                q = sh.changed.wait(q).unwrap_or_else(|e| e.into_inner());
+                continue;
             }
             match sh.core.try_lock() {
                 Ok(g) => {

@@ -203,6 +203,12 @@ impl Core {
 
     pub(super) fn apply(&mut self, ctl: &LoopControl, cmd: Cmd) {
         let sh = &*ctl.0;
+        if self.shut {
+            // Queued while the loop was being dropped: never applied, but
+            // finished (a caller waiting for it, a done callback, the
+            // registry's claim of a CQ that was to be added).
+            return Self::cancel(sh, cmd);
+        }
         match cmd {
             Cmd::AddCq { cq, opts, handler } => {
                 let r = self.entries.insert(Entry::new(cq, opts, handler));
@@ -629,6 +635,21 @@ impl Core {
 }
 
 impl Core {
+    /// Ends a change that a dropped loop will never apply: ECANCELED to
+    /// whoever waits for it; an added CQ's claim released, its handler
+    /// dropped.
+    #[cold]
+    fn cancel(sh: &Shared, cmd: Cmd) {
+        let gone = || Error::new("rdmasafe CQ loop: the loop is gone", libc::ECANCELED);
+        match cmd {
+            Cmd::AddCq { cq, .. } => registry::release_cq(cq.addr(), sh.id),
+            Cmd::AddKeepalive { qpn, .. } => sh.forget_keepalives_of(&[qpn]),
+            Cmd::RemoveCq { done, .. } | Cmd::RemoveKeepalive { done, .. } | Cmd::Drain { done, .. } => {
+                done.finish(sh, Err(gone()))
+            }
+        }
+    }
+
     /// The loop goes away: ack every pending event, read and ack whatever
     /// is still in the channel (so no CQ destroy waits), drop the handlers
     /// (which may hold the loop's control: no cycle is left), end the

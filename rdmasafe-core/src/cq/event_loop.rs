@@ -388,6 +388,18 @@ impl CqLoop {
         self.control().next_timeout()
     }
 
+    /// An async run of this loop is polled on the calling thread (`true`),
+    /// or has ended (`false`): see `Shared::driver`. Its end wakes the
+    /// blocking changes that waited for it (they drive the loop themselves
+    /// from then on).
+    #[cfg(feature = "tokio")]
+    pub(crate) fn set_async_driver(&self, polling: bool) {
+        let tag = if polling { sys::thread_tag() } else { 0 };
+        if self.sh.driver.swap(tag, SeqCst) != tag && !polling {
+            self.sh.notify();
+        }
+    }
+
     /// Acks every pending CQ event now.
     pub fn flush_acks(&self) -> Result<()> {
         let mut held = self.enter()?;
@@ -497,8 +509,11 @@ impl Drop for CqLoop {
         self.sh.alive.store(false, SeqCst);
         let mut c = self.sh.core.lock().unwrap_or_else(|e| e.into_inner());
         c.shutdown();
-        drop(c);
-        self.sh.notify(); // callers blocked in a change see ECANCELED
+        // Let go through Held: changes queued by calls that raced with this
+        // drop (they passed the `alive` check first) are finished with
+        // ECANCELED, also those queued while it lets go; and callers
+        // blocked in a change are woken (they see ECANCELED).
+        drop(Held::new(&self.sh, c, self.control()));
         registry::release_loop(self.sh.id);
     }
 }

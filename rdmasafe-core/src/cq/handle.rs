@@ -202,6 +202,11 @@ impl LiveQp {
         self.raw.as_ptr()
     }
 
+    /// Whether a `CmId` owns the QP (and announces its destruction).
+    pub(crate) fn has_owner(&self) -> bool {
+        self.life.is_some()
+    }
+
     /// True once the QP's owning `CmId` destroyed it.
     pub(crate) fn is_destroyed(&self) -> bool {
         self.life.as_ref().is_some_and(|l| !*l.0.lock().unwrap_or_else(|e| e.into_inner()))

@@ -140,12 +140,20 @@ impl Keepalives {
         let mut next: Option<Instant> = None;
         let mut destroyed = Vec::new();
         for (qpn, e) in self.by_qpn.iter_mut() {
-            if e.dead || e.draining {
+            if e.qp.is_destroyed() {
+                // Its CmId was dropped: nothing to watch any more (dead or
+                // draining too: the keepalive ends by itself, as promised).
+                destroyed.push(*qpn);
                 continue;
             }
-            if e.qp.is_destroyed() {
-                // Its CmId was dropped: nothing to watch any more.
-                destroyed.push(*qpn);
+            if e.dead || e.draining {
+                // No more probes. Still checked once a period for its id's
+                // drop, which ends it; a QP without an id stays until the
+                // app removes the keepalive.
+                if e.qp.has_owner() {
+                    let d = sys::deadline_after(now, e.cfg.period);
+                    next = Some(next.map_or(d, |n| n.min(d)));
+                }
                 continue;
             }
             let bound_from = match e.probe {
@@ -173,6 +181,11 @@ impl Keepalives {
                 let _ = e.qp.to_error();
                 log::warn!(target: "rdmasafe", "keepalive: peer of QP {qpn} declared dead");
                 dead.push((*qpn, e.qp.raw()));
+                if e.qp.has_owner() {
+                    // Checked for its id's drop from now on (see above).
+                    let d = sys::deadline_after(now, e.cfg.period);
+                    next = Some(next.map_or(d, |n| n.min(d)));
+                }
                 continue;
             }
             let d = match e.probe {

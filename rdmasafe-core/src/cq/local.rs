@@ -101,9 +101,27 @@ fn forget(key: (u64, usize)) {
     drop(old);
 }
 
-fn install(key: (u64, usize), h: LocalHandler) {
-    let old = HANDLERS.with(|m| m.borrow_mut().insert(key, Slot::Idle(h)));
-    drop(old);
+/// Installs the handler of `key`; EBUSY (nothing changed) while the CQ
+/// has one in this loop. A handler removed during its own call (the CQ
+/// leaves, then may come back) is replaced.
+fn install(key: (u64, usize), h: LocalHandler) -> Result<()> {
+    let old = HANDLERS.with(|m| {
+        let mut m = m.borrow_mut();
+        match m.get(&key) {
+            Some(Slot::Idle(_) | Slot::Running(false)) => Err(h),
+            _ => Ok(m.insert(key, Slot::Idle(h))),
+        }
+    });
+    match old {
+        Ok(old) => {
+            drop(old); // outside the borrow
+            Ok(())
+        }
+        Err(h) => {
+            drop(h);
+            Err(crate::Error::new("rdmasafe_cq_loop_add_cq: CQ already in a loop", libc::EBUSY))
+        }
+    }
 }
 
 /// A CQ loop for the thread that made it; see the module docs. Everything
@@ -161,7 +179,8 @@ where
     F: FnMut(&[Wc], &LocalControl<'_>) + 'static,
 {
     let key = (loop_id, cq.raw() as usize);
-    install(key, Box::new(handler));
+    // Refused before the loop is asked: the handler in place stays.
+    install(key, Box::new(handler))?;
     let r = ctl.add_cq(cq, opts, move |wcs: &[Wc], ctl: &LoopControl| dispatch(key.0, key.1, wcs, ctl));
     if r.is_err() {
         forget(key);
@@ -180,7 +199,8 @@ impl LocalCqLoop {
     }
 
     /// Adds a CQ with a handler that need not be `Send`, and the loop's
-    /// default options.
+    /// default options. Errors as [`LoopControl::add_cq`]'s (EBUSY: the CQ
+    /// is in a loop already; the handler it has there stays).
     pub fn add_cq<F>(&self, cq: &Cq, handler: F) -> Result<()>
     where
         F: FnMut(&[Wc], &LocalControl<'_>) + 'static,
