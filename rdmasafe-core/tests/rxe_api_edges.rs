@@ -247,3 +247,176 @@ fn then_requests_racing_the_loops_drop_are_always_finished() {
         drop((ctl, cq));
     }
 }
+
+/// A CQ removed from `on_dead` is not polled by the watchdog of the same
+/// tick: its handler never runs after the removal (it got the QP's flushed
+/// receives before).
+#[test]
+fn a_cq_removed_in_on_dead_gets_no_more_completions() {
+    let _s = serial();
+    let _dog = common::watchdog("on_dead removes its CQ", Duration::from_secs(300));
+    let chan = channel();
+    let pair = rc_pair(common::bed().addr, &chan, false, 16);
+    for k in 0..8 {
+        pair.recv(k * SLOT, SLOT as u32, 100 + k as u64);
+    }
+    let opts = LoopOptions { watchdog: Some(Duration::from_millis(20)), ..LoopOptions::default() };
+    let lp = CqLoop::new(&chan, opts).unwrap();
+    let removed = Arc::new(AtomicBool::new(false));
+    let late = Arc::new(Mutex::new(Vec::new()));
+    let (r2, l2) = (removed.clone(), late.clone());
+    lp.add_cq(&pair.server_cq, move |wcs, _| {
+        if r2.load(SeqCst) {
+            l2.lock().unwrap().extend(wcs.iter().map(|w| w.wr_id()));
+        }
+    })
+    .unwrap();
+    let server_cq = pair.server_cq.raw() as usize;
+    let (r3, dead) = (removed.clone(), Arc::new(AtomicBool::new(false)));
+    let d2 = dead.clone();
+    let cfg = Keepalive { period: Duration::from_millis(20), bound: Duration::from_millis(100), wr_id: 0xfeed };
+    let on_dead: rdmasafe_core::cq::DeadPeer = Box::new(move |_, ctl| {
+        ctl.remove_raw_cq(server_cq as *mut rdmasafe_core::sys::ibv_cq).unwrap();
+        r3.store(true, SeqCst);
+        d2.store(true, SeqCst);
+        // The QP is in the error state now: let its flushed receives land
+        // in the CQ before the rest of this tick (the watchdog's poll).
+        std::thread::sleep(Duration::from_millis(100));
+    });
+    // SAFETY: the QP lives in `pair`, which outlives the loop.
+    unsafe { lp.add_keepalive(pair.server_qp(), cfg, on_dead) }.unwrap();
+    lp.control().set_outstanding(1);
+    assert!(drive_until(&lp, || lp.stats().keepalive_probes_ok >= 1), "a probe answered");
+    // The peer dies; once a probe is out, the loop is left alone past the
+    // keepalive's bound and the watchdog's period, so that one tick finds
+    // both due: on_dead first, then the watchdog's poll of every CQ.
+    let cqp = pair.client.lock().unwrap().id.raw_qp().unwrap();
+    // SAFETY: the client's QP is live (in `pair`).
+    unsafe { rdmasafe_core::sys::qp_to_error(cqp.as_ptr()) }.unwrap();
+    let probes = lp.stats().keepalive_probes;
+    assert!(drive_until(&lp, || lp.stats().keepalive_probes > probes), "a probe posted to the dead peer");
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(drive_until(&lp, || dead.load(SeqCst)), "the peer declared dead");
+    let _ = lp.process_once(Wait::None);
+    let late = late.lock().unwrap().clone();
+    assert!(late.is_empty(), "the handler got completions after on_dead removed its CQ: {late:?}");
+    assert_eq!(lp.len(), 0, "the CQ left the loop");
+}
+
+/// A CQ over its budget is polled again in the next cycle without an
+/// event, also when the watchdog's poll found it so (that poll used to
+/// forget it, and the rest waited for later watchdog periods).
+#[test]
+fn the_watchdogs_poll_keeps_the_budget_promise() {
+    let _s = serial();
+    let _dog = common::watchdog("watchdog and budget", Duration::from_secs(300));
+    let chan = channel();
+    let pair = rc_pair(common::bed().addr, &chan, false, 16);
+    let opts = LoopOptions { watchdog: Some(Duration::from_millis(50)), ..LoopOptions::default() };
+    let lp = CqLoop::new(&chan, opts).unwrap();
+    let got = Arc::new(AtomicUsize::new(0));
+    let g2 = got.clone();
+    // Solicited-only: the unsolicited messages below raise no event, so
+    // only the watchdog's poll finds them.
+    let cq_opts = rdmasafe_core::cq::CqOptions { solicited_only: true, budget: 2 };
+    lp.add_cq_with(&pair.server_cq, cq_opts, move |wcs, _| {
+        g2.fetch_add(wcs.len(), SeqCst);
+    })
+    .unwrap();
+    lp.control().set_outstanding(1);
+    // A first cycle arms the CQ (a new CQ is drained once by itself).
+    lp.process_once(Wait::None).unwrap();
+    for k in 0..10 {
+        pair.recv(k * SLOT, SLOT as u32, k as u64);
+    }
+    for k in 0..10 {
+        pair.send(0, &[], 8, k);
+    }
+    let mut wcs: [_; 16] = std::array::from_fn(|_| rdmasafe_core::verbs::empty_wc());
+    let mut sent = 0;
+    while sent < 10 {
+        sent += pair.client_cq.poll(&mut wcs).unwrap();
+    }
+    assert!(drive_until(&lp, || got.load(SeqCst) > 0), "the watchdog's poll delivered the first ones");
+    // From now on no watchdog (nothing outstanding): only the budget's
+    // promise brings the rest, a cycle at a time, without any event.
+    lp.control().set_outstanding(0);
+    let polls = lp.stats().watchdog_polls;
+    assert!(polls > 0 && lp.stats().cq_events == 0, "found by the watchdog: {:?}", lp.stats());
+    for _ in 0..10 {
+        lp.process_once(Wait::None).unwrap();
+    }
+    assert_eq!(got.load(SeqCst), 10, "the CQ over its budget was polled again in the next cycles");
+    assert_eq!(lp.stats().watchdog_polls, polls);
+    assert_eq!(lp.stats().cq_events, 0);
+}
+
+/// A drain of a QP whose send CQ is armed solicited-only (its receive CQ
+/// for everything): the send queue's flushed marker raises no event on
+/// rxe; the drain looks for it itself (it used to time out).
+#[test]
+fn a_drain_finds_markers_that_raised_no_event() {
+    let _s = serial();
+    let _dog = common::watchdog("drain with a solicited-only send CQ", Duration::from_secs(300));
+    let bed = common::bed();
+    let ctx = device();
+    let chan = CompChannel::new(&ctx).unwrap();
+    let (scq, rcq) = (Cq::new(&ctx, 16, Some(&chan)).unwrap(), Cq::new(&ctx, 16, Some(&chan)).unwrap());
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let (g2, g3) = (got.clone(), got.clone());
+    let solicited = rdmasafe_core::cq::CqOptions { solicited_only: true, budget: 0 };
+    lp.add_cq_with(&scq, solicited, move |wcs, _| g2.lock().unwrap().extend(wcs.iter().map(|w| w.wr_id()))).unwrap();
+    lp.add_cq(&rcq, move |wcs, _| g3.lock().unwrap().extend(wcs.iter().map(|w| w.wr_id()))).unwrap();
+    // A QP in the INIT state (resolved, not connected) on the two CQs.
+    let l = common::cm::listen(bed.addr, PortSpace::Tcp, 8);
+    let ch = EventChannel::new().unwrap();
+    let mut id = common::cm::resolved(&ch, PortSpace::Tcp, bed.addr, l.port);
+    let pd = rdmasafe_core::verbs::Pd::new(&ctx).unwrap();
+    let caps = cm::QpCaps { max_send_wr: 4, max_recv_wr: 4, max_sge: 1, max_inline_data: 0 };
+    id.create_qp(&pd, &scq, &rcq, caps, false).unwrap();
+    for round in 0..3 {
+        // The drain's own looks come after a few ms, then at growing gaps:
+        // far within its timeout.
+        lp.drain_id(&id, PATIENCE).unwrap_or_else(|e| panic!("drain {round}: {e}"));
+    }
+    assert!(got.lock().unwrap().is_empty(), "a marker reached a handler: {:?}", got.lock().unwrap());
+}
+
+/// A stop that comes while another thread drives the loop for a drain
+/// (nobody runs it: an app that embeds the loop) leaves the loop's fd
+/// readable: the app's epoll wakes for it.
+#[test]
+fn a_stop_during_a_foreign_drain_leaves_the_fd_readable() {
+    let _s = serial();
+    let _dog = common::watchdog("stop during a drain", Duration::from_secs(300));
+    let chan = channel();
+    let pair = Arc::new(rc_pair(common::bed().addr, &chan, false, 16));
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    // Solicited-only: the drain's flush raises no event, so its drive
+    // sleeps at least once before finding the markers.
+    let cq_opts = rdmasafe_core::cq::CqOptions { solicited_only: true, budget: 0 };
+    lp.add_cq_with(&pair.server_cq, cq_opts, |_, _| {}).unwrap();
+    lp.process_once(Wait::None).unwrap();
+    let ctl = lp.control();
+    // The stop comes from inside the drive, right before it sleeps.
+    let stopped = Arc::new(AtomicBool::new(false));
+    let (c2, s2) = (ctl.clone(), stopped.clone());
+    lp.set_before_sleep_hook(Some(Box::new(move || {
+        if !s2.swap(true, SeqCst) {
+            c2.stop();
+        }
+    })));
+    let (p2, c3) = (pair.clone(), ctl.clone());
+    std::thread::spawn(move || c3.drain_id(&p2.server.lock().unwrap().id, PATIENCE).map_err(|e| e.to_string()))
+        .join()
+        .unwrap()
+        .expect("the drain");
+    lp.set_before_sleep_hook(None);
+    assert!(stopped.load(SeqCst), "the drive slept (and the stop came then)");
+    let mut pfd = libc::pollfd { fd: std::os::fd::AsRawFd::as_raw_fd(&lp), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd; no wait (the fd must be readable now).
+    let ready = unsafe { libc::poll(&mut pfd, 1, 0) };
+    assert_eq!(ready, 1, "the loop's fd is readable: the pending stop is work");
+    assert!(lp.process_ready().unwrap().stopped, "and the stop is what the next call finds");
+}

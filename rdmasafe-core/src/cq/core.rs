@@ -622,14 +622,18 @@ impl Core {
         // By slot index, allocating nothing (a handler may add or remove
         // CQs meanwhile: a removed one is skipped, a new one in a slot not
         // visited yet is polled too).
-        for i in 0..self.entries.slot_count() {
-            let Some(r) = self.entries.ref_at(i) else { continue };
+        // The ready list is emptied first, not after: a CQ that this poll
+        // leaves over its budget goes back on it (with its flag set) and is
+        // polled again next cycle, as the budget promises.
+        for r in self.ready.drain(..) {
             if let Some(e) = self.entries.get_mut(r) {
                 e.in_ready = false;
             }
+        }
+        for i in 0..self.entries.slot_count() {
+            let Some(r) = self.entries.ref_at(i) else { continue };
             n += self.drain(ctl, r, honor_stop)?;
         }
-        self.ready.clear();
         Ok(n)
     }
 }

@@ -514,9 +514,10 @@ impl Core {
         }
         // An app that embeds the loop waits on its fd, which this drive's
         // sleeps may have drained: if the loop has work (an adaptive loop
-        // still polling, with CQs that fired left unarmed), make the fd
-        // readable again, as `process_once` does.
-        if !self.shut && self.has_work_now(&ctl.0) {
+        // still polling, with CQs that fired left unarmed) or a stop came
+        // meanwhile (this drive does not take it), make the fd readable
+        // again, as `process_once` does.
+        if !self.shut && (self.has_work_now(&ctl.0) || ctl.0.stop.load(SeqCst)) {
             ctl.0.wake();
         }
     }

@@ -5,7 +5,7 @@
 //! a failed start that had posted one of them: those are remembered as
 //! orphans and consumed when they arrive.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::control::Done;
 use super::handle::LiveQp;
@@ -22,8 +22,17 @@ pub(crate) struct Watch {
     send_seen: bool,
     recv_seen: bool,
     deadline: Instant,
+    /// When the loop polls the QP's CQs for the markers without waiting
+    /// for an event (see [`Drains::cqs_due`]), and the gap to the next.
+    poll_at: Instant,
+    poll_gap: Duration,
     done: Done,
 }
+
+/// The first look for a drain's markers that raised no event, after its
+/// start; each further gap doubles, up to the last.
+const POLL_FIRST: Duration = Duration::from_millis(5);
+const POLL_LAST: Duration = Duration::from_millis(100);
 
 /// Markers posted by a drain that is over, still to come back.
 struct Orphan {
@@ -73,7 +82,17 @@ impl Drains {
             }
             return Err((done, e));
         }
-        self.watches.push(Watch { qp_num, cqs, send_seen: false, recv_seen: srq, deadline, done });
+        let poll_at = crate::sys::deadline_after(Instant::now(), POLL_FIRST);
+        self.watches.push(Watch {
+            qp_num,
+            cqs,
+            send_seen: false,
+            recv_seen: srq,
+            deadline,
+            poll_at,
+            poll_gap: POLL_FIRST,
+            done,
+        });
         Ok(())
     }
 
@@ -116,7 +135,28 @@ impl Drains {
     }
 
     pub(crate) fn next_deadline(&self) -> Option<Instant> {
-        self.watches.iter().map(|w| w.deadline).min()
+        self.watches.iter().map(|w| w.deadline.min(w.poll_at)).min()
+    }
+
+    /// The CQs to poll now for markers still missing: a flushed completion
+    /// need not raise an event (rxe raises none for a send queue's flush on
+    /// a CQ armed solicited-only), so each drain looks by itself, a few ms
+    /// after its start and then at growing gaps, until its markers are in.
+    pub(crate) fn cqs_due(&mut self, now: Instant) -> Vec<usize> {
+        let mut cqs = Vec::new();
+        for w in self.watches.iter_mut().filter(|w| now >= w.poll_at) {
+            if !w.send_seen {
+                cqs.push(w.cqs.0);
+            }
+            if !w.recv_seen {
+                cqs.push(w.cqs.1);
+            }
+            w.poll_gap = (w.poll_gap * 2).min(POLL_LAST);
+            w.poll_at = crate::sys::deadline_after(now, w.poll_gap);
+        }
+        cqs.sort_unstable();
+        cqs.dedup();
+        cqs
     }
 
     /// Takes out the drains that are complete (`Ok`) or past their
@@ -197,7 +237,16 @@ mod tests {
     }
 
     fn watch(qp_num: u32, deadline: Instant) -> Watch {
-        Watch { qp_num, cqs: (1, 2), send_seen: false, recv_seen: false, deadline, done: Done::Nothing }
+        Watch {
+            qp_num,
+            cqs: (1, 2),
+            send_seen: false,
+            recv_seen: false,
+            deadline,
+            poll_at: deadline,
+            poll_gap: POLL_FIRST,
+            done: Done::Nothing,
+        }
     }
 
     #[test]

@@ -112,6 +112,10 @@ impl Core {
                     sh.counters.keepalive_dead.bump(1);
                     if let Some(f) = self.keepalives.on_dead(qpn) {
                         f(qpn, ctl);
+                        // Its changes take effect now, as a handler's do:
+                        // a CQ it removed is not polled (the watchdog below,
+                        // a later on_dead's) and its handler never runs.
+                        self.apply_cmds(ctl);
                     }
                 }
             }
@@ -124,6 +128,14 @@ impl Core {
             }
         }
         if self.drains.in_progress() {
+            if let Some(now) = now {
+                // Markers that raised no event: looked for by polling.
+                for cq in self.drains.cqs_due(now) {
+                    if let Some(r) = self.entries.find(cq) {
+                        n += self.drain(ctl, r, honor_stop)?;
+                    }
+                }
+            }
             let finished = self.drains.take_finished(now);
             if !finished.is_empty() {
                 // A drain precedes teardown: leave no ack pending.
