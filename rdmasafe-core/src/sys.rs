@@ -186,6 +186,17 @@ pub fn reserve_address_space(bytes: usize) -> std::io::Result<NonNull<u8>> {
     Ok(NonNull::new(p.cast()).expect("mmap never returns NULL on success"))
 }
 
+/// The process's address-space limit (`RLIMIT_AS`) in bytes, `None` when
+/// unlimited (the default) or unknown.
+pub fn address_space_limit() -> Option<u64> {
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: r is a valid rlimit to fill.
+    if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut r) } != 0 || r.rlim_cur == libc::RLIM_INFINITY {
+        return None;
+    }
+    Some(r.rlim_cur)
+}
+
 /// Makes `bytes` at `at` (inside a [`reserve_address_space`] region,
 /// page-aligned) readable and writable; the pages read as zero.
 ///

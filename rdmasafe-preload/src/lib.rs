@@ -91,6 +91,13 @@ fn init() -> State {
                  uncopied"
             );
             mode = Mode::Pass;
+        } else if rdmasafe_core::cm::capacity() == 0 {
+            log::error!(
+                target: "rdmasafe",
+                "preload: no address space for CM event copies (ulimit -v too small?): CM events pass through \
+                 uncopied"
+            );
+            mode = Mode::Pass;
         }
     }
     let what = match &mode {

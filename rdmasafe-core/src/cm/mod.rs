@@ -25,7 +25,7 @@ pub use dispatch::{Dispatcher, DispatcherStats, StopHandle, WorkQueue};
 pub use event::{copy_synthetic, CmEvent, ConnParam, EventType, SyntheticEvent, UdParam};
 pub use id::{CmId, ConnectParams, ConnectRequest, IdToken, PortSpace, QpCaps, SendOptions};
 pub use pool::{
-    ack_deadline, counters, limit, reserve, set_ack_deadline, set_limit, Counters, DEFAULT_ACK_DEADLINE,
+    ack_deadline, capacity, counters, limit, reserve, set_ack_deadline, set_limit, Counters, DEFAULT_ACK_DEADLINE,
     FREE_LIST_CAPACITY, MAX_SLOTS, QUARANTINE,
 };
 

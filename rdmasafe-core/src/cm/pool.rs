@@ -44,8 +44,14 @@ use crate::sys::{self, rdma_cm_event, RDMA_MAX_PRIVATE_DATA};
 pub const FREE_LIST_CAPACITY: usize = 4096;
 /// A freed copy's slot is handed out again only after this many other copies.
 pub const QUARANTINE: usize = 64;
-/// Most copies alive at once (the arena's size; about 500 bytes each).
+/// Most copies alive at once (the arena's size, 512 bytes each: 1 GiB of
+/// address space, reserved, not used). Under an address-space limit
+/// (`RLIMIT_AS`, `ulimit -v`) the arena takes at most a sixteenth of the
+/// limit (and less if the reservation fails), so fewer: see [`capacity`].
 pub const MAX_SLOTS: usize = 1 << 21;
+/// The smallest arena tried before giving up (then every get fails with
+/// ENOMEM, and nothing else breaks).
+const MIN_SLOTS: usize = CHUNK_SLOTS;
 /// Slots committed at a time.
 const CHUNK_SLOTS: usize = 128;
 /// Entries of the lock-free part of the free list (the rest: `overflow`).
@@ -102,6 +108,8 @@ const _: () = assert!(STRIDE == 512, "a slot is 512 bytes (a power of two: slot_
 
 struct Arena {
     base: NonNull<u8>,
+    /// Slots the reservation holds (0: none could be reserved).
+    max_slots: usize,
     /// Slots ever handed out; `0..allocated` are committed and initialised.
     allocated: AtomicUsize,
     committed: AtomicUsize,
@@ -243,17 +251,59 @@ impl<const N: usize> FreeRing<N> {
 #[inline]
 fn arena() -> &'static Arena {
     static A: OnceLock<Arena> = OnceLock::new();
-    A.get_or_init(|| Arena {
-        base: sys::reserve_address_space(MAX_SLOTS * STRIDE)
-            .unwrap_or_else(|e| panic!("rdmasafe: cannot reserve address space for CM event copies: {e}")),
-        allocated: AtomicUsize::new(0),
-        committed: AtomicUsize::new(0),
-        grow: Mutex::new(()),
-        free: FreeRing::new(),
-        overflow: Mutex::new(std::collections::VecDeque::new()),
-        overflow_len: AtomicUsize::new(0),
-        ready: FreeRing::new(),
+    A.get_or_init(|| {
+        let (base, max_slots) = reserve_arena();
+        Arena {
+            base,
+            max_slots,
+            allocated: AtomicUsize::new(0),
+            committed: AtomicUsize::new(0),
+            grow: Mutex::new(()),
+            free: FreeRing::new(),
+            overflow: Mutex::new(std::collections::VecDeque::new()),
+            overflow_len: AtomicUsize::new(0),
+            ready: FreeRing::new(),
+        }
     })
+}
+
+/// The arena's address space: [`MAX_SLOTS`] slots, or under an
+/// address-space limit at most a sixteenth of it (the app keeps the rest),
+/// halved while the kernel refuses, down to [`MIN_SLOTS`]. None at all (a
+/// dangling base, 0 slots: every get fails with ENOMEM) rather than a
+/// panic.
+#[cold]
+fn reserve_arena() -> (NonNull<u8>, usize) {
+    let mut slots = MAX_SLOTS;
+    if let Some(limit) = sys::address_space_limit() {
+        let share = (limit / 16) as usize / STRIDE / CHUNK_SLOTS * CHUNK_SLOTS;
+        slots = slots.min(share.max(MIN_SLOTS));
+    }
+    loop {
+        match sys::reserve_address_space(slots * STRIDE) {
+            Ok(base) => {
+                if slots < MAX_SLOTS {
+                    log::debug!(target: "rdmasafe", "CM event copies: at most {slots} alive at once (address-space limit)");
+                }
+                return (base, slots);
+            }
+            Err(e) if slots / 2 < MIN_SLOTS => {
+                log::error!(
+                    target: "rdmasafe",
+                    "cannot reserve address space for CM event copies ({e}): every get fails with ENOMEM"
+                );
+                return (NonNull::dangling(), 0);
+            }
+            Err(_) => slots /= 2,
+        }
+    }
+}
+
+/// How many copies can be alive at once in this process: [`MAX_SLOTS`],
+/// fewer under an address-space limit, 0 if no storage could be reserved
+/// at all. Reserves the storage (address space only) if not done yet.
+pub fn capacity() -> usize {
+    arena().max_slots
 }
 
 impl Arena {
@@ -283,12 +333,12 @@ impl Arena {
     fn new_slot(&self) -> Option<u32> {
         let _g = self.grow.lock().unwrap_or_else(|e| e.into_inner());
         let i = self.allocated.load(Relaxed);
-        if i >= MAX_SLOTS {
+        if i >= self.max_slots {
             return None;
         }
         let committed = self.committed.load(Relaxed);
         if i >= committed {
-            let n = CHUNK_SLOTS.min(MAX_SLOTS - committed);
+            let n = CHUNK_SLOTS.min(self.max_slots - committed);
             // SAFETY: the next chunk of our own reservation, unused so far
             // (STRIDE * CHUNK_SLOTS is a multiple of the page size).
             let at = unsafe { NonNull::new_unchecked(self.base.as_ptr().add(committed * STRIDE)) };

@@ -1,0 +1,84 @@
+//! Under an address-space limit (`ulimit -v`, RLIMIT_AS, as batch
+//! schedulers set), copies still work and leave the app its memory: the
+//! storage for copies takes at most a sixteenth of the limit. It used to
+//! reserve 1 GiB whatever the limit: under about 1 GB every get failed
+//! (EIO, a panic message per call), and above it the reservation took the
+//! app's headroom. librdmacm's two calls are replaced (`set_cm_event_calls`)
+//! by a stand-in: the channel's fd is a non-blocking pipe, each byte in it
+//! one ready event. One test per process: the limit is process-wide.
+
+use std::os::raw::c_int;
+use std::ptr::null_mut;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+
+use rdmasafe::{rdmasafe_event_free, rdmasafe_get_event};
+use rdmasafe_core::cm::SyntheticEvent;
+use rdmasafe_core::sys::{self, rdma_cm_event, rdma_event_channel, CmEventCalls};
+
+static EVENT: AtomicUsize = AtomicUsize::new(0);
+
+unsafe extern "C" fn fake_get(ch: *mut rdma_event_channel, ev: *mut *mut rdma_cm_event) -> c_int {
+    let mut b = 0u8;
+    // SAFETY: ch is the test's channel; b is one writable byte.
+    if unsafe { libc::read((*ch).fd, (&mut b as *mut u8).cast(), 1) } != 1 {
+        return -1;
+    }
+    // SAFETY: ev is writable (rdmasafe's contract with librdmacm's call).
+    unsafe { *ev = EVENT.load(Relaxed) as *mut rdma_cm_event };
+    0
+}
+
+unsafe extern "C" fn fake_ack(_ev: *mut rdma_cm_event) -> c_int {
+    0
+}
+
+/// This process's address space in use now (VmSize), in bytes.
+fn vm_size() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmSize:")).expect("VmSize in /proc/self/status");
+    line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024
+}
+
+#[test]
+fn copies_work_under_an_address_space_limit_and_leave_the_app_its_memory() {
+    // SAFETY: fake_get / fake_ack behave as one librdmacm's pair for one
+    // zeroed event (no id, no private data), from any thread.
+    unsafe { sys::set_cm_event_calls(CmEventCalls { get: fake_get, ack: fake_ack }) }
+        .expect("first CM use of this process");
+    EVENT.store(Box::into_raw(SyntheticEvent::zeroed()) as usize, Relaxed);
+    let mut fds = [0; 2];
+    // SAFETY: fds has room for two fds.
+    assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK | libc::O_CLOEXEC) }, 0);
+    let mut ch = rdma_event_channel { fd: fds[0] };
+
+    // 768 MiB more than in use now: below the old 1 GiB reservation.
+    let headroom: u64 = 768 << 20;
+    let limit = vm_size() + headroom;
+    let r = libc::rlimit { rlim_cur: limit, rlim_max: libc::RLIM_INFINITY };
+    // SAFETY: a valid rlimit; lowering the soft limit needs no privilege.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_AS, &r) }, 0);
+
+    let cap = rdmasafe_core::cm::capacity();
+    assert!(cap > 0, "no storage for copies under a {limit}-byte limit");
+    assert!((cap * 512) as u64 <= limit / 16, "{cap} slots take more than a sixteenth of the limit");
+
+    let mut held = Vec::new();
+    for k in 0..1000 {
+        // SAFETY: fds[1] is the pipe's write end; one byte.
+        assert_eq!(unsafe { libc::write(fds[1], b"e".as_ptr().cast(), 1) }, 1);
+        let mut ev = null_mut();
+        // SAFETY: a live stand-in channel; ev is writable.
+        let rc = unsafe { rdmasafe_get_event(&mut ch, &mut ev) };
+        assert_eq!(rc, 0, "get {k}: errno {}", sys::errno_raw());
+        held.push(ev);
+    }
+    // The app still has (most of) its headroom: a large allocation it
+    // touches succeeds.
+    let big = vec![1u8; (headroom / 2) as usize];
+    assert_eq!(big[big.len() - 1], 1);
+    drop(big);
+    for ev in held {
+        // SAFETY: copies got above, freed once.
+        assert_eq!(unsafe { rdmasafe_event_free(ev) }, 0);
+    }
+}
