@@ -72,10 +72,16 @@ fn init() -> State {
     out::install_logger();
     let real = Real::resolve();
     let check = std::env::var("RDMASAFE_CHECK").unwrap_or_default();
-    let mut mode = match check.trim() {
-        "" | "0" => Mode::Copy,
-        "fix" => Mode::Check(Box::new(Checker::new(true))),
-        _ => Mode::Check(Box::new(Checker::new(false))),
+    let mut mode = match check_setting(&check) {
+        Some(None) => Mode::Copy,
+        Some(Some(fix)) => Mode::Check(Box::new(Checker::new(fix))),
+        None => {
+            log::error!(
+                target: "rdmasafe",
+                "preload: RDMASAFE_CHECK={check:?} is none of 1, fix, 0 (or on/off, yes/no, true/false, empty): copy mode"
+            );
+            Mode::Copy
+        }
     };
     if let Mode::Copy = mode {
         let ok = match (real.get_cm_event, real.ack_cm_event) {
@@ -107,6 +113,38 @@ fn init() -> State {
     };
     log::debug!(target: "rdmasafe", "preload [{}]: mode {what}", out::who());
     State { real, mode }
+}
+
+/// `RDMASAFE_CHECK`'s value: `Some(None)` copy mode (empty, 0, off, no,
+/// false), `Some(Some(fix))` check mode (1, on, yes, true; fix), `None`
+/// for anything else (case and surrounding blanks do not matter).
+fn check_setting(value: &str) -> Option<Option<bool>> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "" | "0" | "off" | "no" | "false" => Some(None),
+        "1" | "on" | "yes" | "true" => Some(Some(false)),
+        "fix" => Some(Some(true)),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_setting;
+
+    #[test]
+    fn rdmasafe_check_values() {
+        for v in ["", " ", "0", "off", "OFF", "no", "false", " False "] {
+            assert_eq!(check_setting(v), Some(None), "{v:?}: copy mode");
+        }
+        for v in ["1", "on", "yes", "true", "TRUE", " 1\n"] {
+            assert_eq!(check_setting(v), Some(Some(false)), "{v:?}: check mode");
+        }
+        assert_eq!(check_setting("fix"), Some(Some(true)));
+        assert_eq!(check_setting(" FIX "), Some(Some(true)));
+        for v in ["2", "maybe", "fixx", "o n"] {
+            assert_eq!(check_setting(v), None, "{v:?}: refused");
+        }
+    }
 }
 
 fn state() -> &'static State {
