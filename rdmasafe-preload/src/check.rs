@@ -62,6 +62,14 @@ pub(crate) struct CmEntry {
     pub status: i32,
     /// `ev->id` as a number.
     pub id: usize,
+    /// The id whose `rdma_destroy_id` waits for this event's ack: librdmacm
+    /// charges a CONNECT_REQUEST to its listening id (`ev->listen_id`); the
+    /// new id `ev->id` may be destroyed before the ack, and that destroy
+    /// does not wait. Every other event: `id`.
+    pub charged: usize,
+    /// `id` was destroyed while this event was unacked (only possible when
+    /// it is not `charged`): it must not be read through any more.
+    pub id_gone: bool,
     pub got_ms: u64,
     /// The process that got it (a child forked without exec inherits the
     /// book, not the events' fate).
@@ -73,6 +81,15 @@ pub(crate) struct CmEntry {
 impl CmEntry {
     fn describe(&self, ev: usize) -> String {
         format!("{} event {ev:#x} of id {:#x} (status {})", type_name(self.ty), self.id, self.status)
+    }
+
+    /// The id a destroy of which this event holds back, for a report.
+    fn waiting_id(&self) -> String {
+        if self.charged == self.id {
+            "the id".to_string()
+        } else {
+            format!("its listening id {:#x}", self.charged)
+        }
     }
 }
 
@@ -107,6 +124,11 @@ impl CmBook {
 
     pub(crate) fn destroy_begin(&mut self, id: usize, now_ms: u64) {
         self.destroying.insert(id, now_ms);
+        // A CONNECT_REQUEST's new id may go before its event is acked (the
+        // destroy does not wait for it): from now on nothing reads it.
+        for e in self.live.values_mut().filter(|e| e.id == id && e.charged != id) {
+            e.id_gone = true;
+        }
     }
 
     pub(crate) fn destroy_end(&mut self, id: usize) {
@@ -127,7 +149,7 @@ impl CmBook {
         let mut evs: Vec<usize> = self.live.keys().copied().collect();
         evs.sort_unstable(); // a stable order of reports within one pass
         for ev in evs {
-            let destroying = self.live.get(&ev).and_then(|e| self.destroying.get(&e.id).copied());
+            let destroying = self.live.get(&ev).and_then(|e| self.destroying.get(&e.charged).copied());
             let Some(e) = self.live.get_mut(&ev) else { continue };
             let age = now_ms.saturating_sub(e.got_ms);
             let held_due = !e.held_reported && age >= hold_ms;
@@ -135,7 +157,7 @@ impl CmBook {
             if !held_due && !destroy_due {
                 continue;
             }
-            if librdmacm_holds(ev, e) {
+            if !e.id_gone && librdmacm_holds(ev, e) {
                 continue;
             }
             if held_due {
@@ -143,9 +165,10 @@ impl CmBook {
                 out.push(finding(
                     "held",
                     format!(
-                        "{} not acked for {age} ms (threshold {hold_ms} ms): until it is, rdma_destroy_id of the \
-                         id waits",
-                        e.describe(ev)
+                        "{} not acked for {age} ms (threshold {hold_ms} ms): until it is, rdma_destroy_id of {} \
+                         waits",
+                        e.describe(ev),
+                        e.waiting_id()
                     ),
                 ));
             }
@@ -157,7 +180,7 @@ impl CmBook {
                     format!(
                         "rdma_destroy_id({:#x}) has waited {waited} ms for {} (held {age} ms, not acked): it \
                          returns only once the event is acked",
-                        e.id,
+                        e.charged,
                         e.describe(ev)
                     ),
                 ));
@@ -179,7 +202,7 @@ impl CmBook {
         let mut evs: Vec<(&usize, &CmEntry)> = self.live.iter().filter(|(_, e)| e.pid == pid).collect();
         evs.sort_unstable_by_key(|(ev, _)| **ev);
         for (&ev, e) in evs {
-            if librdmacm_holds(ev, e) {
+            if !e.id_gone && librdmacm_holds(ev, e) {
                 held_by_librdmacm += 1;
                 continue;
             }
@@ -455,14 +478,17 @@ impl Checker {
             let errno = sys::errno_raw();
             // SAFETY: on success *event is a new, unacked librdmacm event,
             // readable until it is acked (not before this returns).
-            let (ev, ty, status, id) = unsafe {
+            let (ev, ty, status, id, listen_id) = unsafe {
                 let ev = *event;
-                (ev, (*ev).event, (*ev).status, (*ev).id as usize)
+                (ev, (*ev).event, (*ev).status, (*ev).id as usize, (*ev).listen_id as usize)
             };
+            let charged = if EventType(ty) == EventType::CONNECT_REQUEST && listen_id != 0 { listen_id } else { id };
             let entry = CmEntry {
                 ty,
                 status,
                 id,
+                charged,
+                id_gone: false,
                 got_ms: sys::coarse_now_ms(),
                 pid: std::process::id(),
                 held_reported: false,
@@ -642,7 +668,51 @@ mod tests {
     use super::*;
 
     fn entry(ty: u32, id: usize, got_ms: u64) -> CmEntry {
-        CmEntry { ty, status: 0, id, got_ms, pid: 7, held_reported: false, destroy_reported: false }
+        CmEntry {
+            ty,
+            status: 0,
+            id,
+            charged: id,
+            id_gone: false,
+            got_ms,
+            pid: 7,
+            held_reported: false,
+            destroy_reported: false,
+        }
+    }
+
+    /// A CONNECT_REQUEST of new id `id` on listening id `listen`.
+    fn request(id: usize, listen: usize, got_ms: u64) -> CmEntry {
+        CmEntry { charged: listen, ..entry(EventType::CONNECT_REQUEST.0, id, got_ms) }
+    }
+
+    #[test]
+    fn a_connect_request_holds_back_its_listening_ids_destroy() {
+        let mut b = CmBook::default();
+        b.got(0x1000, request(0xa0, 0x50, 0));
+        let f = b.due(1000, 1000, |_, _| false);
+        assert_eq!(f.len(), 1);
+        assert!(f[0].text.ends_with("until it is, rdma_destroy_id of its listening id 0x50 waits"), "{}", f[0].text);
+        // The listening id's destroy waits for it, and is named.
+        b.destroy_begin(0x50, 1500);
+        let f = b.due(2500, 1000, |_, _| false);
+        assert_eq!(f.iter().map(|f| f.kind).collect::<Vec<_>>(), ["destroy-id-waiting"]);
+        assert!(f[0].text.starts_with("rdma_destroy_id(0x50) has waited 1000 ms for RDMA_CM_EVENT_CONNECT_REQUEST"));
+    }
+
+    #[test]
+    fn a_connect_requests_new_id_destroyed_before_the_ack_is_never_read() {
+        let mut b = CmBook::default();
+        b.got(0x1000, request(0xa0, 0x50, 0));
+        // The program rejects and destroys the new id, then acks later: that
+        // destroy does not wait, and the id's memory is freed.
+        b.destroy_begin(0xa0, 10);
+        b.destroy_end(0xa0);
+        let f = b.due(1000, 1000, |ev, _| panic!("event {ev:#x}: its freed id was read"));
+        assert_eq!(f.iter().map(|f| f.kind).collect::<Vec<_>>(), ["held"], "no destroy of 0xa0 waits for it");
+        let (f, _) = b.at_exit(2000, 7, |ev, _| panic!("event {ev:#x}: its freed id was read at exit"));
+        assert_eq!(f.iter().map(|f| f.kind).collect::<Vec<_>>(), ["unacked-at-exit"]);
+        assert!(b.ack(0x1000).is_some());
     }
 
     #[test]

@@ -127,26 +127,6 @@ fn check_setting(value: &str) -> Option<Option<bool>> {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::check_setting;
-
-    #[test]
-    fn rdmasafe_check_values() {
-        for v in ["", " ", "0", "off", "OFF", "no", "false", " False "] {
-            assert_eq!(check_setting(v), Some(None), "{v:?}: copy mode");
-        }
-        for v in ["1", "on", "yes", "true", "TRUE", " 1\n"] {
-            assert_eq!(check_setting(v), Some(Some(false)), "{v:?}: check mode");
-        }
-        assert_eq!(check_setting("fix"), Some(Some(true)));
-        assert_eq!(check_setting(" FIX "), Some(Some(true)));
-        for v in ["2", "maybe", "fixx", "o n"] {
-            assert_eq!(check_setting(v), None, "{v:?}: refused");
-        }
-    }
-}
-
 fn state() -> &'static State {
     STATE.get_or_init(init)
 }
@@ -345,3 +325,23 @@ extern "C" fn at_exit() {
 #[used]
 #[link_section = ".fini_array"]
 static AT_EXIT: extern "C" fn() = at_exit;
+
+#[cfg(test)]
+mod tests {
+    use super::check_setting;
+
+    #[test]
+    fn rdmasafe_check_values() {
+        for v in ["", " ", "0", "off", "OFF", "no", "false", " False "] {
+            assert_eq!(check_setting(v), Some(None), "{v:?}: copy mode");
+        }
+        for v in ["1", "on", "yes", "true", "TRUE", " 1\n"] {
+            assert_eq!(check_setting(v), Some(Some(false)), "{v:?}: check mode");
+        }
+        assert_eq!(check_setting("fix"), Some(Some(true)));
+        assert_eq!(check_setting(" FIX "), Some(Some(true)));
+        for v in ["2", "maybe", "fixx", "o n"] {
+            assert_eq!(check_setting(v), None, "{v:?}: refused");
+        }
+    }
+}
