@@ -311,7 +311,14 @@ impl AsyncCqLoop {
     /// loop back.
     pub fn spawn(self) -> LoopTask {
         let ctl = self.control();
+        // From now on, not only once the task is first polled: blocking
+        // changes from other threads wait for the task (see the module
+        // docs). The mark goes with the task, however it ends (run over,
+        // aborted, dropped before its first poll).
+        let mark = DriverMark(self.control());
+        mark.0.set_async_driver(true);
         let join = tokio::spawn(async move {
+            let _mark = mark;
             let r = self.run().await;
             (self, r)
         });
@@ -321,6 +328,16 @@ impl AsyncCqLoop {
     /// Deregisters the loop's fd and gives the loop back.
     pub fn into_inner(self) -> CqLoop {
         self.fd.into_inner()
+    }
+}
+
+/// A spawned loop's task drives the loop: set at the spawn, cleared when
+/// the task's future goes.
+struct DriverMark(LoopControl);
+
+impl Drop for DriverMark {
+    fn drop(&mut self) {
+        self.0.set_async_driver(false);
     }
 }
 

@@ -420,3 +420,66 @@ fn a_stop_during_a_foreign_drain_leaves_the_fd_readable() {
     assert_eq!(ready, 1, "the loop's fd is readable: the pending stop is work");
     assert!(lp.process_ready().unwrap().stopped, "and the stop is what the next call finds");
 }
+
+/// A non-blocking cycle of an embedded loop (`process_once(Wait::None)`,
+/// the C API's `run_once(l, 0)`) while another thread drives the loop for
+/// a blocking drain: it waits for that drive's current cycle, never for
+/// the whole drain (the drive hands the loop over). Here the drain needs
+/// many cycles: 40 completions, a budget of 1, a slow handler.
+#[test]
+fn a_nonblocking_cycle_does_not_wait_for_a_foreign_drain() {
+    let _s = serial();
+    let _dog = common::watchdog("process_once during a drain", Duration::from_secs(300));
+    let chan = channel();
+    let pair = Arc::new(rc_pair(common::bed().addr, &chan, false, 64));
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    let handled = Arc::new(AtomicUsize::new(0));
+    let h2 = handled.clone();
+    let cq_opts = rdmasafe_core::cq::CqOptions { solicited_only: false, budget: 1 };
+    lp.add_cq_with(&pair.server_cq, cq_opts, move |wcs, _| {
+        h2.fetch_add(wcs.len(), SeqCst);
+        std::thread::sleep(Duration::from_millis(20));
+    })
+    .unwrap();
+    lp.process_once(Wait::None).unwrap();
+    for k in 0..40 {
+        pair.recv(k * SLOT, SLOT as u32, k as u64);
+    }
+    let ctl = lp.control();
+    let drained = Arc::new(AtomicBool::new(false));
+    let (p2, d2) = (pair.clone(), drained.clone());
+    let t = std::thread::spawn(move || {
+        let r = ctl.drain_id(&p2.server.lock().unwrap().id, PATIENCE).map_err(|e| e.to_string());
+        d2.store(true, SeqCst);
+        r
+    });
+    // Once the drive is under way (a flushed receive handled)...
+    let end = Instant::now() + PATIENCE;
+    while handled.load(SeqCst) == 0 && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(handled.load(SeqCst) > 0, "the drain started");
+    // ...a non-blocking cycle returns long before the drain is done.
+    lp.process_once(Wait::None).unwrap();
+    let done_then = drained.load(SeqCst);
+    t.join().unwrap().expect("the drain");
+    assert!(!done_then, "process_once(Wait::None) waited for the whole drain");
+    assert_eq!(handled.load(SeqCst), 40, "every flushed receive once");
+}
+
+/// Dropping a `LoopThread` stops its loop and waits for the thread, like
+/// `Dispatcher` and the async thread (it used to detach a thread that ran
+/// the loop forever, keeping its CQs alive).
+#[test]
+fn dropping_a_loop_thread_stops_its_loop() {
+    let _s = serial();
+    let _dog = common::watchdog("LoopThread drop", Duration::from_secs(300));
+    let ctx = device();
+    let chan = CompChannel::new(&ctx).unwrap();
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    let ctl = lp.control();
+    drop(lp.spawn(None).unwrap());
+    let cq = Cq::new(&ctx, 4, Some(&chan)).unwrap();
+    let e = ctl.add_cq(&cq, ctl.default_cq_options(), |_, _| {}).unwrap_err();
+    assert_eq!(e.errno(), libc::EINVAL, "the loop is gone once the drop returned: {e}");
+}

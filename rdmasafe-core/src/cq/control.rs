@@ -24,7 +24,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::*};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -126,6 +126,10 @@ pub(crate) struct Shared {
     pub(crate) core: Mutex<Core>,
     /// Someone is in `run` / `process_once` (as opposed to a brief apply).
     pub(crate) running: AtomicBool,
+    /// Threads waiting in `enter` for the state while a blocking change
+    /// drives the loop: that drive hands the loop over after its current
+    /// cycle (they run it; the change waits for them).
+    pub(crate) wanted: AtomicU32,
     /// `sys::thread_tag` of the thread holding `core`, 0 if none.
     pub(crate) owner: AtomicU64,
     /// `sys::thread_tag` of the thread that last polled an async run of
@@ -171,6 +175,7 @@ impl Shared {
             closing: AtomicBool::new(false),
             core: Mutex::new(core),
             running: AtomicBool::new(false),
+            wanted: AtomicU32::new(0),
             owner: AtomicU64::new(0),
             driver: AtomicU64::new(0),
             cmds: Mutex::new(VecDeque::new()),
@@ -186,6 +191,18 @@ impl Shared {
             in_handler: AtomicBool::new(false),
             keepalives: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// An async run of this loop is (about to be) polled on the calling
+    /// thread (`true`), or has ended (`false`): see `driver`. Its end wakes
+    /// the blocking changes that waited for it (they drive the loop
+    /// themselves from then on).
+    #[cfg(feature = "tokio")]
+    pub(crate) fn set_driver(&self, polling: bool) {
+        let tag = if polling { sys::thread_tag() } else { 0 };
+        if self.driver.swap(tag, SeqCst) != tag && !polling {
+            self.notify();
+        }
     }
 
     /// Makes the loop's fd readable (async-signal-safe: an atomic swap and
@@ -552,6 +569,12 @@ impl LoopControl {
         self.0.opts.cq_defaults()
     }
 
+    /// See `Shared::set_driver`.
+    #[cfg(feature = "tokio")]
+    pub(crate) fn set_async_driver(&self, polling: bool) {
+        self.0.set_driver(polling);
+    }
+
     /// The options a CQ added without its own gets.
     pub(crate) fn cq_defaults(&self) -> CqOptions {
         self.0.opts.cq_defaults()
@@ -621,10 +644,12 @@ impl LoopControl {
                 return r.map(|_| Outcome::Done);
             }
             let driver = sh.driver.load(SeqCst);
-            if driver != 0 && driver != sys::thread_tag() {
+            if (driver != 0 && driver != sys::thread_tag()) || sh.wanted.load(SeqCst) > 0 {
                 // An async run drives the loop on its runtime's thread,
-                // which is woken (above): it applies the change and runs
-                // the handlers; its end (or the loop's) wakes us too.
+                // which is woken (above), or a thread waits to run it (a
+                // non-blocking process_once must not wait for this drain):
+                // it applies the change and runs the handlers; its release
+                // or end (or the loop's) wakes us.
                 q = sh.changed.wait(q).unwrap_or_else(|e| e.into_inner());
                 continue;
             }

@@ -504,7 +504,9 @@ impl Core {
     /// Runs cycles (ignoring stop requests, which are for `run`) until `c`
     /// is done: a drain driven by a caller while nobody runs the loop.
     pub(crate) fn drive_until(&mut self, ctl: &LoopControl, c: &Completion) {
-        while !c.is_done() && !self.shut {
+        // Until done, or until a thread wants to run the loop (it takes
+        // over; the caller then waits for it).
+        while !c.is_done() && !self.shut && ctl.0.wanted.load(SeqCst) == 0 {
             if let Err(e) = self.cycle(ctl, Wait::For(Duration::from_millis(100)), false) {
                 if e.errno() != libc::EINTR {
                     log::warn!(target: "rdmasafe", "CQ loop: a cycle failed while draining: {e}");

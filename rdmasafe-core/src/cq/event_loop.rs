@@ -198,7 +198,14 @@ impl CqLoop {
                 if sh.running.load(SeqCst) {
                     return Err(Error::new("rdmasafe_cq_loop_run: another thread runs the loop", libc::EBUSY));
                 }
-                sh.core.lock().unwrap_or_else(|e| e.into_inner())
+                // A brief apply, or a blocking change driving the loop
+                // (a drain): that one lets go after its current cycle
+                // (woken from its sleep for it) and waits for us instead.
+                sh.wanted.fetch_add(1, SeqCst);
+                sh.wake();
+                let g = sh.core.lock().unwrap_or_else(|e| e.into_inner());
+                sh.wanted.fetch_sub(1, SeqCst);
+                g
             }
         };
         if sh.running.swap(true, SeqCst) {
@@ -394,10 +401,7 @@ impl CqLoop {
     /// from then on).
     #[cfg(feature = "tokio")]
     pub(crate) fn set_async_driver(&self, polling: bool) {
-        let tag = if polling { sys::thread_tag() } else { 0 };
-        if self.sh.driver.swap(tag, SeqCst) != tag && !polling {
-            self.sh.notify();
-        }
+        self.sh.set_driver(polling);
     }
 
     /// Acks every pending CQ event now.
@@ -518,10 +522,16 @@ impl Drop for CqLoop {
     }
 }
 
-/// A loop running on its own thread.
+/// A loop running on its own thread. Dropping it stops the loop and waits
+/// for the thread (the loop is dropped with it), as [`LoopThread::stop`]
+/// does without giving the loop back; dropped from one of the loop's own
+/// handlers, it only asks the loop to stop (the thread ends after the
+/// handler returns).
+#[must_use = "dropping a LoopThread stops its loop and waits for the thread"]
 pub struct LoopThread {
     pub(crate) ctl: LoopControl,
-    pub(crate) thread: std::thread::JoinHandle<(CqLoop, Result<()>)>,
+    /// Taken by `stop` or `drop`.
+    pub(crate) thread: Option<std::thread::JoinHandle<(CqLoop, Result<()>)>>,
 }
 
 impl LoopThread {
@@ -532,14 +542,27 @@ impl LoopThread {
 
     /// Stops the loop, waits for the thread, and gives the loop back (it
     /// can be run again). The error is the one `run` ended with, if any.
-    pub fn stop(self) -> Result<CqLoop> {
+    pub fn stop(mut self) -> Result<CqLoop> {
         self.ctl.stop();
-        let (l, r) = self.thread.join().map_err(|_| Error::new("rdmasafe-cq thread panicked", libc::EIO))?;
+        let thread = self.thread.take().expect("the thread is taken only by stop or drop");
+        let (l, r) = thread.join().map_err(|_| Error::new("rdmasafe-cq thread panicked", libc::EIO))?;
         // If a handler had stopped the loop already, `run` consumed that
         // request and ours is left over: the loop we give back is not
         // running, so no stop request may linger (the next run would
         // return at once).
         l.sh.stop.store(false, SeqCst);
         r.map(|_| l)
+    }
+}
+
+impl Drop for LoopThread {
+    fn drop(&mut self) {
+        let Some(t) = self.thread.take() else { return };
+        self.ctl.stop();
+        // From the loop's own thread (a handler) joining would deadlock:
+        // the stop ends the thread once the handler returns.
+        if t.thread().id() != std::thread::current().id() {
+            let _ = t.join();
+        }
     }
 }

@@ -17,5 +17,5 @@ pub(crate) fn spawn(lp: CqLoop, cpu: Option<usize>) -> Result<LoopThread> {
             (lp, r)
         })
         .map_err(|e| Error::new("pthread_create", e.raw_os_error().unwrap_or(libc::EAGAIN)))?;
-    Ok(LoopThread { ctl, thread })
+    Ok(LoopThread { ctl, thread: Some(thread) })
 }
