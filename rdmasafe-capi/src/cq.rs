@@ -613,7 +613,11 @@ pub extern "C" fn rdmasafe_cq_loop_run(cq_loop: *mut rdmasafe_cq_loop) -> c_int 
 /// (see there). A stop requested meanwhile ends the call at once with
 /// every ack flushed (returns 0); called with 0, it then leaves the fd
 /// readable, so that the app's epoll calls again and that call re-arms the
-/// CQs the stop disarmed.
+/// CQs the stop disarmed. Besides `timeout_ms`, it may wait for the cycle
+/// another thread is in (a blocking `rdmasafe_cq_loop_drain_qp` or
+/// `_remove_cq` from another thread runs the loop while nobody does), never
+/// for that thread's whole request: the drain hands the loop over after its
+/// current cycle and waits for this call instead.
 ///
 /// Returns the number of completions delivered (>= 0), -EINTR (a signal
 /// interrupted the wait), -EINVAL (unknown loop, `timeout_ms < -1`),
@@ -803,7 +807,10 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_get_stats(
 /// Drains `qp` before teardown (like the kernel's ib_drain_qp): moves it to
 /// the error state, posts marker work requests (wr_id UINT64_MAX on the
 /// send queue, UINT64_MAX - 1 on the receive queue unless `use_srq`), and
-/// the loop delivers every completion until both markers come back. The
+/// the loop delivers every completion until both markers come back (it
+/// also polls the QP's CQs for them, a few ms after the start and then at
+/// growing gaps: a flushed completion need not raise an event, e.g. a send
+/// CQ armed RDMASAFE_NOTIFY_SOLICITED on rxe). The
 /// markers never reach a callback. Then every request posted before has
 /// completed, and every CQ event the loop read is acked. A keepalive of
 /// the QP stays registered (remove it as usual) but sends no more probes,
