@@ -1034,8 +1034,8 @@ int rdmasafe_cq_loop_drain_qp_async(struct rdmasafe_cq_loop *cq_loop,
  * loop, or the loop is destroyed.
  *
  * Returns 0 (or RDMASAFE_PENDING from a callback), -EINVAL (NULL, unknown
- * loop, `period_ms` or `bound_ms` <= 0, send CQ not in this loop), -EBUSY
- * (the QP has a keepalive already).
+ * loop, `period_ms` or `bound_ms` <= 0, not an RC QP, send CQ not in this
+ * loop), -EBUSY (the QP has a keepalive already).
  *
  * # Safety
  * `qp` NULL or a live QP.

@@ -483,3 +483,31 @@ fn dropping_a_loop_thread_stops_its_loop() {
     let e = ctl.add_cq(&cq, ctl.default_cq_options(), |_, _| {}).unwrap_err();
     assert_eq!(e.errno(), libc::EINVAL, "the loop is gone once the drop returned: {e}");
 }
+
+/// A keepalive is refused (EINVAL) on a QP that is not RC: its probe, a
+/// zero-length RDMA WRITE, would fail at once and declare a healthy peer
+/// dead, moving the QP to the error state (it used to be accepted).
+#[test]
+fn a_keepalive_on_a_ud_qp_is_refused() {
+    let _s = serial();
+    let _dog = common::watchdog("keepalive on UD", Duration::from_secs(300));
+    let bed = common::bed();
+    let ctx = device();
+    let chan = CompChannel::new(&ctx).unwrap();
+    let cq = Cq::new(&ctx, 8, Some(&chan)).unwrap();
+    let pd = rdmasafe_core::verbs::Pd::new(&ctx).unwrap();
+    let ch = EventChannel::new().unwrap();
+    let mut id = ch.create_id(PortSpace::Udp).unwrap();
+    id.bind_addr((bed.addr, 0).into()).unwrap();
+    common::cm::add_qp_on(&mut id, &pd, &cq, true);
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    lp.add_cq(&cq, |_, _| {}).unwrap();
+    let cfg = Keepalive { period: Duration::from_millis(10), bound: Duration::from_millis(50), wr_id: 1 };
+    let e = lp.add_keepalive_id(&id, cfg, Box::new(|qpn, _| panic!("UD QP {qpn} declared dead"))).unwrap_err();
+    assert_eq!(e.errno(), libc::EINVAL, "{e}");
+    // Nothing was started: the loop runs on without a dead peer.
+    for _ in 0..5 {
+        lp.process_once(Wait::For(Duration::from_millis(20))).unwrap();
+    }
+    assert_eq!(lp.stats().keepalive_dead, 0);
+}

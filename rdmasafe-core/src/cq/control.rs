@@ -438,8 +438,8 @@ impl LoopControl {
     /// (e.g. retry exceeded) declares the peer dead at once; a full send
     /// queue (ENOMEM) delays the probe, up to the bound.
     ///
-    /// Errors: EINVAL (zero period or bound, send CQ not in this loop),
-    /// EBUSY (the QP already has a keepalive).
+    /// Errors: EINVAL (zero period or bound, not an RC QP, send CQ not in
+    /// this loop), EBUSY (the QP already has a keepalive).
     ///
     /// # Safety
     /// `qp` must be live until [`LoopControl::remove_keepalive`] (or the
@@ -465,6 +465,10 @@ impl LoopControl {
             return Err(Error::new("rdmasafe keepalive: zero period or bound", libc::EINVAL));
         }
         let (qpn, send_cq, _) = qp.info()?;
+        if !qp.is_rc()? {
+            // Its probe (an RDMA WRITE) would fail at once: a dead peer.
+            return Err(Error::new("rdmasafe keepalive: the QP is not RC", libc::EINVAL));
+        }
         if !registry::cq_in(send_cq, self.0.id) {
             return Err(Error::new("rdmasafe keepalive: the QP's send CQ is not in this loop", libc::EINVAL));
         }

@@ -227,6 +227,13 @@ impl LiveQp {
         }
     }
 
+    /// Whether the QP is reliable connected (a keepalive's zero-length
+    /// RDMA WRITE needs it).
+    pub(crate) fn is_rc(&self) -> Result<bool> {
+        // SAFETY: live QP (checked by `with`); a plain field read.
+        self.with(|q| Ok(unsafe { (*q).qp_type } == sys::ibv_qp_type::IBV_QPT_RC))
+    }
+
     /// (qp_num, send CQ, receive CQ), as addresses.
     pub(crate) fn info(&self) -> Result<(u32, usize, usize)> {
         self.with(|q| {
