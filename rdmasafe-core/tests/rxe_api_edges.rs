@@ -511,3 +511,47 @@ fn a_keepalive_on_a_ud_qp_is_refused() {
     }
     assert_eq!(lp.stats().keepalive_dead, 0);
 }
+
+/// `LoopThread::stop` from one of the loop's own handlers: EDEADLK, and
+/// the loop stops once the handler returns (it used to try to join its own
+/// thread: a panic inside the handler).
+#[test]
+fn stopping_a_loop_thread_from_its_handler_is_edeadlk() {
+    let _s = serial();
+    let _dog = common::watchdog("LoopThread::stop from a handler", Duration::from_secs(300));
+    let chan = channel();
+    let pair = rc_pair(common::bed().addr, &chan, false, 4);
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    let ctl = lp.control();
+    let slot: Arc<Mutex<Option<rdmasafe_core::cq::LoopThread>>> = Arc::default();
+    let result = Arc::new(Mutex::new(None));
+    let (s2, r2) = (slot.clone(), result.clone());
+    lp.add_cq(&pair.server_cq, move |_, _| {
+        if let Some(t) = s2.lock().unwrap().take() {
+            *r2.lock().unwrap() = Some(t.stop().map(|_| ()).map_err(|e| e.errno()));
+        }
+    })
+    .unwrap();
+    *slot.lock().unwrap() = Some(lp.spawn(None).unwrap());
+    pair.recv(0, SLOT as u32, 1);
+    pair.send(0, b"x", 1, 1);
+    let end = Instant::now() + PATIENCE;
+    while result.lock().unwrap().is_none() && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(*result.lock().unwrap(), Some(Err(libc::EDEADLK)));
+    // The loop stopped, and its thread ended once the handler returned.
+    let loop_threads = || {
+        std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .filter_map(|t| std::fs::read_to_string(t.unwrap().path().join("comm")).ok())
+            .filter(|c| c.trim() == "rdmasafe-cq")
+            .count()
+    };
+    let end = Instant::now() + PATIENCE;
+    while loop_threads() > 0 && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(loop_threads(), 0, "the loop's thread ended");
+    drop(ctl);
+}

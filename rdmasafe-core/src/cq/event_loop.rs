@@ -542,9 +542,15 @@ impl LoopThread {
 
     /// Stops the loop, waits for the thread, and gives the loop back (it
     /// can be run again). The error is the one `run` ended with, if any.
+    /// From one of the loop's own handlers: EDEADLK (the thread cannot wait
+    /// for itself); the loop is asked to stop, and it ends with its thread
+    /// once the handler returns.
     pub fn stop(mut self) -> Result<CqLoop> {
         self.ctl.stop();
         let thread = self.thread.take().expect("the thread is taken only by stop or drop");
+        if thread.thread().id() == std::thread::current().id() {
+            return Err(Error::new("LoopThread::stop: from inside one of its handlers", libc::EDEADLK));
+        }
         let (l, r) = thread.join().map_err(|_| Error::new("rdmasafe-cq thread panicked", libc::EIO))?;
         // If a handler had stopped the loop already, `run` consumed that
         // request and ours is left over: the loop we give back is not
