@@ -18,6 +18,7 @@ back to back) and reported the same way.
 import json
 import os
 import statistics
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -1465,6 +1466,8 @@ def plot_adaptive(d, png):
     except (OSError, subprocess.CalledProcessError) as e:
         sys.stderr.write(f"report.py: gnuplot failed (adaptive plot): {e}\n")
         return False
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return True
 
 
@@ -1514,13 +1517,15 @@ def plot(d, png):
             script.append(f"set title '{title}'")
             script.append("plot " + ", ".join(plots))
     script.append("unset multiplot")
-    if not drew:
-        return False
     try:
+        if not drew:
+            return False
         subprocess.run(["gnuplot"], input="\n".join(script), text=True, check=True)
     except (OSError, subprocess.CalledProcessError) as e:
         sys.stderr.write(f"report.py: gnuplot failed: {e}\n")
         return False
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return True
 
 
