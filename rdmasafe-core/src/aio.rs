@@ -31,8 +31,12 @@
 //! the runtime ([`LoopControl::drain_id`], [`LoopControl::remove_cq`])
 //! waits for the running loop to apply and finish it, so the handlers stay
 //! on the runtime's thread and that thread is never held up by it; made
-//! on the runtime's thread itself (outside a handler), it runs the loop
-//! there, as a blocking call does when nobody runs the loop.
+//! on the thread that polled the run last (outside a handler), it runs the
+//! loop there, as a blocking call does when nobody runs the loop. A run
+//! that is alive but not polled (its runtime idle, its task blocked: never
+//! make a blocking call from the task that owns the run future) is waited
+//! for only 2 s without a sign of life; then the caller runs the loop
+//! itself. Prefer the async forms below in async code.
 //!
 //! Cancellation: every future here may be dropped at any await point.
 //! A dropped [`AsyncEventChannel::next`] loses no event (events are taken

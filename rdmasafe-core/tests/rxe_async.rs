@@ -336,3 +336,49 @@ fn a_blocking_drain_from_a_plain_thread_leaves_the_handlers_on_the_runtime() {
         drop(lp);
     });
 }
+
+/// A spawned async loop whose runtime is idle (its `block_on` returned):
+/// a blocking drain from another thread waits for the run only while the
+/// run shows life, then drives the loop itself and finishes (it used to
+/// wait forever for a run nobody polls).
+#[test]
+fn a_blocking_drain_does_not_wait_forever_for_an_idle_runtime() {
+    let _s = serial();
+    let bed = common::bed();
+    let _dog = common::watchdog("async loop on an idle runtime, blocking drain", Duration::from_secs(240));
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let ctx = {
+        let ch = EventChannel::new().unwrap();
+        let id = ch.create_id(PortSpace::Tcp).unwrap();
+        id.bind_addr((bed.addr, 0).into()).unwrap();
+        id.device_context().unwrap()
+    };
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = Arc::new(rc_pair(bed.addr, &chan, false, 16));
+    let delivered = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let d2 = delivered.clone();
+    let (task, ctl) = rt.block_on(async {
+        let task = AsyncCqLoop::new(CqLoop::new(&chan, LoopOptions::default()).unwrap()).unwrap().spawn();
+        let ctl = task.control();
+        ctl.add_cq(&p.server_cq, ctl.default_cq_options(), move |wcs, _| {
+            d2.fetch_add(wcs.len(), std::sync::atomic::Ordering::SeqCst);
+        })
+        .unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await; // the run is polled, then idle
+        (task, ctl)
+    });
+    for k in 0..4 {
+        p.recv(k * SLOT, SLOT as u32, 200 + k as u64);
+    }
+    // Nobody polls the runtime now.
+    let p2 = p.clone();
+    let drainer = std::thread::spawn(move || {
+        let s = p2.server.lock().unwrap();
+        ctl.drain_id(&s.id, Duration::from_secs(60)).map_err(|e| e.to_string())
+    });
+    drainer.join().unwrap().expect("the drain");
+    assert_eq!(delivered.load(std::sync::atomic::Ordering::SeqCst), 4);
+    let lp = rt.block_on(task.stop()).unwrap();
+    assert_eq!(lp.get_ref().stats().unacked_now, 0);
+    drop(lp);
+}

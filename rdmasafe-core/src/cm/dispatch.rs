@@ -374,7 +374,8 @@ fn run(ch: EventChannel, mut sink: Sink, h: StopHandle) -> Result<()> {
                     // No storage for a copy: the event stays in the kernel
                     // until copies are freed; wait (stop still ends it), then
                     // try again. Any other error ends the thread.
-                    Err(e) if matches!(e.errno(), libc::ENOBUFS | libc::ENOMEM) => {
+                    // (ENOMEM with no storage reserved at all never passes.)
+                    Err(e) if e.errno() == libc::ENOBUFS || (e.errno() == libc::ENOMEM && super::capacity() > 0) => {
                         if s.storage_waits.fetch_add(1, Relaxed) == 0 {
                             log::warn!(target: "rdmasafe", "CM dispatcher: {e}; waiting for copies to be freed");
                         } else if storage_wait == STORAGE_WAIT_FIRST {

@@ -14,9 +14,15 @@
 //! * from any other thread: queued, the loop is woken (its fd becomes
 //!   readable), and the caller waits until the command is done. If nobody
 //!   drives the loop, the caller takes the state and applies the command
-//!   itself (for a drain: runs the loop until it is done). Every holder of
-//!   the state applies what is queued before it lets go, and looks again
-//!   after it did, so a command can never be left behind.
+//!   itself (for a drain: runs the loop until it is done, or until a thread
+//!   wants to run it: then it hands the loop over after its current cycle
+//!   and waits for that thread). A live async run counts as somebody (its
+//!   handlers stay on its runtime's thread) as long as it shows life: after
+//!   2 s without a cycle the caller drives the loop itself. Every holder
+//!   of the state lets go through `Held`, which applies what is queued and
+//!   looks again after the unlock (`next_timeout` looks again by itself),
+//!   and every wait is bounded and re-checked, so a command can never be
+//!   left behind.
 //!
 //! So a remove from another thread waits for the cycle in progress: a
 //! handler must never wait for a thread that is removing a CQ of the same
@@ -133,9 +139,11 @@ pub(crate) struct Shared {
     /// `sys::thread_tag` of the thread holding `core`, 0 if none.
     pub(crate) owner: AtomicU64,
     /// `sys::thread_tag` of the thread that last polled an async run of
-    /// this loop while that run is alive, 0 if none: a blocking change from
-    /// another thread then waits for that run to apply and finish it,
-    /// instead of driving the loop (running handlers) itself.
+    /// this loop while that run is alive (before its first poll: the thread
+    /// that spawned its task), 0 if none: a blocking change from another
+    /// thread then waits for that run to apply and finish it, instead of
+    /// driving the loop (running handlers) itself, while the run shows
+    /// life (see `DRIVER_GRACE`).
     pub(crate) driver: AtomicU64,
     cmds: Mutex<VecDeque<Cmd>>,
     pub(crate) cmds_pending: AtomicBool,
@@ -152,6 +160,13 @@ pub(crate) struct Shared {
     /// and remove answer EBUSY / ENOENT at once.
     keepalives: Mutex<HashMap<u32, usize>>,
 }
+
+/// How long a blocking change waits for an async run (or a thread waiting
+/// to run the loop) that shows no sign of life before it drives the loop
+/// itself. A live run cycles at least every 100 ms while a drain is in
+/// progress (the drain's own looks for its markers); the rest is room for
+/// a busy machine.
+const DRIVER_GRACE: Duration = Duration::from_secs(2);
 
 /// Epoll keys of the loop's fds.
 pub(crate) const KEY_CHANNEL: u64 = 0;
@@ -203,6 +218,12 @@ impl Shared {
         if self.driver.swap(tag, SeqCst) != tag && !polling {
             self.notify();
         }
+    }
+
+    /// Grows with every cycle of the loop (its wakeups and sleeps), for a
+    /// caller that waits for somebody else to run it.
+    fn progress(&self) -> u64 {
+        self.counters.wakeups.load(Relaxed).wrapping_add(self.counters.sleeps.load(Relaxed))
     }
 
     /// Makes the loop's fd readable (async-signal-safe: an atomic swap and
@@ -390,7 +411,9 @@ impl LoopControl {
     /// Removes a CQ: its pending acks are flushed, the events already
     /// queued for it are read and acked, and its handler is dropped (never
     /// called again). From another thread this waits for the loop's current
-    /// cycle and returns `Done`: `ibv_destroy_cq` may follow at once (destroy
+    /// cycle (with a live async run: for the run to apply it, or 2 s
+    /// without a sign of life) and returns `Done`: `ibv_destroy_cq` may
+    /// follow at once (destroy
     /// the QPs that use it first, so no completion raises a new event). From
     /// inside a handler it returns `Pending` (see [`Outcome`]). Keepalives
     /// probing through the CQ stop; drains using it end with ECANCELED.
@@ -411,7 +434,8 @@ impl LoopControl {
     /// complete, with the CQ's acks flushed: `ibv_destroy_cq` may be called
     /// from `done`. Once this returns `Ok`, `done` is called exactly once:
     /// with ECANCELED if the loop is dropped first (on the dropping thread,
-    /// or on the caller's if the drop raced with this call).
+    /// or, when the drop raced with this call, on whichever thread held the
+    /// loop last: this caller's or another caller's).
     pub fn remove_raw_cq_then(&self, cq: *mut ibv_cq, done: Box<dyn FnOnce(Result<()>) + Send>) -> Result<()> {
         self.check_cq(cq)?;
         self.submit_async(Cmd::RemoveCq { cq: cq as usize, done: Done::Call(done) })
@@ -505,8 +529,9 @@ impl LoopControl {
     ///
     /// From another thread this waits (running the loop itself if nobody
     /// does; a live [`crate::aio::AsyncCqLoop::run`] on another thread
-    /// counts as somebody: the wait is for it) until done or `timeout`
-    /// (ETIMEDOUT). From inside a handler it
+    /// counts as somebody while it cycles: the wait is for it, and it
+    /// enforces `timeout`) until done or `timeout` (ETIMEDOUT). From inside
+    /// a handler it
     /// starts the drain and returns `Pending`: use
     /// [`LoopControl::drain_qp_then`] to learn when it is done. EINVAL if
     /// the QP's CQs are not in this loop.
@@ -597,6 +622,9 @@ impl LoopControl {
                 drop(c);
                 // A change queued meanwhile by a caller that found the state
                 // taken (by us) relies on the holder: apply it, as Held does.
+                // Passing through the queue's lock orders this look after
+                // such a push (as Held's notify does).
+                drop(self.0.cmds.lock().unwrap_or_else(|e| e.into_inner()));
                 if self.0.cmds_pending.load(SeqCst) {
                     if let Ok(g) = self.0.core.try_lock() {
                         drop(Held::new(&self.0, g, self.clone()));
@@ -642,6 +670,8 @@ impl LoopControl {
             return Ok(Outcome::Done);
         };
         let mut q = sh.cmds.lock().unwrap_or_else(|e| e.into_inner());
+        // The other side's last sign of life (its cycles), and since when.
+        let mut progress = (sh.progress(), std::time::Instant::now());
         loop {
             let done = wait.0.lock().unwrap_or_else(|e| e.into_inner()).take();
             if let Some(r) = done {
@@ -653,9 +683,19 @@ impl LoopControl {
                 // which is woken (above), or a thread waits to run it (a
                 // non-blocking process_once must not wait for this drain):
                 // it applies the change and runs the handlers; its release
-                // or end (or the loop's) wakes us.
-                q = sh.changed.wait(q).unwrap_or_else(|e| e.into_inner());
-                continue;
+                // or end (or the loop's) wakes us. Only while it shows life:
+                // a run future alive but not polled (its runtime idle, its
+                // task blocked, in this very call perhaps) would be waited
+                // for forever. After a grace period without a cycle, this
+                // caller drives the loop itself, as when nobody runs it.
+                let now = sh.progress();
+                if now != progress.0 {
+                    progress = (now, std::time::Instant::now());
+                }
+                if progress.1.elapsed() < DRIVER_GRACE {
+                    q = sh.changed.wait_timeout(q, DRIVER_GRACE / 4).unwrap_or_else(|e| e.into_inner()).0;
+                    continue;
+                }
             }
             match sh.core.try_lock() {
                 Ok(g) => {
@@ -674,8 +714,13 @@ impl LoopControl {
                     core.drive_until(ctl, &wait);
                     drop(held);
                     q = sh.cmds.lock().unwrap_or_else(|e| e.into_inner());
+                    progress = (sh.progress(), std::time::Instant::now());
                 }
-                Err(_) => q = sh.changed.wait(q).unwrap_or_else(|e| e.into_inner()),
+                // A holder that lets go notifies; bounded all the same, so
+                // that no missed wakeup can hang a caller.
+                Err(_) => {
+                    q = sh.changed.wait_timeout(q, DRIVER_GRACE / 4).unwrap_or_else(|e| e.into_inner()).0;
+                }
             }
         }
     }

@@ -258,7 +258,8 @@ impl Core {
                 self.record_wakeup(sh, n);
                 return Ok(n);
             }
-            if (honor_stop && sh.stop.load(Relaxed)) || sh.cmds_pending.load(Relaxed) {
+            // (A thread waiting to run the loop ends a foreign drive's spin.)
+            if (honor_stop && sh.stop.load(Relaxed)) || sh.cmds_pending.load(Relaxed) || sh.wanted.load(Relaxed) > 0 {
                 return Ok(0);
             }
             if timed {

@@ -170,18 +170,18 @@ impl CqLoop {
     /// Test hook: called right before the loop sleeps.
     #[doc(hidden)]
     pub fn set_before_sleep_hook(&self, hook: Option<Box<dyn FnMut() + Send>>) {
-        if let Ok(mut c) = self.sh.core.lock() {
-            c.hook = hook;
-        }
+        let g = self.sh.core.lock().unwrap_or_else(|e| e.into_inner());
+        let mut held = Held::new(&self.sh, g, self.control());
+        held.parts().0.hook = hook;
     }
 
     /// Test hook: called when the loop woke for its wake fd, between
     /// consuming the wakeup and clearing its flag.
     #[doc(hidden)]
     pub fn set_woke_hook(&self, hook: Option<Box<dyn FnMut() + Send>>) {
-        if let Ok(mut c) = self.sh.core.lock() {
-            c.woke_hook = hook;
-        }
+        let g = self.sh.core.lock().unwrap_or_else(|e| e.into_inner());
+        let mut held = Held::new(&self.sh, g, self.control());
+        held.parts().0.woke_hook = hook;
     }
 
     /// Takes the state for running: EBUSY if someone runs the loop, a
@@ -208,13 +208,18 @@ impl CqLoop {
                 g
             }
         };
+        // Refused with the state in hand: let go through Held all the same
+        // (queued changes applied, waiters woken: a drain that handed the
+        // loop over to this call waits for it).
         if sh.running.swap(true, SeqCst) {
+            drop(Held::new(sh, g, self.control()));
             return Err(Error::new("rdmasafe_cq_loop_run: another thread runs the loop", libc::EBUSY));
         }
         // Paired with try_close (both SeqCst): either it sees `running`, or
         // this sees `closing`.
         if sh.closing.load(SeqCst) {
             sh.running.store(false, SeqCst);
+            drop(Held::new(sh, g, self.control()));
             return Err(Error::new("rdmasafe_cq_loop_run: the loop is being destroyed", libc::EINVAL));
         }
         Ok(Held::new(sh, g, self.control()).into_runner())
@@ -511,7 +516,12 @@ impl Drop for CqLoop {
         // the state down now, so every CQ can be destroyed after this, and
         // make later changes through a control fail.
         self.sh.alive.store(false, SeqCst);
+        // A blocking change of another thread that drives the loop (a
+        // drain) hands it over after its current cycle, and gets ECANCELED.
+        self.sh.wanted.fetch_add(1, SeqCst);
+        self.sh.wake();
         let mut c = self.sh.core.lock().unwrap_or_else(|e| e.into_inner());
+        self.sh.wanted.fetch_sub(1, SeqCst);
         c.shutdown();
         // Let go through Held: changes queued by calls that raced with this
         // drop (they passed the `alive` check first) are finished with
@@ -548,7 +558,11 @@ impl LoopThread {
     pub fn stop(mut self) -> Result<CqLoop> {
         self.ctl.stop();
         let thread = self.thread.take().expect("the thread is taken only by stop or drop");
-        if thread.thread().id() == std::thread::current().id() {
+        if thread.thread().id() == std::thread::current().id() || self.ctl.0.held_here() {
+            // The thread cannot wait for itself, nor for a loop thread that
+            // waits for the state this thread holds (a handler run by a
+            // drain's drive): the loop stops, and goes with its thread.
+            let_go(thread);
             return Err(Error::new("LoopThread::stop: from inside one of its handlers", libc::EDEADLK));
         }
         let (l, r) = thread.join().map_err(|_| Error::new("rdmasafe-cq thread panicked", libc::EIO))?;
@@ -565,10 +579,35 @@ impl Drop for LoopThread {
     fn drop(&mut self) {
         let Some(t) = self.thread.take() else { return };
         self.ctl.stop();
-        // From the loop's own thread (a handler) joining would deadlock:
-        // the stop ends the thread once the handler returns.
-        if t.thread().id() != std::thread::current().id() {
+        // From inside one of the loop's handlers (on its thread, or on a
+        // thread whose drain drives the loop) joining would deadlock: the
+        // stop ends the thread once the handler returns.
+        if t.thread().id() == std::thread::current().id() || self.ctl.0.held_here() {
+            let_go(t);
+        } else {
             let _ = t.join();
         }
+    }
+}
+
+/// A loop thread that cannot be waited for here (see `LoopThread::stop`):
+/// it ends by itself. On the loop's own thread, its handle just goes (the
+/// thread drops the loop when it ends). On a thread that holds the loop's
+/// state, the loop must not be dropped here (its drop takes the state):
+/// a helper thread waits for the loop thread and drops the loop; if no
+/// thread can be made, the loop is leaked rather than deadlocked on.
+fn let_go(t: std::thread::JoinHandle<(CqLoop, Result<()>)>) {
+    if t.thread().id() == std::thread::current().id() {
+        return;
+    }
+    let t = std::sync::Arc::new(std::sync::Mutex::new(Some(t)));
+    let t2 = t.clone();
+    let spawned = std::thread::Builder::new().name("rdmasafe-cq-end".into()).spawn(move || {
+        if let Some(t) = t2.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            drop(t.join());
+        }
+    });
+    if spawned.is_err() {
+        std::mem::forget(t.lock().unwrap_or_else(|e| e.into_inner()).take());
     }
 }
