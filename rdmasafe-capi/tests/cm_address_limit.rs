@@ -7,6 +7,8 @@
 //! by a stand-in: the channel's fd is a non-blocking pipe, each byte in it
 //! one ready event. One test per process: the limit is process-wide.
 
+mod standin;
+
 use std::os::raw::c_int;
 use std::ptr::null_mut;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
@@ -14,13 +16,13 @@ use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use rdmasafe::{rdmasafe_event_free, rdmasafe_get_event};
 use rdmasafe_core::cm::SyntheticEvent;
 use rdmasafe_core::sys::{self, rdma_cm_event, rdma_event_channel, CmEventCalls};
+use standin::{channel, ready, take_ready};
 
 static EVENT: AtomicUsize = AtomicUsize::new(0);
 
 unsafe extern "C" fn fake_get(ch: *mut rdma_event_channel, ev: *mut *mut rdma_cm_event) -> c_int {
-    let mut b = 0u8;
-    // SAFETY: ch is the test's channel; b is one writable byte.
-    if unsafe { libc::read((*ch).fd, (&mut b as *mut u8).cast(), 1) } != 1 {
+    // SAFETY: ch is the test's channel.
+    if !unsafe { take_ready(ch) } {
         return -1;
     }
     // SAFETY: ev is writable (rdmasafe's contract with librdmacm's call).
@@ -46,10 +48,7 @@ fn copies_work_under_an_address_space_limit_and_leave_the_app_its_memory() {
     unsafe { sys::set_cm_event_calls(CmEventCalls { get: fake_get, ack: fake_ack }) }
         .expect("first CM use of this process");
     EVENT.store(Box::into_raw(SyntheticEvent::zeroed()) as usize, Relaxed);
-    let mut fds = [0; 2];
-    // SAFETY: fds has room for two fds.
-    assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK | libc::O_CLOEXEC) }, 0);
-    let mut ch = rdma_event_channel { fd: fds[0] };
+    let (mut ch, w) = channel();
 
     // 768 MiB more than in use now: below the old 1 GiB reservation.
     let headroom: u64 = 768 << 20;
@@ -69,11 +68,10 @@ fn copies_work_under_an_address_space_limit_and_leave_the_app_its_memory() {
 
     let mut held = Vec::new();
     for k in 0..1000 {
-        // SAFETY: fds[1] is the pipe's write end; one byte.
-        assert_eq!(unsafe { libc::write(fds[1], b"e".as_ptr().cast(), 1) }, 1);
+        ready(w);
         let mut ev = null_mut();
         // SAFETY: a live stand-in channel; ev is writable.
-        let rc = unsafe { rdmasafe_get_event(&mut ch, &mut ev) };
+        let rc = unsafe { rdmasafe_get_event(&mut *ch, &mut ev) };
         assert_eq!(rc, 0, "get {k}: errno {}", sys::errno_raw());
         held.push(ev);
     }

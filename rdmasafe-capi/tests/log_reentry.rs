@@ -5,6 +5,8 @@
 //! are replaced (`set_cm_event_calls`) by a stand-in: a channel's fd is a
 //! non-blocking pipe, and each byte in it is one ready event.
 
+mod standin;
+
 use std::os::raw::{c_char, c_int, c_void};
 use std::ptr::null_mut;
 use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering::*};
@@ -12,13 +14,13 @@ use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering::*};
 use rdmasafe::{rdmasafe_event_free, rdmasafe_get_events, rdmasafe_set_log_callback, rdmasafe_set_log_level};
 use rdmasafe_core::cm::SyntheticEvent;
 use rdmasafe_core::sys::{self, rdma_cm_event, rdma_event_channel, CmEventCalls};
+use standin::{channel, ready, take_ready};
 
 static EVENT: AtomicUsize = AtomicUsize::new(0);
 
 unsafe extern "C" fn fake_get(ch: *mut rdma_event_channel, ev: *mut *mut rdma_cm_event) -> c_int {
-    let mut b = 0u8;
-    // SAFETY: ch is one of the test's channels; b is one writable byte.
-    if unsafe { libc::read((*ch).fd, (&mut b as *mut u8).cast(), 1) } != 1 {
+    // SAFETY: ch is one of the test's channels.
+    if !unsafe { take_ready(ch) } {
         return -1; // errno is read()'s: EAGAIN when nothing is ready
     }
     // SAFETY: ev is writable (rdmasafe's contract with librdmacm's call).
@@ -28,20 +30,6 @@ unsafe extern "C" fn fake_get(ch: *mut rdma_event_channel, ev: *mut *mut rdma_cm
 
 unsafe extern "C" fn fake_ack(_ev: *mut rdma_cm_event) -> c_int {
     0
-}
-
-/// A stand-in channel: its fd is a non-blocking pipe's read end; returns
-/// it and the write end.
-fn channel() -> (Box<rdma_event_channel>, c_int) {
-    let mut fds = [0; 2];
-    // SAFETY: fds has room for two fds.
-    assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK | libc::O_CLOEXEC) }, 0);
-    (Box::new(rdma_event_channel { fd: fds[0] }), fds[1])
-}
-
-fn ready(w: c_int) {
-    // SAFETY: w is a pipe's write end; one byte from a live buffer.
-    assert_eq!(unsafe { libc::write(w, b"e".as_ptr().cast(), 1) }, 1);
 }
 
 static INNER: AtomicUsize = AtomicUsize::new(0);

@@ -11,6 +11,8 @@
 //! channel's fd is a non-blocking pipe, each byte in it is one ready event,
 //! each event a fresh allocation, and the stand-in ack records it.
 
+mod standin;
+
 use std::collections::HashSet;
 use std::os::raw::{c_char, c_int, c_void};
 use std::ptr::null_mut;
@@ -24,6 +26,7 @@ use rdmasafe::{
 };
 use rdmasafe_core::cm::SyntheticEvent;
 use rdmasafe_core::sys::{self, rdma_cm_event, rdma_event_channel, CmEventCalls};
+use standin::{channel, ready, take_ready};
 
 /// The original the stand-in get handed out last.
 static LAST: AtomicUsize = AtomicUsize::new(0);
@@ -39,9 +42,8 @@ static AWAIT: Mutex<&str> = Mutex::new("");
 const WATCHDOG: Duration = Duration::from_secs(30);
 
 unsafe extern "C" fn fake_get(ch: *mut rdma_event_channel, ev: *mut *mut rdma_cm_event) -> c_int {
-    let mut b = 0u8;
-    // SAFETY: ch is the test's channel; b is one writable byte.
-    if unsafe { libc::read((*ch).fd, (&mut b as *mut u8).cast(), 1) } != 1 {
+    // SAFETY: ch is the test's channel.
+    if !unsafe { take_ready(ch) } {
         return -1; // errno is read()'s
     }
     let e = Box::into_raw(SyntheticEvent::zeroed()) as usize;
@@ -76,16 +78,8 @@ unsafe extern "C" fn log_cb(_ctx: *mut c_void, _level: c_int, msg: *const c_char
     SEEN.lock().unwrap().push((msg, acked));
 }
 
-fn channel() -> (Box<rdma_event_channel>, c_int) {
-    let mut fds = [0; 2];
-    // SAFETY: fds has room for two fds.
-    assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK | libc::O_CLOEXEC) }, 0);
-    (Box::new(rdma_event_channel { fd: fds[0] }), fds[1])
-}
-
 fn get(ch: &mut rdma_event_channel, w: c_int) -> *mut rdma_cm_event {
-    // SAFETY: w is the pipe's write end; one byte from a live buffer.
-    assert_eq!(unsafe { libc::write(w, b"e".as_ptr().cast(), 1) }, 1);
+    ready(w);
     let mut ev = null_mut();
     // SAFETY: a live stand-in channel; ev is writable.
     assert_eq!(unsafe { rdmasafe_get_event(ch, &mut ev) }, 0);

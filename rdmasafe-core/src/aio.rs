@@ -253,10 +253,11 @@ impl AsyncCqLoop {
             return Err(Error::new("rdmasafe async CQ loop: another run future is alive", libc::EBUSY));
         }
         let _flush = FlushOnDrop(lp, &self.active);
+        // Blocking changes from other threads wait for the thread polling
+        // the run now instead of running handlers there (set again after
+        // every wait: the task may move to another thread).
+        lp.set_async_driver(true);
         loop {
-            // Blocking changes from other threads wait for this thread (the
-            // one polling the run now) instead of running handlers there.
-            lp.set_async_driver(true);
             // Wait for the fd, or for the loop's next deadline (the fd's
             // timer fires then too; this is the runtime's own timer for it).
             let deadline = lp.next_timeout().map(|d| tokio::time::Instant::now() + d);
@@ -320,7 +321,7 @@ impl AsyncCqLoop {
         // docs). The mark goes with the task, however it ends (run over,
         // aborted, dropped before its first poll).
         let mark = DriverMark(self.control());
-        mark.0.set_async_driver(true);
+        mark.0 .0.set_driver(true);
         let join = tokio::spawn(async move {
             let _mark = mark;
             let r = self.run().await;
@@ -341,7 +342,7 @@ struct DriverMark(LoopControl);
 
 impl Drop for DriverMark {
     fn drop(&mut self) {
-        self.0.set_async_driver(false);
+        self.0 .0.set_driver(false);
     }
 }
 

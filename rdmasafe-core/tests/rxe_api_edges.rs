@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use common::rc::{rc_pair, Side, SLOT};
+use common::rc::{rc_pair, RcPair, Side, SLOT};
 use rdmasafe_core::cm::{self, CmEvent, CmId, Dispatcher, EventChannel, PortSpace};
 use rdmasafe_core::cq::{CqLoop, Keepalive, LocalCqLoop, LoopOptions};
 use rdmasafe_core::verbs::{CompChannel, Cq, DeviceContext};
@@ -48,16 +48,23 @@ impl Drop for DropFlag {
     }
 }
 
-/// The bed's device (its context outlives the id that found it).
+/// The bed's device.
 fn device() -> DeviceContext {
-    let ch = EventChannel::new().unwrap();
-    let id = ch.create_id(PortSpace::Tcp).unwrap();
-    id.bind_addr((common::bed().addr, 0).into()).unwrap();
-    id.device_context().unwrap()
+    common::cm::device(common::bed().addr)
 }
 
 fn channel() -> CompChannel {
     CompChannel::new(&device()).unwrap()
+}
+
+/// Waits (without running any loop) until `done()` or [`PATIENCE`];
+/// returns `done()`.
+fn wait_until(done: impl Fn() -> bool) -> bool {
+    let end = Instant::now() + PATIENCE;
+    while !done() && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    done()
 }
 
 /// Runs `lp` until `done()` or [`PATIENCE`]; returns `done()`.
@@ -180,13 +187,7 @@ fn a_dispatcher_waits_out_the_copy_limit() {
     .unwrap();
     let ids: Vec<CmId> = (0..3).map(|_| ch.create_id(PortSpace::Tcp).unwrap()).collect();
     let resolve = |i: usize| ids[i].resolve_addr(None, (bed.addr, 7).into(), Duration::from_secs(5)).unwrap();
-    let wait = |what: &str, cond: &dyn Fn() -> bool| {
-        let end = Instant::now() + PATIENCE;
-        while !cond() && Instant::now() < end {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        assert!(cond(), "{what}");
-    };
+    let wait = |what: &str, cond: &dyn Fn() -> bool| assert!(wait_until(cond), "{what}");
     resolve(0);
     wait("the first event delivered", &|| got.load(SeqCst) == 1);
     let refused = cm::counters().refused_at_limit;
@@ -440,41 +441,57 @@ fn a_stop_during_a_foreign_drain_leaves_the_fd_readable() {
 fn a_nonblocking_cycle_does_not_wait_for_a_foreign_drain() {
     let _s = serial();
     let _dog = common::watchdog("process_once during a drain", Duration::from_secs(300));
-    let chan = channel();
-    let pair = Arc::new(rc_pair(common::bed().addr, &chan, false, 64));
-    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
-    let handled = Arc::new(AtomicUsize::new(0));
-    let h2 = handled.clone();
-    let cq_opts = rdmasafe_core::cq::CqOptions { solicited_only: false, budget: 1 };
-    lp.add_cq_with(&pair.server_cq, cq_opts, move |wcs, _| {
-        h2.fetch_add(wcs.len(), SeqCst);
-        std::thread::sleep(Duration::from_millis(25));
-    })
-    .unwrap();
-    lp.process_once(Wait::None).unwrap();
-    for k in 0..60 {
-        pair.recv(k * SLOT, SLOT as u32, k as u64);
-    }
-    let ctl = lp.control();
-    let drained = Arc::new(AtomicBool::new(false));
-    let (p2, d2) = (pair.clone(), drained.clone());
-    let t = std::thread::spawn(move || {
-        let r = ctl.drain_id(&p2.server.lock().unwrap().id, PATIENCE).map_err(|e| e.to_string());
-        d2.store(true, SeqCst);
-        r
-    });
-    // Once the drive is under way (a flushed receive handled)...
-    let end = Instant::now() + PATIENCE;
-    while handled.load(SeqCst) == 0 && Instant::now() < end {
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    assert!(handled.load(SeqCst) > 0, "the drain started");
-    // ...a non-blocking cycle returns long before the drain is done.
-    lp.process_once(Wait::None).unwrap();
-    let done_then = drained.load(SeqCst);
-    t.join().unwrap().expect("the drain");
+    let d = SlowDrain::start(60);
+    // A non-blocking cycle returns long before the drain is done.
+    d.lp.process_once(Wait::None).unwrap();
+    let done_then = d.drained.load(SeqCst);
+    d.thread.join().unwrap().expect("the drain");
     assert!(!done_then, "process_once(Wait::None) waited for the whole drain");
-    assert_eq!(handled.load(SeqCst), 60, "every flushed receive once");
+    assert_eq!(d.handled.load(SeqCst), 60, "every flushed receive once");
+}
+
+/// A drain of `n` flushed receives that needs `n` cycles (a budget of 1,
+/// a handler that sleeps 25 ms), driven by another thread while nobody
+/// runs the loop; `start` returns once the drive is under way (a receive
+/// handled).
+struct SlowDrain {
+    lp: CqLoop,
+    handled: Arc<AtomicUsize>,
+    drained: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<std::result::Result<(), String>>,
+    // Dropped after the loop, in this order.
+    _pair: Arc<RcPair>,
+    _chan: CompChannel,
+}
+
+impl SlowDrain {
+    fn start(n: usize) -> SlowDrain {
+        let chan = channel();
+        let pair = Arc::new(rc_pair(common::bed().addr, &chan, false, 64));
+        let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+        let handled = Arc::new(AtomicUsize::new(0));
+        let h2 = handled.clone();
+        let cq_opts = rdmasafe_core::cq::CqOptions { solicited_only: false, budget: 1 };
+        lp.add_cq_with(&pair.server_cq, cq_opts, move |wcs, _| {
+            h2.fetch_add(wcs.len(), SeqCst);
+            std::thread::sleep(Duration::from_millis(25));
+        })
+        .unwrap();
+        lp.process_once(Wait::None).unwrap();
+        for k in 0..n {
+            pair.recv(k * SLOT, SLOT as u32, k as u64);
+        }
+        let ctl = lp.control();
+        let drained = Arc::new(AtomicBool::new(false));
+        let (p2, d2) = (pair.clone(), drained.clone());
+        let thread = std::thread::spawn(move || {
+            let r = ctl.drain_id(&p2.server.lock().unwrap().id, PATIENCE).map(|_| ()).map_err(|e| e.to_string());
+            d2.store(true, SeqCst);
+            r
+        });
+        assert!(wait_until(|| handled.load(SeqCst) > 0), "the drain started");
+        SlowDrain { lp, handled, drained, thread, _pair: pair, _chan: chan }
+    }
 }
 
 /// Dropping a `LoopThread` stops its loop and waits for the thread, like
@@ -545,10 +562,7 @@ fn stopping_a_loop_thread_from_its_handler_is_edeadlk() {
     *slot.lock().unwrap() = Some(lp.spawn(None).unwrap());
     pair.recv(0, SLOT as u32, 1);
     pair.send(0, b"x", 1, 1);
-    let end = Instant::now() + PATIENCE;
-    while result.lock().unwrap().is_none() && Instant::now() < end {
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_until(|| result.lock().unwrap().is_some());
     assert_eq!(*result.lock().unwrap(), Some(Err(libc::EDEADLK)));
     // The loop stopped, and its thread ended once the handler returned.
     let loop_threads = || {
@@ -558,11 +572,7 @@ fn stopping_a_loop_thread_from_its_handler_is_edeadlk() {
             .filter(|c| c.trim() == "rdmasafe-cq")
             .count()
     };
-    let end = Instant::now() + PATIENCE;
-    while loop_threads() > 0 && Instant::now() < end {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    assert_eq!(loop_threads(), 0, "the loop's thread ended");
+    assert!(wait_until(|| loop_threads() == 0), "the loop's thread ended");
     drop(ctl);
 }
 
@@ -573,33 +583,10 @@ fn stopping_a_loop_thread_from_its_handler_is_edeadlk() {
 fn a_handover_to_a_refused_cycle_does_not_strand_the_drain() {
     let _s = serial();
     let _dog = common::watchdog("handover to a refused cycle", Duration::from_secs(300));
-    let chan = channel();
-    let pair = Arc::new(rc_pair(common::bed().addr, &chan, false, 64));
-    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
-    let handled = Arc::new(AtomicUsize::new(0));
-    let h2 = handled.clone();
-    let cq_opts = rdmasafe_core::cq::CqOptions { solicited_only: false, budget: 1 };
-    lp.add_cq_with(&pair.server_cq, cq_opts, move |wcs, _| {
-        h2.fetch_add(wcs.len(), SeqCst);
-        std::thread::sleep(Duration::from_millis(25));
-    })
-    .unwrap();
-    lp.process_once(Wait::None).unwrap();
-    for k in 0..20 {
-        pair.recv(k * SLOT, SLOT as u32, k as u64);
-    }
-    let ctl = lp.control();
-    let p2 = pair.clone();
-    let t =
-        std::thread::spawn(move || ctl.drain_id(&p2.server.lock().unwrap().id, PATIENCE).map_err(|e| e.to_string()));
-    let end = Instant::now() + PATIENCE;
-    while handled.load(SeqCst) == 0 && Instant::now() < end {
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    assert!(handled.load(SeqCst) > 0, "the drain started");
-    lp.try_close().unwrap();
-    let e = lp.process_once(Wait::None).unwrap_err();
+    let d = SlowDrain::start(20);
+    d.lp.try_close().unwrap();
+    let e = d.lp.process_once(Wait::None).unwrap_err();
     assert_eq!(e.errno(), libc::EINVAL, "{e}");
-    t.join().unwrap().expect("the drain finished");
-    assert_eq!(handled.load(SeqCst), 20);
+    d.thread.join().unwrap().expect("the drain finished");
+    assert_eq!(d.handled.load(SeqCst), 20);
 }

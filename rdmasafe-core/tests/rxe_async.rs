@@ -116,12 +116,7 @@ fn futures_dropped_mid_flight_then_a_clean_teardown() {
         drop(ch);
 
         // 2. The loop's run() dropped mid-flight.
-        let ctx = {
-            let ch = EventChannel::new().unwrap();
-            let id = ch.create_id(PortSpace::Tcp).unwrap();
-            id.bind_addr((bed.addr, 0).into()).unwrap();
-            id.device_context().unwrap()
-        };
+        let ctx = common::cm::device(bed.addr);
         let chan = CompChannel::new(&ctx).unwrap();
         let p = rc_pair(bed.addr, &chan, false, 16);
         let lp = AsyncCqLoop::new(CqLoop::new(&chan, LoopOptions::default()).unwrap()).unwrap();
@@ -233,12 +228,7 @@ fn keepalive_deadlines_drive_an_idle_async_loop() {
     let t0 = Instant::now();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     rt.block_on(async {
-        let ctx = {
-            let ch = EventChannel::new().unwrap();
-            let id = ch.create_id(PortSpace::Tcp).unwrap();
-            id.bind_addr((bed.addr, 0).into()).unwrap();
-            id.device_context().unwrap()
-        };
+        let ctx = common::cm::device(bed.addr);
         let chan = CompChannel::new(&ctx).unwrap();
         let p = rc_pair(bed.addr, &chan, false, 16);
         let task = AsyncCqLoop::new(CqLoop::new(&chan, LoopOptions::default()).unwrap()).unwrap().spawn();
@@ -291,12 +281,7 @@ fn a_blocking_drain_from_a_plain_thread_leaves_the_handlers_on_the_runtime() {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let runtime_thread = std::thread::current().id();
     rt.block_on(async {
-        let ctx = {
-            let ch = EventChannel::new().unwrap();
-            let id = ch.create_id(PortSpace::Tcp).unwrap();
-            id.bind_addr((bed.addr, 0).into()).unwrap();
-            id.device_context().unwrap()
-        };
+        let ctx = common::cm::device(bed.addr);
         let chan = CompChannel::new(&ctx).unwrap();
         let p = Arc::new(rc_pair(bed.addr, &chan, false, 16));
         let task = AsyncCqLoop::new(CqLoop::new(&chan, LoopOptions::default()).unwrap()).unwrap().spawn();
@@ -347,12 +332,7 @@ fn a_blocking_drain_does_not_wait_forever_for_an_idle_runtime() {
     let bed = common::bed();
     let _dog = common::watchdog("async loop on an idle runtime, blocking drain", Duration::from_secs(240));
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let ctx = {
-        let ch = EventChannel::new().unwrap();
-        let id = ch.create_id(PortSpace::Tcp).unwrap();
-        id.bind_addr((bed.addr, 0).into()).unwrap();
-        id.device_context().unwrap()
-    };
+    let ctx = common::cm::device(bed.addr);
     let chan = CompChannel::new(&ctx).unwrap();
     let p = Arc::new(rc_pair(bed.addr, &chan, false, 16));
     let delivered = Arc::new(std::sync::atomic::AtomicUsize::new(0));

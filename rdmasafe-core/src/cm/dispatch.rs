@@ -352,6 +352,27 @@ impl Drop for Dispatcher {
 const STORAGE_WAIT_FIRST: Duration = Duration::from_millis(1);
 const STORAGE_WAIT_LAST: Duration = Duration::from_millis(64);
 
+/// A get refused for want of storage that frees of copies can end: the
+/// copy limit (ENOBUFS), or ENOMEM while storage exists at all.
+fn no_storage_yet(e: &Error) -> bool {
+    e.errno() == libc::ENOBUFS || (e.errno() == libc::ENOMEM && super::capacity() > 0)
+}
+
+/// Waits `wait` for copies to be freed (a stop ends it early), counted and
+/// logged (warn the first time, debug at each later episode); returns the
+/// next wait if the get is refused again.
+fn wait_for_storage(h: &StopHandle, e: &Error, wait: Duration) -> Duration {
+    if h.shared.storage_waits.fetch_add(1, Relaxed) == 0 {
+        log::warn!(target: "rdmasafe", "CM dispatcher: {e}; waiting for copies to be freed");
+    } else if wait == STORAGE_WAIT_FIRST {
+        log::debug!(target: "rdmasafe", "CM dispatcher: {e}; waiting for copies to be freed");
+    }
+    if let Ok([true]) = sys::poll_readable([h.wake.fd()], Wait::For(wait)) {
+        h.wake.drain();
+    }
+    (wait * 2).min(STORAGE_WAIT_LAST)
+}
+
 fn run(ch: EventChannel, mut sink: Sink, h: StopHandle) -> Result<()> {
     let s = &h.shared;
     let stopped = || s.stop.load(SeqCst);
@@ -372,19 +393,9 @@ fn run(ch: EventChannel, mut sink: Sink, h: StopHandle) -> Result<()> {
                     }
                     Ok(None) => break,
                     // No storage for a copy: the event stays in the kernel
-                    // until copies are freed; wait (stop still ends it), then
-                    // try again. Any other error ends the thread.
-                    // (ENOMEM with no storage reserved at all never passes.)
-                    Err(e) if e.errno() == libc::ENOBUFS || (e.errno() == libc::ENOMEM && super::capacity() > 0) => {
-                        if s.storage_waits.fetch_add(1, Relaxed) == 0 {
-                            log::warn!(target: "rdmasafe", "CM dispatcher: {e}; waiting for copies to be freed");
-                        } else if storage_wait == STORAGE_WAIT_FIRST {
-                            log::debug!(target: "rdmasafe", "CM dispatcher: {e}; waiting for copies to be freed");
-                        }
-                        if let Ok([true]) = sys::poll_readable([h.wake.fd()], Wait::For(storage_wait)) {
-                            h.wake.drain();
-                        }
-                        storage_wait = (storage_wait * 2).min(STORAGE_WAIT_LAST);
+                    // until copies are freed. Any other error ends the thread.
+                    Err(e) if no_storage_yet(&e) => {
+                        storage_wait = wait_for_storage(&h, &e, storage_wait);
                         break;
                     }
                     Err(e) => return Err(e),

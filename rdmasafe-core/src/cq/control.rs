@@ -598,12 +598,6 @@ impl LoopControl {
         self.0.opts.cq_defaults()
     }
 
-    /// See `Shared::set_driver`.
-    #[cfg(feature = "tokio")]
-    pub(crate) fn set_async_driver(&self, polling: bool) {
-        self.0.set_driver(polling);
-    }
-
     /// The options a CQ added without its own gets.
     pub(crate) fn cq_defaults(&self) -> CqOptions {
         self.0.opts.cq_defaults()

@@ -170,18 +170,21 @@ impl CqLoop {
     /// Test hook: called right before the loop sleeps.
     #[doc(hidden)]
     pub fn set_before_sleep_hook(&self, hook: Option<Box<dyn FnMut() + Send>>) {
-        let g = self.sh.core.lock().unwrap_or_else(|e| e.into_inner());
-        let mut held = Held::new(&self.sh, g, self.control());
-        held.parts().0.hook = hook;
+        self.with_core(|c| c.hook = hook);
     }
 
     /// Test hook: called when the loop woke for its wake fd, between
     /// consuming the wakeup and clearing its flag.
     #[doc(hidden)]
     pub fn set_woke_hook(&self, hook: Option<Box<dyn FnMut() + Send>>) {
+        self.with_core(|c| c.woke_hook = hook);
+    }
+
+    /// Runs `f` on the state, waiting for it, and lets go through Held.
+    fn with_core(&self, f: impl FnOnce(&mut Core)) {
         let g = self.sh.core.lock().unwrap_or_else(|e| e.into_inner());
         let mut held = Held::new(&self.sh, g, self.control());
-        held.parts().0.woke_hook = hook;
+        f(held.parts().0);
     }
 
     /// Takes the state for running: EBUSY if someone runs the loop, a

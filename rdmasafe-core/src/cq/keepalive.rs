@@ -45,6 +45,20 @@ pub(crate) struct Keepalives {
     next: Option<Instant>,
 }
 
+/// `next` becomes `d` if that is earlier (or `next` is unset).
+fn earliest(next: &mut Option<Instant>, d: Instant) {
+    *next = Some(next.map_or(d, |n| n.min(d)));
+}
+
+/// A dead or draining peer's keepalive sends no more probes. It is still
+/// looked at once a period for its id's drop, which ends it; a QP without
+/// an id stays until the app removes the keepalive.
+fn watch_for_drop(e: &Entry, now: Instant, next: &mut Option<Instant>) {
+    if e.qp.has_owner() {
+        earliest(next, sys::deadline_after(now, e.cfg.period));
+    }
+}
+
 /// How often a probe blocked by a full send queue is retried.
 fn retry_interval(cfg: &Keepalive) -> Duration {
     (cfg.period.min(cfg.bound) / 16).clamp(Duration::from_millis(1), Duration::from_millis(50))
@@ -105,7 +119,7 @@ impl Keepalives {
                     // bound of the one that just came back (the deadline
                     // the timer was set for while it was out).
                     let d = sys::deadline_after(now, e.cfg.period);
-                    self.next = Some(self.next.map_or(d, |n| n.min(d)));
+                    earliest(&mut self.next, d);
                 }
                 if !ok && !e.dead && !e.draining {
                     // Retry exceeded or the like: the timer need not wait.
@@ -147,13 +161,7 @@ impl Keepalives {
                 continue;
             }
             if e.dead || e.draining {
-                // No more probes. Still checked once a period for its id's
-                // drop, which ends it; a QP without an id stays until the
-                // app removes the keepalive.
-                if e.qp.has_owner() {
-                    let d = sys::deadline_after(now, e.cfg.period);
-                    next = Some(next.map_or(d, |n| n.min(d)));
-                }
+                watch_for_drop(e, now, &mut next);
                 continue;
             }
             let bound_from = match e.probe {
@@ -181,11 +189,7 @@ impl Keepalives {
                 let _ = e.qp.to_error();
                 log::warn!(target: "rdmasafe", "keepalive: peer of QP {qpn} declared dead");
                 dead.push((*qpn, e.qp.raw()));
-                if e.qp.has_owner() {
-                    // Checked for its id's drop from now on (see above).
-                    let d = sys::deadline_after(now, e.cfg.period);
-                    next = Some(next.map_or(d, |n| n.min(d)));
-                }
+                watch_for_drop(e, now, &mut next);
                 continue;
             }
             let d = match e.probe {
@@ -195,7 +199,7 @@ impl Keepalives {
                     sys::deadline_after(now, retry_interval(&e.cfg)).min(sys::deadline_after(t, e.cfg.bound))
                 }
             };
-            next = Some(next.map_or(d, |n| n.min(d)));
+            earliest(&mut next, d);
         }
         self.next = next;
         for q in &destroyed {

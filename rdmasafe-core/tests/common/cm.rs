@@ -4,11 +4,20 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 use rdmasafe_core::cm::{CmEvent, CmId, ConnectParams, EventChannel, EventType, PortSpace, QpCaps};
-use rdmasafe_core::verbs::{Cq, Pd};
+use rdmasafe_core::verbs::{Cq, DeviceContext, Pd};
 
 /// Generous: under TCG a CM step takes milliseconds; this only turns a hang
 /// into a failure.
 pub const STEP: Duration = Duration::from_secs(30);
+
+/// The device that serves `addr` (its context outlives the id that found
+/// it).
+pub fn device(addr: IpAddr) -> DeviceContext {
+    let ch = EventChannel::new().unwrap();
+    let id = ch.create_id(PortSpace::Tcp).unwrap();
+    id.bind_addr((addr, 0).into()).unwrap();
+    id.device_context().unwrap()
+}
 
 /// Gets the next event and asserts its type.
 pub fn expect(ch: &EventChannel, want: EventType) -> CmEvent {
