@@ -91,6 +91,13 @@ impl Checks {
 /// Builds the preload (the cdylib, `<profile>/librdmasafe_preload.so`) and
 /// the C programs of tests/preload (`<target>/preload/`).
 fn build(profile: &Path) -> (PathBuf, PathBuf) {
+    // Once per test process: tests run on threads, and two makes in one
+    // folder at once would race.
+    static BUILT: std::sync::OnceLock<(PathBuf, PathBuf)> = std::sync::OnceLock::new();
+    BUILT.get_or_init(|| build_once(profile)).clone()
+}
+
+fn build_once(profile: &Path) -> (PathBuf, PathBuf) {
     let target = profile.parent().expect("<target>");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| env!("CARGO").to_string());
     let mut cmd = Command::new(cargo);
@@ -1100,4 +1107,45 @@ fn cmtime_races_do_not_count_against_rpings_caps() {
     let mut c = Checks::default();
     check_race_counts(&mut c, &t);
     assert_eq!(c.failures.len(), 1, "5 preloaded rping sides: {:?}", c.failures);
+}
+
+/// A setting the preload cannot honour (an unknown RDMASAFE_CHECK value)
+/// is said on stderr even with logging off (RDMASAFE_LOG unset): it
+/// changes what the preload does. On the host: the preload reads its
+/// settings at a program's first CM call, before librdmacm is asked (which
+/// fails here without an RDMA device; the call's result is not the point).
+#[test]
+fn an_unknown_rdmasafe_check_value_is_said_with_logging_off() {
+    let (lib, _) = build(&profile_dir());
+    let dir = std::env::temp_dir().join(format!("rdmasafe-preload-setting.{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // LD_PRELOAD splits at blanks and colons: a link in a folder without them.
+    let link = dir.join("librdmasafe-preload.so");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(&lib, &link).unwrap();
+    let src = dir.join("first_get.c");
+    std::fs::write(
+        &src,
+        "#include <rdma/rdma_cma.h>\n#include <stdio.h>\n#include <unistd.h>\n\
+         int main(void) { int p[2]; struct rdma_cm_event *ev; if (pipe(p)) return 2;\n\
+         struct rdma_event_channel ch = { .fd = p[0] };\n\
+         printf(\"get: %d\\n\", rdma_get_cm_event(&ch, &ev)); return 0; }\n",
+    )
+    .unwrap();
+    let exe = dir.join("first_get");
+    run_logged("cc first_get.c", Command::new("cc").arg("-o").arg(&exe).arg(&src).args(["-lrdmacm", "-libverbs"]));
+    let run = |check: &str| {
+        let out = Command::new(&exe)
+            .env("LD_PRELOAD", &link)
+            .env("RDMASAFE_CHECK", check)
+            .env_remove("RDMASAFE_LOG")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{check}: {out:?}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = run("chek");
+    assert!(err.contains("RDMASAFE_CHECK=\"chek\"") && err.contains("copy mode"), "stderr: {err:?}");
+    assert_eq!(run("0"), "", "a known value, logging off: nothing said");
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -458,7 +458,7 @@ impl Checker {
             emit(&findings);
         });
         if let Err(e) = spawned {
-            log::error!(target: "rdmasafe", "preload: cannot start the check thread ({e}): held events go unreported");
+            crate::out::setup_error(&format!("cannot start the check thread ({e}): held events go unreported"));
         }
     }
 

@@ -57,7 +57,7 @@ enum Mode {
     /// Watch, report, copy nothing.
     Check(Box<Checker>),
     /// Every call straight to the real function: copy mode could not be set
-    /// up (logged at error level).
+    /// up (said on stderr, see `out::setup_error`).
     Pass,
 }
 
@@ -76,10 +76,9 @@ fn init() -> State {
         Some(None) => Mode::Copy,
         Some(Some(fix)) => Mode::Check(Box::new(Checker::new(fix))),
         None => {
-            log::error!(
-                target: "rdmasafe",
-                "preload: RDMASAFE_CHECK={check:?} is none of 1, fix, 0 (or on/off, yes/no, true/false, empty): copy mode"
-            );
+            out::setup_error(&format!(
+                "RDMASAFE_CHECK={check:?} is none of 1, fix, 0 (or on/off, yes/no, true/false, empty): copy mode"
+            ));
             Mode::Copy
         }
     };
@@ -91,17 +90,13 @@ fn init() -> State {
             _ => false,
         };
         if !ok {
-            log::error!(
-                target: "rdmasafe",
-                "preload: cannot reach librdmacm's rdma_get_cm_event / rdma_ack_cm_event: CM events pass through \
-                 uncopied"
+            out::setup_error(
+                "cannot reach librdmacm's rdma_get_cm_event / rdma_ack_cm_event: CM events pass through uncopied",
             );
             mode = Mode::Pass;
         } else if rdmasafe_core::cm::capacity() == 0 {
-            log::error!(
-                target: "rdmasafe",
-                "preload: no address space for CM event copies (ulimit -v too small?): CM events pass through \
-                 uncopied"
+            out::setup_error(
+                "no address space for CM event copies (ulimit -v too small?): CM events pass through uncopied",
             );
             mode = Mode::Pass;
         }

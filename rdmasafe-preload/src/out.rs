@@ -51,6 +51,14 @@ pub(crate) fn install_logger() {
     }
 }
 
+/// Says on stderr, whatever the log level (logging is off unless
+/// RDMASAFE_LOG sets a level), that the preload cannot do what it was asked
+/// to do and what it does instead: `rdmasafe-preload[PID COMM]: TEXT`.
+pub(crate) fn setup_error(text: &str) {
+    // One write per line; a closed or broken stderr loses the line.
+    let _ = std::io::stderr().write_all(format!("rdmasafe-preload[{}]: {text}\n", who()).as_bytes());
+}
+
 /// The process's pid and command name, for report lines (several
 /// processes may append to one report file).
 pub(crate) fn who() -> String {
