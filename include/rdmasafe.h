@@ -9,9 +9,13 @@
  *    timeout / batch variants) follow librdmacm: 0 (or a count) on success,
  *    -1 with errno set on failure.
  *  - Every other function returns 0 (or a non-negative value) on success and
- *    a negative errno (-EINVAL, ...) on failure; errno is not used.
+ *    a negative errno (-EINVAL, ...) on failure; errno is unspecified after
+ *    these calls, even on success (the library's own system calls may
+ *    change it).
  *  - No function aborts or unwinds on bad input: each checks its arguments
- *    and returns the error documented next to it. A loop handle is looked
+ *    and returns the error documented next to it. An internal error caught
+ *    at the boundary (a bug) returns -EIO, or -1 with errno EIO from the
+ *    drop-in calls. A loop handle is looked
  *    up on every call: one of a destroyed loop gets -EINVAL, never a newer
  *    loop that happens to have the same address.
  *
@@ -37,6 +41,11 @@
  * `size` bytes of an input struct, fields past it take their defaults, and
  * bytes past the library's own struct must be 0 (else -E2BIG). A size below
  * 4 (never set) or above 4096 is -EINVAL.
+ *
+ * Logging: off unless RDMASAFE_LOG (error, warn, info, debug, trace) or
+ * rdmasafe_set_log_level sets a level; the "log line" a comment below
+ * mentions is written only then (to stderr, or to rdmasafe_set_log_callback's
+ * callback).
  *
  * ABI: the soname (librdmasafe.so.1) changes on every incompatible change;
  * every function carries the symbol version of the release that added it
@@ -282,7 +291,7 @@ struct rdmasafe_cq_loop_options {
   int ack_batch;
   /**
    * Adaptive mode: microseconds of polling after the last completion
-   * (default 50).
+   * (default 50). Must be >= 0 in every mode (-EINVAL otherwise).
    */
   int adaptive_spin_us;
   /**
@@ -866,7 +875,10 @@ int rdmasafe_cq_loop_remove_cq_async(struct rdmasafe_cq_loop *cq_loop,
  * removal completes (acks flushed, callback never called again), then
  * `ibv_destroy_cq`. Destroy or drain the QPs that use the CQ first. From
  * inside a callback of this loop the CQ is removed and destroyed when that
- * callback returns (RDMASAFE_PENDING; a failed destroy is logged).
+ * callback returns (RDMASAFE_PENDING; a failed destroy is then only
+ * logged, at error level, and only with logging on: where its result
+ * matters, use `rdmasafe_cq_loop_remove_cq_async` and call
+ * `ibv_destroy_cq` in its `done`).
  *
  * Returns 0, RDMASAFE_PENDING, -EINVAL (NULL, unknown loop), -ENOENT (CQ
  * not in this loop: nothing destroyed), or the negative errno of

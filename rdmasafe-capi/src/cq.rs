@@ -90,7 +90,7 @@ pub struct rdmasafe_cq_loop_options {
     /// CQ events counted per CQ before one ack call, 1..65536 (default 16).
     pub ack_batch: c_int,
     /// Adaptive mode: microseconds of polling after the last completion
-    /// (default 50).
+    /// (default 50). Must be >= 0 in every mode (-EINVAL otherwise).
     pub adaptive_spin_us: c_int,
     /// Watchdog: poll anyway after this many ms without an event while
     /// outstanding work is reported (0: off).
@@ -534,7 +534,10 @@ unsafe impl Send for DestroyCq {}
 /// removal completes (acks flushed, callback never called again), then
 /// `ibv_destroy_cq`. Destroy or drain the QPs that use the CQ first. From
 /// inside a callback of this loop the CQ is removed and destroyed when that
-/// callback returns (RDMASAFE_PENDING; a failed destroy is logged).
+/// callback returns (RDMASAFE_PENDING; a failed destroy is then only
+/// logged, at error level, and only with logging on: where its result
+/// matters, use `rdmasafe_cq_loop_remove_cq_async` and call
+/// `ibv_destroy_cq` in its `done`).
 ///
 /// Returns 0, RDMASAFE_PENDING, -EINVAL (NULL, unknown loop), -ENOENT (CQ
 /// not in this loop: nothing destroyed), or the negative errno of

@@ -405,7 +405,7 @@ impl std::fmt::Debug for Buffer {
 }
 
 /// A peer's registered range for RDMA READ and WRITE: address, remote key
-/// and length, as the peer's [`Buffer::remote`] gave them. 16 bytes on the
+/// and length, as the peer's [`Buffer::remote`] gave them. 20 bytes on the
 /// wire ([`RemoteBuffer::to_bytes`]), so it fits the private data of a
 /// connect (56 bytes) or an accept (196).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

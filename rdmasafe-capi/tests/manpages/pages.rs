@@ -300,7 +300,7 @@ fn function_page(c: &Ctxs, page: &PagePlan) -> String {
     }
     p.raw(".fi");
     p.raw(".PP");
-    p.raw("Compile and link with\n.BR \"pkg\\-config \\-\\-cflags \\-\\-libs rdmasafe\" ,\nor link with\n.IR \\-lrdmasafe .");
+    p.raw("Compile and link with\n.BR \"pkg\\-config \\-\\-cflags \\-\\-libs rdmasafe\" ,\nor link with\n.IR \"\\-lrdmasafe \\-lrdmacm \\-libverbs\" .");
 
     p.sh("DESCRIPTION");
     for (f, d) in fns.iter().zip(&docs) {
@@ -412,10 +412,10 @@ fn function_page(c: &Ctxs, page: &PagePlan) -> String {
         ));
     }
     if !negative.is_empty() {
-        let (ret, leave) = if negative.len() > 1 { ("return", "leave") } else { ("returns", "leaves") };
+        let ret = if negative.len() > 1 { "return" } else { "returns" };
         p.para_roff(&format!(
-            "Error convention: {} {ret} a negative errno value on failure and {leave} \\fIerrno\\fR alone; \
-             see \\fBrdmasafe\\fR(7).\n",
+            "Error convention: {} {ret} a negative errno value on failure; \\fIerrno\\fR is unspecified \
+             afterwards, even on success; see \\fBrdmasafe\\fR(7).\n",
             names_list(&negative)
         ));
     }
