@@ -1080,8 +1080,14 @@ int rdmasafe_cq_loop_remove_keepalive(struct rdmasafe_cq_loop *cq_loop, struct i
  * later call with it (destroy included) returns -EINVAL, even if a new
  * loop is created at the same time.
  *
+ * Calls on this loop in progress on other threads (`get_stats`, say) are
+ * waited for; a log callback must not wait for a thread that destroys the
+ * loop.
+ *
  * Returns 0, -EINVAL (unknown or already destroyed loop), -EBUSY (another
- * thread runs it: stop it first), -EDEADLK (from one of its callbacks).
+ * thread runs it: stop it first), -EDEADLK (from one of its callbacks, or
+ * from a log callback while this thread is inside another call on this
+ * loop: nothing is destroyed).
  */
 int rdmasafe_cq_loop_destroy(struct rdmasafe_cq_loop *cq_loop);
 

@@ -18,7 +18,7 @@ use rdmasafe_core::cq::{
 use rdmasafe_core::sys::{ibv_comp_channel, ibv_cq, ibv_qp, ibv_wc};
 use rdmasafe_core::Wait;
 
-use crate::handles::{Entered, Table};
+use crate::handles::{Entered, NotRemoved, Table};
 use crate::{guard, guard_signal_safe};
 
 /// Event mode: arm, sleep until notified, re-arm, drain.
@@ -712,7 +712,7 @@ pub extern "C" fn rdmasafe_cq_loop_stop(cq_loop: *mut rdmasafe_cq_loop) -> c_int
         || -libc::EIO,
         || {
             let saved = rdmasafe_core::sys::errno_raw();
-            let r = match LOOPS.enter(cq_loop as usize) {
+            let r = match LOOPS.enter_signal_safe(cq_loop as usize) {
                 Some(h) => {
                     h.ctl.stop();
                     0
@@ -1001,8 +1001,14 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_remove_keepalive(cq_loop: *mut rdmasaf
 /// later call with it (destroy included) returns -EINVAL, even if a new
 /// loop is created at the same time.
 ///
+/// Calls on this loop in progress on other threads (`get_stats`, say) are
+/// waited for; a log callback must not wait for a thread that destroys the
+/// loop.
+///
 /// Returns 0, -EINVAL (unknown or already destroyed loop), -EBUSY (another
-/// thread runs it: stop it first), -EDEADLK (from one of its callbacks).
+/// thread runs it: stop it first), -EDEADLK (from one of its callbacks, or
+/// from a log callback while this thread is inside another call on this
+/// loop: nothing is destroyed).
 #[no_mangle]
 pub extern "C" fn rdmasafe_cq_loop_destroy(cq_loop: *mut rdmasafe_cq_loop) -> c_int {
     guard(
@@ -1012,16 +1018,21 @@ pub extern "C" fn rdmasafe_cq_loop_destroy(cq_loop: *mut rdmasafe_cq_loop) -> c_
                 Ok(h) => h,
                 Err(e) => return e,
             };
+            // Before try_close, which would mark the loop as going away.
+            if h.nested() {
+                return -libc::EDEADLK;
+            }
             if let Err(e) = h.lp.try_close() {
                 return neg(e);
             }
             match LOOPS.remove(h) {
                 // Dropped here, on this thread: its acks are done when this returns.
-                Some(obj) => {
+                Ok(obj) => {
                     drop(obj);
                     0
                 }
-                None => -libc::EINVAL,
+                Err(NotRemoved::Nested) => -libc::EDEADLK,
+                Err(NotRemoved::Gone) => -libc::EINVAL,
             }
         },
     )

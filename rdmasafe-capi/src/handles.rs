@@ -6,11 +6,18 @@
 //! * A destroyed object's handle can never reach a newer object: the
 //!   table cell's generation changes on destroy, and the handle carries the
 //!   generation it was made with.
-//! * Lookups take no lock (two atomics), so they are async-signal-safe;
-//!   destroy waits until lookups in flight are done before it frees.
+//! * Lookups take no lock (two atomics); destroy waits until lookups in
+//!   flight on other threads are done before it frees. A destroy on a
+//!   thread that is itself still inside a call on the same object (a log
+//!   callback run by that call) cannot wait for it: EDEADLK. For that, a
+//!   thread remembers the cells it is inside calls on (a few, in a
+//!   thread-local); [`Table::enter_signal_safe`] skips that (no
+//!   thread-local in a signal handler).
 
+use std::cell::Cell as StdCell;
 use std::sync::atomic::{AtomicPtr, AtomicU32, Ordering::SeqCst};
 use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
 
 /// Objects alive at once, at most.
 const CELLS: usize = 4096;
@@ -26,11 +33,60 @@ pub(crate) struct Table<T> {
     free: Mutex<Vec<u32>>,
 }
 
+/// Nested calls one thread can be inside at once and still be told apart
+/// (deeper ones are not remembered: their destroy waits as another
+/// thread's would).
+const HELD: usize = 8;
+
+thread_local! {
+    /// Addresses of the cells this thread is inside calls on (0: free).
+    static INSIDE: StdCell<[usize; HELD]> = const { StdCell::new([0; HELD]) };
+}
+
+/// Remembers that this thread is inside a call on `cell`; false when the
+/// list is full (not remembered).
+fn note_inside(cell: usize) -> bool {
+    INSIDE.with(|c| {
+        let mut v = c.get();
+        let Some(free) = v.iter().position(|&x| x == 0) else { return false };
+        v[free] = cell;
+        c.set(v);
+        true
+    })
+}
+
+fn forget_inside(cell: usize) {
+    INSIDE.with(|c| {
+        let mut v = c.get();
+        if let Some(i) = v.iter().position(|&x| x == cell) {
+            v[i] = 0;
+            c.set(v);
+        }
+    });
+}
+
+/// Calls on `cell` this thread is inside.
+fn times_inside(cell: usize) -> usize {
+    INSIDE.with(|c| c.get().iter().filter(|&&x| x == cell).count())
+}
+
 /// An object looked up by its handle; the object stays alive while this
 /// lives (destroy waits for it).
 pub(crate) struct Entered<'a, T> {
     cell: &'a Cell<T>,
     obj: &'a T,
+    /// Counted in this thread's [`INSIDE`].
+    noted: bool,
+}
+
+/// Why [`Table::remove`] did not remove.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum NotRemoved {
+    /// Another thread removed it first.
+    Gone,
+    /// This thread is inside another call on it (which would wait for
+    /// this one while this one waits for it).
+    Nested,
 }
 
 impl<T> std::ops::Deref for Entered<'_, T> {
@@ -40,8 +96,19 @@ impl<T> std::ops::Deref for Entered<'_, T> {
     }
 }
 
+impl<T> Entered<'_, T> {
+    /// This thread is inside another call on the same object too (one
+    /// that may wait for this one: its remove would never return).
+    pub(crate) fn nested(&self) -> bool {
+        times_inside(self.cell as *const Cell<T> as usize) > usize::from(self.noted)
+    }
+}
+
 impl<T> Drop for Entered<'_, T> {
     fn drop(&mut self) {
+        if self.noted {
+            forget_inside(self.cell as *const Cell<T> as usize);
+        }
         self.cell.users.fetch_sub(1, SeqCst);
     }
 }
@@ -82,6 +149,16 @@ impl<T> Table<T> {
 
     /// The object `h` names, if it is alive. Lock-free.
     pub(crate) fn enter(&self, h: usize) -> Option<Entered<'_, T>> {
+        let mut e = self.enter_signal_safe(h)?;
+        e.noted = note_inside(e.cell as *const Cell<T> as usize);
+        Some(e)
+    }
+
+    /// [`Table::enter`] without the thread-local note (for a signal
+    /// handler: lock-free, no thread-local). A destroy from a call entered
+    /// so is not seen as nested; such a call must not call back into code
+    /// that may destroy the object.
+    pub(crate) fn enter_signal_safe(&self, h: usize) -> Option<Entered<'_, T>> {
         let (i, gen) = split(h)?;
         let cell = self.cells.get()?.get(i)?;
         cell.users.fetch_add(1, SeqCst);
@@ -94,29 +171,42 @@ impl<T> Table<T> {
         // handle's generation; destroy changes the generation first and
         // frees only once no user is left, so `p` stays valid while the
         // returned value (one user) lives.
-        Some(Entered { cell, obj: unsafe { &*p } })
+        Some(Entered { cell, obj: unsafe { &*p }, noted: false })
     }
 
     /// Makes `e`'s handle invalid (later lookups fail), waits until no
-    /// other lookup is in flight, and returns the object. `None` if another
-    /// thread removed it first.
-    pub(crate) fn remove(&self, e: Entered<'_, T>) -> Option<Box<T>> {
+    /// other lookup is in flight (calls on other threads return), and
+    /// returns the object. Nothing changes if this thread is inside
+    /// another call on it ([`NotRemoved::Nested`]) or another thread
+    /// removed it first ([`NotRemoved::Gone`]).
+    pub(crate) fn remove(&self, e: Entered<'_, T>) -> Result<Box<T>, NotRemoved> {
         let cell = e.cell;
+        if e.nested() {
+            return Err(NotRemoved::Nested);
+        }
         let gen = cell.gen.load(SeqCst);
         let p = cell.obj.load(SeqCst);
         if p.is_null() || cell.gen.compare_exchange(gen, gen.wrapping_add(1).max(1), SeqCst, SeqCst).is_err() {
-            return None;
+            return Err(NotRemoved::Gone);
         }
         drop(e);
+        // Calls in flight on other threads: most end within microseconds
+        // (yield), a blocking one (a drain) takes longer (sleep: no spin).
+        let mut waits = 0u32;
         while cell.users.load(SeqCst) != 0 {
-            std::thread::yield_now();
+            if waits < 64 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            waits = waits.saturating_add(1);
         }
         cell.obj.store(std::ptr::null_mut(), SeqCst);
         let i = (cell as *const Cell<T> as usize - self.cells().as_ptr() as usize) / std::mem::size_of::<Cell<T>>();
         self.free.lock().unwrap_or_else(|e| e.into_inner()).push(i as u32);
         // SAFETY: from Box::into_raw in insert; no user is left and the
         // generation changed, so nobody else can reach it.
-        Some(unsafe { Box::from_raw(p) })
+        Ok(unsafe { Box::from_raw(p) })
     }
 }
 
@@ -131,6 +221,7 @@ mod tests {
         assert_eq!(*T.enter(a).unwrap(), 1);
         assert_eq!(*T.remove(T.enter(a).unwrap()).unwrap(), 1);
         assert!(T.enter(a).is_none(), "destroyed");
+        assert!(T.enter_signal_safe(a).is_none(), "destroyed");
         // The same cell again (LIFO free list): a new generation.
         let b = T.insert(Box::new(2)).unwrap();
         assert_eq!(a & 0xffff_ffff, b & 0xffff_ffff, "same cell");
@@ -141,5 +232,33 @@ mod tests {
             assert!(T.enter(bad).is_none(), "{bad:#x}");
         }
         assert_eq!(*T.remove(T.enter(b).unwrap()).unwrap(), 2);
+    }
+
+    #[test]
+    fn a_remove_nested_in_a_call_on_the_same_object_is_refused_and_changes_nothing() {
+        static T: Table<u32> = Table::new();
+        let a = T.insert(Box::new(7)).unwrap();
+        let outer = T.enter(a).unwrap();
+        assert_eq!(T.remove(T.enter(a).unwrap()).unwrap_err(), NotRemoved::Nested);
+        assert_eq!(*T.enter(a).unwrap(), 7, "still alive, same handle");
+        // A lookup from a signal handler is not remembered: only `outer` counts.
+        let sig = T.enter_signal_safe(a).unwrap();
+        assert_eq!(T.remove(T.enter(a).unwrap()).unwrap_err(), NotRemoved::Nested);
+        drop(sig);
+        drop(outer);
+        assert_eq!(*T.remove(T.enter(a).unwrap()).unwrap(), 7, "no call left: removed");
+        assert!(T.enter(a).is_none());
+        // Another thread's call in flight is waited for, not refused.
+        let b = T.insert(Box::new(8)).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let t = std::thread::spawn(move || {
+            let e = T.enter(b).unwrap();
+            tx.send(()).unwrap();
+            std::thread::sleep(Duration::from_millis(20));
+            drop(e);
+        });
+        rx.recv().unwrap();
+        assert_eq!(*T.remove(T.enter(b).unwrap()).unwrap(), 8);
+        t.join().unwrap();
     }
 }
