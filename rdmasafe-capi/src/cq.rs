@@ -418,7 +418,9 @@ fn add(
 ///
 /// Returns 0 (or RDMASAFE_PENDING from inside a callback), -EINVAL (NULL
 /// argument, unknown loop, CQ not bound to this loop's channel or of
-/// another device context), -EBUSY (the CQ is in a loop already).
+/// another device context), -EBUSY (the CQ is in a loop already, also
+/// while its removal from a callback is still pending: add it back after
+/// that callback returned).
 ///
 /// # Safety
 /// `cq` NULL or a live CQ.
@@ -701,7 +703,9 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_next_timeout_ms(
 
 /// Asks the loop to stop: `rdmasafe_cq_loop_run` returns after the current
 /// batch with every ack flushed (a loop driven by `_run_once` finishes the
-/// stop in its next call). Thread-safe, callable from a callback, never
+/// stop in its next call). A stop asked while no thread runs the loop is
+/// kept: the next `rdmasafe_cq_loop_run` flushes and returns 0 at once.
+/// Thread-safe, callable from a callback, never
 /// blocks, and async-signal-safe: it takes no lock and leaves errno as it
 /// was, so a signal handler may call it.
 ///
