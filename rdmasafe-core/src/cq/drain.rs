@@ -3,7 +3,10 @@
 //! markers are the loop's own work requests: they never reach the app, not
 //! even when they come back after their drain gave up (a timeout) or after
 //! a failed start that had posted one of them: those are remembered as
-//! orphans and consumed when they arrive.
+//! orphans and consumed when they arrive. A QP's markers come back in the
+//! order they were posted (per queue), so an orphan is matched before a
+//! later drain of the same QP: a drain retried after a timeout is done only
+//! when its own markers are back.
 
 use std::time::{Duration, Instant};
 
@@ -103,21 +106,18 @@ impl Drains {
     }
 
     /// True (consumed) if `wc` is a marker of a drain, in progress or over.
+    /// A queue completes in posting order, so a QP's markers come back in
+    /// the order their drains posted them: an orphan's (a drain that is
+    /// over) before the marker of a drain of the same QP started after it
+    /// (the app retried after a timeout). Orphans are matched first: else
+    /// the old marker would finish the new drain before the work posted
+    /// between the two drains was flushed.
     pub(crate) fn note(&mut self, wc: &Wc) -> bool {
         let send = match wc.wr_id() {
             DRAIN_SEND_WR_ID => true,
             DRAIN_RECV_WR_ID => false,
             _ => return false,
         };
-        for w in &mut self.watches {
-            if w.qp_num == wc.qp_num() {
-                let seen = if send { &mut w.send_seen } else { &mut w.recv_seen };
-                if !*seen {
-                    *seen = true;
-                    return true;
-                }
-            }
-        }
         if let Some(i) = self.orphans.iter().position(|o| o.qp_num == wc.qp_num() && if send { o.send } else { o.recv })
         {
             let o = &mut self.orphans[i];
@@ -130,6 +130,15 @@ impl Drains {
                 self.orphans.swap_remove(i);
             }
             return true;
+        }
+        for w in &mut self.watches {
+            if w.qp_num == wc.qp_num() {
+                let seen = if send { &mut w.send_seen } else { &mut w.recv_seen };
+                if !*seen {
+                    *seen = true;
+                    return true;
+                }
+            }
         }
         false
     }
@@ -262,6 +271,30 @@ mod tests {
         assert!(!d.note(&marker(8, DRAIN_SEND_WR_ID)), "another QP's wr_id is the app's");
         assert!(d.note(&marker(7, DRAIN_SEND_WR_ID)), "the late send marker is the loop's");
         assert!(!d.note(&marker(7, DRAIN_SEND_WR_ID)), "only once");
+        assert!(d.is_empty());
+    }
+
+    /// A drain of QP 7 timed out with its send marker still on its way; the
+    /// app drains QP 7 again. The old marker comes back first (a queue
+    /// completes in order): it is the orphan's, and the new drain is done
+    /// only with its own marker (else it would be done before the work
+    /// posted between the two drains was flushed).
+    #[test]
+    fn a_retried_drain_is_not_credited_with_the_old_drains_marker() {
+        let now = Instant::now();
+        let mut d = Drains::default();
+        d.watches.push(watch(7, now));
+        assert!(d.note(&marker(7, DRAIN_RECV_WR_ID)));
+        assert_eq!(d.take_finished(Some(now)).len(), 1, "the first drain timed out");
+        let later = now + Duration::from_secs(60);
+        d.watches.push(watch(7, later));
+        assert!(d.note(&marker(7, DRAIN_RECV_WR_ID)), "the retry's receive marker");
+        assert!(d.note(&marker(7, DRAIN_SEND_WR_ID)), "the first drain's send marker: the loop's");
+        assert!(d.take_finished(Some(now)).is_empty(), "the retry still waits for its own send marker");
+        assert!(d.note(&marker(7, DRAIN_SEND_WR_ID)), "the retry's send marker");
+        let finished = d.take_finished(Some(now));
+        assert_eq!(finished.len(), 1);
+        assert!(finished[0].1.is_ok(), "the retry is done");
         assert!(d.is_empty());
     }
 
