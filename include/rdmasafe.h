@@ -992,7 +992,17 @@ int rdmasafe_cq_loop_get_stats(struct rdmasafe_cq_loop *cq_loop,
  * completed, and every CQ event the loop read is acked. A keepalive of
  * the QP stays registered (remove it as usual) but sends no more probes,
  * and a probe flushed by the drain is not a dead peer. The QP's CQs must
- * be in this loop. From another thread this blocks up to `timeout_ms`
+ * be in this loop.
+ *
+ * A drain that ends without its markers (-ETIMEDOUT, -ECANCELED) leaves
+ * them to the loop: they are consumed whenever they come back, also after
+ * their CQ left the loop and was added to it or another loop again (kept
+ * by CQ address, at most 1024 markers). So on a QP that was drained, the
+ * wr_ids UINT64_MAX and UINT64_MAX - 1 belong to the loop. A drain retried
+ * after a timeout is done only once its own markers are back (a queue
+ * completes in order: the old drain's come first).
+ *
+ * From another thread this blocks up to `timeout_ms`
  * (> 0), running the loop itself when nobody runs it; from inside a
  * callback it starts the drain and returns RDMASAFE_PENDING (use
  * `rdmasafe_cq_loop_drain_qp_async` to be told when it is done).

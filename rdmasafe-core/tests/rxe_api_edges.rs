@@ -10,7 +10,10 @@
 //!   every later event stayed in the kernel);
 //! * a `_then` request racing the loop's drop is always finished (one
 //!   queued while the drop held the loop was neither applied nor called
-//!   back).
+//!   back);
+//! * the markers of a drain that timed out stay the loop's after their CQ
+//!   is removed and added again, to the same loop or another (the loop
+//!   forgot them when the CQ left: they reached the new handler).
 //!
 //! (and the cases of the CQ loop below). No timing is asserted: each wait
 //! ends when its condition holds, and a generous watchdog turns a hang into
@@ -589,4 +592,115 @@ fn a_handover_to_a_refused_cycle_does_not_strand_the_drain() {
     assert_eq!(e.errno(), libc::EINVAL, "{e}");
     d.thread.join().unwrap().expect("the drain finished");
     assert_eq!(d.handled.load(SeqCst), 20);
+}
+
+/// Where a CQ goes after a drain timed out with its markers still in it.
+#[derive(Clone, Copy, Debug)]
+enum Readd {
+    /// Removed from its loop and added back to it.
+    SameLoop,
+    /// Removed from its loop, which is then dropped; added to a new loop
+    /// on the same channel.
+    OtherLoop,
+    /// Its loop is dropped with the CQ in it; added to a new loop.
+    LoopDropped,
+}
+
+/// A drain that timed out leaves its markers to come back later: they are
+/// the loop's, also once their CQ has left the loop and been added again
+/// (to the same loop or another one). The drain times out for sure: 16
+/// receives are flushed ahead of its receive marker, the CQ's budget is
+/// one completion, and the handler sleeps past the drain's 1 ms timeout on
+/// each batch (so the first check after the first batch finds the deadline
+/// past, a few completions at most later). The wait at the end is for a
+/// send posted once every receive came: it completes after both markers.
+fn a_late_marker_stays_the_loops_after(how: Readd) {
+    let _s = serial();
+    let _dog = common::watchdog("a late marker after a re-add", Duration::from_secs(300));
+    let chan = channel();
+    let pair = rc_pair(common::bed().addr, &chan, false, 64);
+    let is_marker = |w: &u64| *w == rdmasafe_core::cq::DRAIN_SEND_WR_ID || *w == rdmasafe_core::cq::DRAIN_RECV_WR_ID;
+    let (first, second) = (Arc::new(Mutex::new(Vec::new())), Arc::new(Mutex::new(Vec::new())));
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    let f2 = first.clone();
+    let one = rdmasafe_core::cq::CqOptions { solicited_only: false, budget: 1 };
+    lp.add_cq_with(&pair.server_cq, one, move |wcs, _| {
+        f2.lock().unwrap().extend(wcs.iter().map(|w| w.wr_id()));
+        std::thread::sleep(Duration::from_millis(5));
+    })
+    .unwrap();
+    lp.process_once(Wait::None).unwrap();
+    const RECVS: u64 = 16;
+    for k in 0..RECVS {
+        pair.recv(k as usize * SLOT, SLOT as u32, k);
+    }
+    let result = Arc::new(Mutex::new(None));
+    let r2 = result.clone();
+    let id_guard = pair.server.lock().unwrap();
+    lp.control()
+        .drain_id_then(&id_guard.id, Duration::from_millis(1), Box::new(move |r| *r2.lock().unwrap() = Some(r)))
+        .unwrap();
+    drop(id_guard);
+    assert!(drive_until(&lp, || result.lock().unwrap().is_some()), "the drain ended");
+    let r = result.lock().unwrap().take().unwrap();
+    assert_eq!(r.map_err(|e| e.errno()), Err(libc::ETIMEDOUT), "the drain timed out (the test's premise)");
+    let lp = match how {
+        Readd::SameLoop => {
+            lp.remove_cq(&pair.server_cq).unwrap();
+            lp
+        }
+        Readd::OtherLoop => {
+            lp.remove_cq(&pair.server_cq).unwrap();
+            drop(lp);
+            CqLoop::new(&chan, LoopOptions::default()).unwrap()
+        }
+        Readd::LoopDropped => {
+            drop(lp);
+            CqLoop::new(&chan, LoopOptions::default()).unwrap()
+        }
+    };
+    let s2 = second.clone();
+    lp.add_cq(&pair.server_cq, move |wcs, _| s2.lock().unwrap().extend(wcs.iter().map(|w| w.wr_id()))).unwrap();
+    let recvs = || -> Vec<u64> {
+        let (f, s) = (first.lock().unwrap(), second.lock().unwrap());
+        let mut r: Vec<u64> = f.iter().chain(s.iter()).copied().filter(|w| *w < RECVS).collect();
+        r.sort_unstable();
+        r
+    };
+    assert!(drive_until(&lp, || recvs().len() >= RECVS as usize), "every flushed receive came: {:?}", recvs());
+    // A send posted now completes after the drain's send marker (a queue
+    // completes in order) and after its receive marker (flushed right
+    // after the last receive, which came already): once the handler has
+    // it, the loop has polled both markers. (A receive posted to a QP in the error
+    // state is not flushed on Linux 6.1's rxe: a send it must be.)
+    const LATE_SEND: u64 = 1001;
+    {
+        let s = pair.server.lock().unwrap();
+        s.id.post_send(&s.mr, 0, 8, LATE_SEND).unwrap();
+    }
+    assert!(
+        drive_until(&lp, || second.lock().unwrap().contains(&LATE_SEND)),
+        "the late send reached the new handler: {:?}",
+        second.lock().unwrap()
+    );
+    assert_eq!(recvs(), (0..RECVS).collect::<Vec<_>>(), "every flushed receive once");
+    drop(lp);
+    let (first, second) = (first.lock().unwrap(), second.lock().unwrap());
+    assert!(!first.iter().any(is_marker), "a marker reached the first handler ({how:?}): {first:?}");
+    assert!(!second.iter().any(is_marker), "a marker reached the handler after the re-add ({how:?}): {second:?}");
+}
+
+#[test]
+fn a_late_marker_stays_the_loops_after_a_remove_and_re_add() {
+    a_late_marker_stays_the_loops_after(Readd::SameLoop);
+}
+
+#[test]
+fn a_late_marker_stays_the_loops_after_moving_to_another_loop() {
+    a_late_marker_stays_the_loops_after(Readd::OtherLoop);
+}
+
+#[test]
+fn a_late_marker_stays_the_loops_after_its_loop_is_dropped() {
+    a_late_marker_stays_the_loops_after(Readd::LoopDropped);
 }

@@ -527,6 +527,15 @@ impl LoopControl {
     /// registered but probes no more; a probe flushed by the drain is not a
     /// dead peer.
     ///
+    /// A drain that ends without its markers (ETIMEDOUT, ECANCELED) leaves
+    /// them to the loop: they are consumed whenever they come back, also
+    /// after their CQ left the loop and joined it or another loop again
+    /// (kept by CQ address, at most 1024 markers). So on a QP that was
+    /// drained, the wr_ids [`super::DRAIN_SEND_WR_ID`] and
+    /// [`super::DRAIN_RECV_WR_ID`] belong to the loop. A drain retried
+    /// after a timeout is done only once its own markers are back (a
+    /// queue completes in order: the old drain's come first).
+    ///
     /// From another thread this waits (running the loop itself if nobody
     /// does; a live [`crate::aio::AsyncCqLoop::run`] on another thread
     /// counts as somebody while it cycles: the wait is for it, and it

@@ -211,6 +211,10 @@ impl Core {
         }
         match cmd {
             Cmd::AddCq { cq, opts, handler } => {
+                // Markers of drains that timed out, still in the CQ when it
+                // left a loop (this or another): this loop's now, before
+                // the CQ is ever polled here.
+                self.drains.adopt(cq.addr());
                 let r = self.entries.insert(Entry::new(cq, opts, handler));
                 self.push_unarmed(r);
                 sh.counters.cqs_added.bump(1);
@@ -270,10 +274,14 @@ impl Core {
         if e.armed {
             self.armed -= 1;
         }
+        // The markers still to come through it are parked before its claim
+        // goes: the loop it may join next (from another thread, once the
+        // claim is gone) adopts them.
+        let cancelled = self.drains.take_for_cq(cq);
         registry::release_cq(cq, sh.id);
         let gone = self.keepalives.remove_for_cq(cq);
         sh.forget_keepalives_of(&gone);
-        for (done, res) in self.drains.take_for_cq(cq) {
+        for (done, res) in cancelled {
             done.finish(sh, res);
         }
         sh.counters.cqs_removed.bump(1);

@@ -7,7 +7,19 @@
 //! order they were posted (per queue), so an orphan is matched before a
 //! later drain of the same QP: a drain retried after a timeout is done only
 //! when its own markers are back.
+//!
+//! Orphans go with their CQ: when it leaves the loop (removed, or the loop
+//! dropped) the markers still to come through it are parked process-wide
+//! by the CQ's address, and the loop it is added to next (the same or
+//! another) consumes them. So on a QP that was drained, the wr_ids
+//! [`DRAIN_SEND_WR_ID`] and [`DRAIN_RECV_WR_ID`] belong to the loop, also
+//! after its CQ moved. At most [`MAX_PARKED`] markers are parked (the
+//! oldest forgotten first); a CQ destroyed with markers in it and a new
+//! CQ at the same address inherit them (it only ever consumes those two
+//! wr_ids of those QP numbers).
 
+use std::collections::VecDeque;
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::control::Done;
@@ -50,6 +62,60 @@ struct Orphan {
 pub(crate) struct Drains {
     watches: Vec<Watch>,
     orphans: Vec<Orphan>,
+}
+
+/// Markers still to come through a CQ that left its loop (removed, or its
+/// loop dropped): kept process-wide by the CQ's address, for whichever loop
+/// the CQ is added to next (the same or another). Else a late marker would
+/// reach the handler the CQ gets there.
+#[derive(Debug, PartialEq)]
+struct Parked {
+    cq: usize,
+    qp_num: u32,
+    send: bool,
+    recv: bool,
+}
+
+/// At most this many are parked, the oldest dropped first: a CQ that is
+/// destroyed and never comes back must not grow memory without bound.
+const MAX_PARKED: usize = 1024;
+
+#[derive(Default)]
+struct Parking(VecDeque<Parked>);
+
+impl Parking {
+    fn park(&mut self, p: Parked) {
+        if self.0.len() >= MAX_PARKED {
+            if let Some(old) = self.0.pop_front() {
+                log::debug!(
+                    target: "rdmasafe",
+                    "drain: {MAX_PARKED} markers parked for CQs out of every loop; forgetting the oldest \
+                     (QP {}, CQ {:#x})",
+                    old.qp_num,
+                    old.cq
+                );
+            }
+        }
+        self.0.push_back(p);
+    }
+
+    /// Takes out the markers parked for `cq`.
+    fn take(&mut self, cq: usize) -> Vec<Parked> {
+        if !self.0.iter().any(|p| p.cq == cq) {
+            return Vec::new();
+        }
+        let (mine, rest): (Vec<Parked>, Vec<Parked>) =
+            std::mem::take(&mut self.0).into_iter().partition(|p| p.cq == cq);
+        self.0 = rest.into();
+        mine
+    }
+}
+
+/// The process's parked markers (touched when a CQ leaves or joins a loop,
+/// or a loop goes away: not on a hot path).
+fn parking() -> MutexGuard<'static, Parking> {
+    static P: Mutex<Parking> = Mutex::new(Parking(VecDeque::new()));
+    P.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Drains {
@@ -99,10 +165,36 @@ impl Drains {
         Ok(())
     }
 
-    /// Takes out every drain (the loop goes away).
+    /// Takes out every drain (the loop goes away); the markers still to
+    /// come are parked for the loops their CQs are added to next.
     pub(crate) fn take_all(&mut self) -> Vec<Done> {
-        self.orphans.clear();
-        self.watches.drain(..).map(|w| w.done).collect()
+        let mut dones = Vec::with_capacity(self.watches.len());
+        for w in self.watches.drain(..) {
+            self.orphans.push(Orphan { qp_num: w.qp_num, cqs: w.cqs, send: !w.send_seen, recv: !w.recv_seen });
+            dones.push(w.done);
+        }
+        let mut p = parking();
+        for o in self.orphans.drain(..) {
+            if o.cqs.0 == o.cqs.1 {
+                p.park(Parked { cq: o.cqs.0, qp_num: o.qp_num, send: o.send, recv: o.recv });
+                continue;
+            }
+            if o.send {
+                p.park(Parked { cq: o.cqs.0, qp_num: o.qp_num, send: true, recv: false });
+            }
+            if o.recv {
+                p.park(Parked { cq: o.cqs.1, qp_num: o.qp_num, send: false, recv: true });
+            }
+        }
+        dones
+    }
+
+    /// `cq` joins the loop: the markers parked for it when it left a loop
+    /// (this one or another) are this loop's to consume.
+    pub(crate) fn adopt(&mut self, cq: usize) {
+        for p in parking().take(cq) {
+            self.orphans.push(Orphan { qp_num: p.qp_num, cqs: (cq, cq), send: p.send, recv: p.recv });
+        }
     }
 
     /// True (consumed) if `wc` is a marker of a drain, in progress or over.
@@ -203,9 +295,10 @@ impl Drains {
     }
 
     /// Takes out the drains that can no longer finish because `cq` left the
-    /// loop (ECANCELED); forgets markers that can only come through it.
-    /// A marker still expected on the queue whose CQ stays in the loop
-    /// becomes an orphan: it never reaches that CQ's handler.
+    /// loop (ECANCELED). Their markers, and those of drains that are over,
+    /// still to come: through `cq`, parked for the loop `cq` is added to
+    /// next (see [`Drains::adopt`]); through a CQ that stays in the loop,
+    /// orphans of this loop. Neither ever reaches a handler.
     pub(crate) fn take_for_cq(&mut self, cq: usize) -> Vec<(Done, crate::Result<()>)> {
         let mut out = Vec::new();
         let mut i = 0;
@@ -218,13 +311,16 @@ impl Drains {
                 i += 1;
             }
         }
-        // Markers that could only come through `cq` never come now.
+        // Markers that can only come through `cq` come back with it, to
+        // whichever loop it joins next: parked till then.
+        let mut parked = None;
         for o in &mut self.orphans {
-            if o.cqs.0 == cq {
-                o.send = false;
-            }
-            if o.cqs.1 == cq {
-                o.recv = false;
+            let send = o.send && o.cqs.0 == cq;
+            let recv = o.recv && o.cqs.1 == cq;
+            if send || recv {
+                parked.get_or_insert_with(parking).park(Parked { cq, qp_num: o.qp_num, send, recv });
+                o.send &= !send;
+                o.recv &= !recv;
             }
         }
         self.orphans.retain(|o| o.send || o.recv);
@@ -246,9 +342,15 @@ mod tests {
     }
 
     fn watch(qp_num: u32, deadline: Instant) -> Watch {
+        watch_on(qp_num, (1, 2), deadline)
+    }
+
+    /// The parked markers are process-wide: a test that parks or adopts
+    /// uses CQ addresses no other test uses.
+    fn watch_on(qp_num: u32, cqs: (usize, usize), deadline: Instant) -> Watch {
         Watch {
             qp_num,
-            cqs: (1, 2),
+            cqs,
             send_seen: false,
             recv_seen: false,
             deadline,
@@ -298,30 +400,97 @@ mod tests {
         assert!(d.is_empty());
     }
 
+    /// A CQ that leaves the loop takes the markers still to come through it
+    /// along (parked); whichever loop it joins next consumes them, the one
+    /// it left or another. The other queue's marker, whose CQ stays, stays
+    /// this loop's.
     #[test]
     fn orphans_go_with_their_cq() {
+        let (scq, rcq) = (0x7e57_0010, 0x7e57_0020);
         let now = Instant::now();
         let mut d = Drains::default();
-        d.watches.push(watch(7, now));
+        d.watches.push(watch_on(7, (scq, rcq), now));
         d.take_finished(Some(now));
         assert!(!d.is_empty());
-        assert!(d.take_for_cq(2).is_empty());
-        assert!(!d.is_empty(), "the send marker still comes through CQ 1");
-        assert!(!d.note(&marker(7, DRAIN_RECV_WR_ID)), "the receive marker's CQ is gone: forgotten");
-        assert!(d.take_for_cq(1).is_empty());
-        assert!(d.is_empty(), "markers that can only come through a removed CQ are forgotten");
+        assert!(d.take_for_cq(rcq).is_empty());
+        assert!(!d.is_empty(), "the send marker still comes through the send CQ");
+        assert!(d.take_for_cq(scq).is_empty());
+        assert!(d.is_empty(), "both markers left with their CQs");
+        // The receive CQ comes back to this loop, the send CQ to another.
+        d.adopt(rcq);
+        let mut other = Drains::default();
+        other.adopt(scq);
+        assert!(!d.note(&marker(7, DRAIN_SEND_WR_ID)), "the send marker is not this loop's now");
+        assert!(d.note(&marker(7, DRAIN_RECV_WR_ID)), "the late receive marker is the loop's again");
+        assert!(other.note(&marker(7, DRAIN_SEND_WR_ID)), "the late send marker is the other loop's");
+        assert!(d.is_empty() && other.is_empty());
+        d.adopt(rcq);
+        other.adopt(scq);
+        assert!(d.is_empty() && other.is_empty(), "adopted once");
+    }
+
+    /// A drain cancelled because its CQ left (ECANCELED) parks the markers
+    /// still to come through that CQ too.
+    #[test]
+    fn a_drain_cancelled_by_its_cq_leaving_parks_its_markers() {
+        let cq = 0x7e57_0030;
+        let now = Instant::now();
+        let mut d = Drains::default();
+        d.watches.push(watch_on(9, (cq, cq), now + Duration::from_secs(60)));
+        assert_eq!(d.take_for_cq(cq).len(), 1);
+        assert!(d.is_empty());
+        let mut next = Drains::default();
+        next.adopt(cq);
+        assert!(next.note(&marker(9, DRAIN_RECV_WR_ID)));
+        assert!(next.note(&marker(9, DRAIN_SEND_WR_ID)));
+        assert!(next.is_empty());
+    }
+
+    /// A loop that goes away parks the markers still to come, of its drains
+    /// in progress and of those that are over, by CQ.
+    #[test]
+    fn a_dropped_loop_parks_its_markers() {
+        let (scq, rcq, cq) = (0x7e57_0040, 0x7e57_0050, 0x7e57_0060);
+        let now = Instant::now();
+        let mut d = Drains::default();
+        d.watches.push(watch_on(11, (scq, rcq), now));
+        d.take_finished(Some(now));
+        d.watches.push(watch_on(12, (cq, cq), now + Duration::from_secs(60)));
+        assert_eq!(d.take_all().len(), 1, "the drain in progress ends");
+        assert!(d.is_empty());
+        let (mut a, mut b, mut c) = (Drains::default(), Drains::default(), Drains::default());
+        a.adopt(scq);
+        b.adopt(rcq);
+        c.adopt(cq);
+        assert!(a.note(&marker(11, DRAIN_SEND_WR_ID)) && !a.note(&marker(11, DRAIN_RECV_WR_ID)));
+        assert!(b.note(&marker(11, DRAIN_RECV_WR_ID)) && !b.note(&marker(11, DRAIN_SEND_WR_ID)));
+        assert!(c.note(&marker(12, DRAIN_SEND_WR_ID)) && c.note(&marker(12, DRAIN_RECV_WR_ID)));
+        assert!(a.is_empty() && b.is_empty() && c.is_empty());
+    }
+
+    /// At most MAX_PARKED markers are parked; the oldest go first.
+    #[test]
+    fn parked_markers_are_bounded() {
+        let mut p = Parking::default();
+        for i in 0..MAX_PARKED + 10 {
+            p.park(Parked { cq: i, qp_num: 1, send: true, recv: false });
+        }
+        assert_eq!(p.0.len(), MAX_PARKED);
+        assert!(p.take(5).is_empty(), "one of the oldest: dropped");
+        assert_eq!(p.take(MAX_PARKED + 9), vec![Parked { cq: MAX_PARKED + 9, qp_num: 1, send: true, recv: false }]);
+        assert_eq!(p.0.len(), MAX_PARKED - 1);
     }
 
     #[test]
     fn a_cq_removed_mid_drain_leaves_the_other_queues_marker_to_the_loop() {
         let now = Instant::now();
         let mut d = Drains::default();
-        d.watches.push(watch(7, now + Duration::from_secs(60)));
-        let cancelled = d.take_for_cq(2);
+        d.watches.push(watch_on(7, (0x7e57_0070, 0x7e57_0080), now + Duration::from_secs(60)));
+        let cancelled = d.take_for_cq(0x7e57_0080);
         assert_eq!(cancelled.len(), 1);
         assert_eq!(cancelled[0].1.as_ref().unwrap_err().errno(), libc::ECANCELED);
         assert!(!d.in_progress());
-        assert!(d.note(&marker(7, DRAIN_SEND_WR_ID)), "the send marker, flushed on CQ 1, is the loop's");
+        assert!(d.note(&marker(7, DRAIN_SEND_WR_ID)), "the send marker, flushed on the CQ that stays, is the loop's");
         assert!(d.is_empty());
     }
 }
