@@ -6,7 +6,9 @@
 //! orphans and consumed when they arrive. A QP's markers come back in the
 //! order they were posted (per queue), so an orphan is matched before a
 //! later drain of the same QP: a drain retried after a timeout is done only
-//! when its own markers are back.
+//! when its own markers are back. Orphans of a QP destroyed before its
+//! markers came back are forgotten when another QP with its number is
+//! drained (see [`Drains::forget_stale`]).
 //!
 //! Orphans go with their CQ: when it leaves the loop (removed, or the loop
 //! dropped) the markers still to come through it are parked process-wide
@@ -33,6 +35,9 @@ pub const DRAIN_RECV_WR_ID: u64 = u64::MAX - 1;
 
 pub(crate) struct Watch {
     qp_num: u32,
+    /// The QP's address: with `qp_num`, who the markers belong to (see
+    /// [`Drains::forget_stale`]).
+    qp: usize,
     cqs: (usize, usize),
     send_seen: bool,
     recv_seen: bool,
@@ -44,6 +49,13 @@ pub(crate) struct Watch {
     done: Done,
 }
 
+impl Watch {
+    /// The markers of this drain still to come, as an orphan.
+    fn orphan(&self) -> Orphan {
+        Orphan { qp_num: self.qp_num, qp: self.qp, cqs: self.cqs, send: !self.send_seen, recv: !self.recv_seen }
+    }
+}
+
 /// The first look for a drain's markers that raised no event, after its
 /// start; each further gap doubles, up to the last.
 const POLL_FIRST: Duration = Duration::from_millis(5);
@@ -52,6 +64,7 @@ const POLL_LAST: Duration = Duration::from_millis(100);
 /// Markers posted by a drain that is over, still to come back.
 struct Orphan {
     qp_num: u32,
+    qp: usize,
     cqs: (usize, usize),
     send: bool,
     recv: bool,
@@ -72,6 +85,7 @@ pub(crate) struct Drains {
 struct Parked {
     cq: usize,
     qp_num: u32,
+    qp: usize,
     send: bool,
     recv: bool,
 }
@@ -145,15 +159,18 @@ impl Drains {
             Err(e) => return Err((done, e)),
         };
         let cqs = (send_cq, recv_cq);
+        let qp_addr = qp.raw() as usize;
+        self.forget_stale(qp_num, qp_addr);
         if let Err((e, recv_posted)) = qp.to_error_with_markers(!srq, DRAIN_SEND_WR_ID, DRAIN_RECV_WR_ID) {
             if recv_posted {
-                self.orphans.push(Orphan { qp_num, cqs, send: false, recv: true });
+                self.orphans.push(Orphan { qp_num, qp: qp_addr, cqs, send: false, recv: true });
             }
             return Err((done, e));
         }
         let poll_at = crate::sys::deadline_after(Instant::now(), POLL_FIRST);
         self.watches.push(Watch {
             qp_num,
+            qp: qp_addr,
             cqs,
             send_seen: false,
             recv_seen: srq,
@@ -165,25 +182,40 @@ impl Drains {
         Ok(())
     }
 
+    /// A drain of the QP `qp` with number `qp_num` starts: orphans of that
+    /// number but another QP are of a QP that was destroyed before its
+    /// markers came back (live QPs of one device have distinct numbers):
+    /// they never come now, and matched first (see [`Drains::note`]) they
+    /// would take this drain's markers. Forgotten. (A new QP at the old
+    /// one's address *and* with its number is not told apart: its drain
+    /// would then time out.)
+    fn forget_stale(&mut self, qp_num: u32, qp: usize) {
+        let before = self.orphans.len();
+        self.orphans.retain(|o| o.qp_num != qp_num || o.qp == qp);
+        if self.orphans.len() != before {
+            log::debug!(target: "rdmasafe", "drain: markers of a destroyed QP {qp_num} forgotten (a new QP has its number)");
+        }
+    }
+
     /// Takes out every drain (the loop goes away); the markers still to
     /// come are parked for the loops their CQs are added to next.
     pub(crate) fn take_all(&mut self) -> Vec<Done> {
         let mut dones = Vec::with_capacity(self.watches.len());
         for w in self.watches.drain(..) {
-            self.orphans.push(Orphan { qp_num: w.qp_num, cqs: w.cqs, send: !w.send_seen, recv: !w.recv_seen });
+            self.orphans.push(w.orphan());
             dones.push(w.done);
         }
         let mut p = parking();
         for o in self.orphans.drain(..) {
             if o.cqs.0 == o.cqs.1 {
-                p.park(Parked { cq: o.cqs.0, qp_num: o.qp_num, send: o.send, recv: o.recv });
+                p.park(Parked { cq: o.cqs.0, qp_num: o.qp_num, qp: o.qp, send: o.send, recv: o.recv });
                 continue;
             }
             if o.send {
-                p.park(Parked { cq: o.cqs.0, qp_num: o.qp_num, send: true, recv: false });
+                p.park(Parked { cq: o.cqs.0, qp_num: o.qp_num, qp: o.qp, send: true, recv: false });
             }
             if o.recv {
-                p.park(Parked { cq: o.cqs.1, qp_num: o.qp_num, send: false, recv: true });
+                p.park(Parked { cq: o.cqs.1, qp_num: o.qp_num, qp: o.qp, send: false, recv: true });
             }
         }
         dones
@@ -193,7 +225,7 @@ impl Drains {
     /// (this one or another) are this loop's to consume.
     pub(crate) fn adopt(&mut self, cq: usize) {
         for p in parking().take(cq) {
-            self.orphans.push(Orphan { qp_num: p.qp_num, cqs: (cq, cq), send: p.send, recv: p.recv });
+            self.orphans.push(Orphan { qp_num: p.qp_num, qp: p.qp, cqs: (cq, cq), send: p.send, recv: p.recv });
         }
     }
 
@@ -279,12 +311,7 @@ impl Drains {
                 Some(r) => {
                     let w = self.watches.swap_remove(i);
                     if !(w.send_seen && w.recv_seen) {
-                        self.orphans.push(Orphan {
-                            qp_num: w.qp_num,
-                            cqs: w.cqs,
-                            send: !w.send_seen,
-                            recv: !w.recv_seen,
-                        });
+                        self.orphans.push(w.orphan());
                     }
                     out.push((w.done, r));
                 }
@@ -305,7 +332,7 @@ impl Drains {
         while i < self.watches.len() {
             if self.watches[i].cqs.0 == cq || self.watches[i].cqs.1 == cq {
                 let w = self.watches.swap_remove(i);
-                self.orphans.push(Orphan { qp_num: w.qp_num, cqs: w.cqs, send: !w.send_seen, recv: !w.recv_seen });
+                self.orphans.push(w.orphan());
                 out.push((w.done, Err(crate::Error::new("rdmasafe drain_qp: its CQ left the loop", libc::ECANCELED))));
             } else {
                 i += 1;
@@ -318,7 +345,7 @@ impl Drains {
             let send = o.send && o.cqs.0 == cq;
             let recv = o.recv && o.cqs.1 == cq;
             if send || recv {
-                parked.get_or_insert_with(parking).park(Parked { cq, qp_num: o.qp_num, send, recv });
+                parked.get_or_insert_with(parking).park(Parked { cq, qp_num: o.qp_num, qp: o.qp, send, recv });
                 o.send &= !send;
                 o.recv &= !recv;
             }
@@ -350,6 +377,7 @@ mod tests {
     fn watch_on(qp_num: u32, cqs: (usize, usize), deadline: Instant) -> Watch {
         Watch {
             qp_num,
+            qp: 0x9900 + qp_num as usize,
             cqs,
             send_seen: false,
             recv_seen: false,
@@ -397,6 +425,29 @@ mod tests {
         let finished = d.take_finished(Some(now));
         assert_eq!(finished.len(), 1);
         assert!(finished[0].1.is_ok(), "the retry is done");
+        assert!(d.is_empty());
+    }
+
+    /// A timed-out drain's QP destroyed before its markers came back, and a
+    /// new QP with its number drained: the old orphans (matched first) do
+    /// not take the new drain's markers. The same QP's orphans stay.
+    #[test]
+    fn orphans_of_a_destroyed_qp_do_not_take_a_new_qps_markers() {
+        let now = Instant::now();
+        let mut d = Drains::default();
+        d.watches.push(watch(7, now));
+        assert_eq!(d.take_finished(Some(now)).len(), 1, "timed out, both markers orphans");
+        d.forget_stale(7, 0x9900 + 7);
+        assert!(!d.is_empty(), "the same QP drained again: its orphans stay");
+        let mut new = watch(7, now + Duration::from_secs(60));
+        new.qp = 0x4242; // another QP, the old one's number
+        d.forget_stale(7, new.qp);
+        d.watches.push(new);
+        assert!(d.note(&marker(7, DRAIN_SEND_WR_ID)));
+        assert!(d.note(&marker(7, DRAIN_RECV_WR_ID)));
+        let finished = d.take_finished(Some(now));
+        assert_eq!(finished.len(), 1);
+        assert!(finished[0].1.is_ok(), "the new QP's drain got its own markers");
         assert!(d.is_empty());
     }
 
@@ -473,11 +524,14 @@ mod tests {
     fn parked_markers_are_bounded() {
         let mut p = Parking::default();
         for i in 0..MAX_PARKED + 10 {
-            p.park(Parked { cq: i, qp_num: 1, send: true, recv: false });
+            p.park(Parked { cq: i, qp_num: 1, qp: 0x9901, send: true, recv: false });
         }
         assert_eq!(p.0.len(), MAX_PARKED);
         assert!(p.take(5).is_empty(), "one of the oldest: dropped");
-        assert_eq!(p.take(MAX_PARKED + 9), vec![Parked { cq: MAX_PARKED + 9, qp_num: 1, send: true, recv: false }]);
+        assert_eq!(
+            p.take(MAX_PARKED + 9),
+            vec![Parked { cq: MAX_PARKED + 9, qp_num: 1, qp: 0x9901, send: true, recv: false }]
+        );
         assert_eq!(p.0.len(), MAX_PARKED - 1);
     }
 
