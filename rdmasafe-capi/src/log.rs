@@ -20,8 +20,10 @@ use crate::guard;
 /// Receives each log message: `level` 1 (error) ... 5 (trace), `msg` a
 /// NUL-terminated string valid during the call. Called from whichever
 /// thread logs (the loop's thread for trace messages about CQ wakeups), so
-/// it must be thread-safe. It may call rdmasafe functions (no lock is held).
-/// It may block: a line written by a CM get comes after librdmacm's
+/// it must be thread-safe. It may call rdmasafe functions (no lock is held;
+/// `rdmasafe_cq_loop_destroy` of the loop the logging call is using returns
+/// -EDEADLK, and a callback must not wait for a thread that destroys that
+/// loop). It may block: a line written by a CM get comes after librdmacm's
 /// original event is acked or held, so a callback that waits for a thread
 /// in `rdma_destroy_id` of that event's id is released by the ack deadline
 /// at the latest (a callback that blocks on a loop's thread stalls that loop).
