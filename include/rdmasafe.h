@@ -29,7 +29,9 @@
  * Fork: a child forked while other threads may be inside rdmasafe
  * (rdmasafe's own CM ack thread included, once CM events were copied) may
  * only call async-signal-safe functions, exec or _exit. rdmasafe installs
- * no pthread_atfork handlers.
+ * no pthread_atfork handlers (so in a child that goes on anyway, the CM ack
+ * deadline no longer applies: the ack thread is the parent's, and a held
+ * copy holds rdma_destroy_id of its id until it is freed).
  *
  * Struct sizes: every struct rdmasafe reads or fills starts with
  * `uint32_t size`, which the caller sets to sizeof the struct as this header
@@ -562,10 +564,13 @@ const char *rdmasafe_version(int *major, int *minor, int *patch);
  * Gets one async event of `context`, copies it into `*out` and acks it at
  * once, so no held copy can block a destroy. Waits at most `timeout_ms`
  * (-1 forever, 0 not at all) with poll() on `context->async_fd`, whose
- * mode is not changed. One reader per context.
+ * mode is not changed. One reader per context. A signal ends the wait with
+ * -EINTR, as with `ibv_get_async_event` (a removed rxe device raises no
+ * event, so a signal is what stops a thread waiting with -1).
  *
  * Returns 0, -EINVAL (NULL argument, `timeout_ms < -1`), -EAGAIN
- * (`timeout_ms == 0`, none), -ETIMEDOUT, or a negative errno.
+ * (`timeout_ms == 0`, none), -ETIMEDOUT, -EINTR (a signal), or a
+ * negative errno.
  *
  * # Safety
  * `context` NULL or a live device context; `out` NULL or writable.

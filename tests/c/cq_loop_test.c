@@ -810,6 +810,51 @@ out:
 	alarm(120);
 }
 
+static struct ibv_context *async_ctx;
+static atomic_int async_done;
+
+static void on_usr1_nop(int sig)
+{
+	(void)sig;
+}
+
+static void *async_get_forever(void *arg)
+{
+	struct rdmasafe_async_event ev = { .size = sizeof ev };
+	int r;
+	(void)arg;
+	r = rdmasafe_async_get(async_ctx, &ev, -1);
+	atomic_store(&async_done, 1);
+	return (void *)(intptr_t)r;
+}
+
+/* A signal ends rdmasafe_async_get(-1) with -EINTR, as it does
+ * ibv_get_async_event (a removed rxe device raises no event: a signal is
+ * the only way to stop a reader). Signals until it returns: one that comes
+ * before the wait starts is lost. The alarm is the watchdog. */
+static void test_async_eintr(struct ibv_context *ctx)
+{
+	struct sigaction sa, old;
+	pthread_t t;
+	void *ret;
+
+	memset(&sa, 0, sizeof sa);
+	sa.sa_handler = on_usr1_nop; /* no SA_RESTART */
+	sigemptyset(&sa.sa_mask);
+	sigaction(SIGUSR1, &sa, &old);
+	async_ctx = ctx;
+	atomic_store(&async_done, 0);
+	pthread_create(&t, NULL, async_get_forever, NULL);
+	while (!atomic_load(&async_done)) {
+		pthread_kill(t, SIGUSR1);
+		sleep_ms(20);
+	}
+	pthread_join(t, &ret);
+	sigaction(SIGUSR1, &old, NULL);
+	CHECK((intptr_t)ret == -EINTR, "rdmasafe_async_get(-1) ended by a signal -> %s (want -EINTR)",
+	      rname((int)(intptr_t)ret));
+}
+
 static void test_async(struct ibv_context *ctx)
 {
 	struct rdmasafe_async_event ev = { .size = sizeof ev };
@@ -830,6 +875,7 @@ static void test_async(struct ibv_context *ctx)
 	r = rdmasafe_async_get(ctx, &ev, 30);
 	dt = now_ms() - t0;
 	CHECK(r == -ETIMEDOUT && dt >= 29.0, "rdmasafe_async_get(30) on a quiet device -> %s after %.1f ms", rname(r), dt);
+	test_async_eintr(ctx);
 	for (uint32_t t = IBV_EVENT_CQ_ERR; t <= IBV_EVENT_WQ_FATAL; t++) {
 		const char *a = rdmasafe_async_event_str(t);
 		const char *want[] = {

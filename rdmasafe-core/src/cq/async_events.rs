@@ -148,15 +148,18 @@ impl AsyncEvents {
     }
 
     /// Waits per `wait` for one event; copies and acks it. ETIMEDOUT /
-    /// EAGAIN when none came.
+    /// EAGAIN when none came; EINTR when a signal interrupted the wait, as
+    /// `ibv_get_async_event` does (a removed rxe device raises no event: a
+    /// signal is what stops a reader waiting forever).
     pub fn get(&self, wait: Wait) -> Result<AsyncEvent> {
-        self.get_or_woken(wait, None).and_then(|e| e.ok_or(Error::new("ibv_get_async_event", libc::EINTR)))
+        self.get_or_woken(wait, None, false).and_then(|e| e.ok_or(Error::new("ibv_get_async_event", libc::EINTR)))
     }
 
-    /// Like `get`, also returning `Ok(None)` when `wake` became readable.
-    fn get_or_woken(&self, wait: Wait, wake: Option<&WakeFd>) -> Result<Option<AsyncEvent>> {
+    /// Like `get`, also returning `Ok(None)` when `wake` became readable;
+    /// `retry_eintr`: a signal does not end the wait.
+    fn get_or_woken(&self, wait: Wait, wake: Option<&WakeFd>, retry_eintr: bool) -> Result<Option<AsyncEvent>> {
         let wfd = wake.map_or(-1, |w| w.fd());
-        let [ready, woke] = sys::poll_readable([self.as_raw_fd(), wfd], wait)
+        let [ready, woke] = sys::poll_readable_ex([self.as_raw_fd(), wfd], wait, retry_eintr)
             .map_err(|e| Error::new("poll", e.raw_os_error().unwrap_or(libc::EIO)))?;
         if woke {
             return Ok(None);
@@ -179,7 +182,8 @@ impl AsyncEvents {
 
     /// Starts a thread that hands every async event (copied, acked) to `f`.
     /// The thread ends by itself, with `Ok`, after the device is gone: after
-    /// it delivered IBV_EVENT_DEVICE_FATAL (what a removed device reports),
+    /// it delivered IBV_EVENT_DEVICE_FATAL (a device that failed; a
+    /// removed rxe device reports nothing: stop the thread),
     /// or when reading fails with EIO / ENODEV; it keeps the context open
     /// until then (see [`DeviceContext`]).
     pub fn spawn<F>(self, mut f: F) -> Result<AsyncThread>
@@ -193,7 +197,7 @@ impl AsyncEvents {
             .name("rdmasafe-async".into())
             .spawn(move || {
                 while !s.load(SeqCst) {
-                    match self.get_or_woken(Wait::Forever, Some(&w)) {
+                    match self.get_or_woken(Wait::Forever, Some(&w), true) {
                         Ok(Some(ev)) => {
                             let fatal = ev.event_type == AsyncEventType::DEVICE_FATAL;
                             f(ev);
