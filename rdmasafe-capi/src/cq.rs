@@ -568,6 +568,8 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_destroy_cq(cq_loop: *mut rdmasafe_cq_l
                         let d = unsafe { rdmasafe_core::sys::ibv_destroy_cq(t.0) };
                         if d != 0 {
                             log::error!(target: "rdmasafe", "rdmasafe_cq_loop_destroy_cq: ibv_destroy_cq: errno {d}");
+                        } else {
+                            rdmasafe_core::cq::cq_destroyed(t.0);
                         }
                     }
                 });
@@ -582,7 +584,10 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_destroy_cq(cq_loop: *mut rdmasafe_cq_l
             }
             // SAFETY: the CQ left the loop (removal complete); the app's.
             match unsafe { rdmasafe_core::sys::ibv_destroy_cq(cq) } {
-                0 => 0,
+                0 => {
+                    rdmasafe_core::cq::cq_destroyed(cq);
+                    0
+                }
                 r => -r.abs(),
             }
         },

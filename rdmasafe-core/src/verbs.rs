@@ -602,6 +602,7 @@ impl Drop for CqInner {
                 sys::ibv_ack_cq_events(self.raw.as_ptr(), n);
             }
             sys::ibv_destroy_cq(self.raw.as_ptr());
+            crate::cq::cq_destroyed(self.raw.as_ptr());
         }
     }
 }

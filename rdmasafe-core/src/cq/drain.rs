@@ -6,9 +6,14 @@
 //! orphans and consumed when they arrive. A QP's markers come back in the
 //! order they were posted (per queue), so an orphan is matched before a
 //! later drain of the same QP: a drain retried after a timeout is done only
-//! when its own markers are back. Orphans of a QP destroyed before its
-//! markers came back are forgotten when another QP with its number is
-//! drained (see [`Drains::forget_stale`]).
+//! when its own markers are back. The price: a marker that never comes
+//! back (the CQ overran, or the app polled it itself while it was out of
+//! every loop) is waited for by every later drain of that QP, which then
+//! times out (ETIMEDOUT; destroy the QP). Orphans of a QP destroyed before
+//! its markers came back are forgotten when another QP with its number is
+//! drained or one of their CQs joins a loop where such a QP drains (see
+//! [`Drains::forget_stale`]); a marker of the destroyed QP still in its
+//! CQ after that reaches the handler (it needs a reused QP number).
 //!
 //! Orphans go with their CQ: when it leaves the loop (removed, or the loop
 //! dropped) the markers still to come through it are parked process-wide
@@ -16,9 +21,11 @@
 //! another) consumes them. So on a QP that was drained, the wr_ids
 //! [`DRAIN_SEND_WR_ID`] and [`DRAIN_RECV_WR_ID`] belong to the loop, also
 //! after its CQ moved. At most [`MAX_PARKED`] markers are parked (the
-//! oldest forgotten first); a CQ destroyed with markers in it and a new
-//! CQ at the same address inherit them (it only ever consumes those two
-//! wr_ids of those QP numbers).
+//! oldest forgotten first). A destroyed CQ's are forgotten ([`cq_destroyed`]:
+//! a Rust `Cq` and `rdmasafe_cq_loop_destroy_cq` say so themselves); a CQ
+//! the app destroys itself with markers in it, and a new CQ at the same
+//! address, inherit them (it only ever consumes those two wr_ids of those
+//! QP numbers).
 
 use std::collections::VecDeque;
 use std::sync::{Mutex, MutexGuard};
@@ -98,19 +105,11 @@ const MAX_PARKED: usize = 1024;
 struct Parking(VecDeque<Parked>);
 
 impl Parking {
-    fn park(&mut self, p: Parked) {
-        if self.0.len() >= MAX_PARKED {
-            if let Some(old) = self.0.pop_front() {
-                log::debug!(
-                    target: "rdmasafe",
-                    "drain: {MAX_PARKED} markers parked for CQs out of every loop; forgetting the oldest \
-                     (QP {}, CQ {:#x})",
-                    old.qp_num,
-                    old.cq
-                );
-            }
-        }
+    /// Parks `p`; returns the oldest, forgotten to make room.
+    fn park(&mut self, p: Parked) -> Option<Parked> {
+        let old = if self.0.len() >= MAX_PARKED { self.0.pop_front() } else { None };
         self.0.push_back(p);
+        old
     }
 
     /// Takes out the markers parked for `cq`.
@@ -126,10 +125,37 @@ impl Parking {
 }
 
 /// The process's parked markers (touched when a CQ leaves or joins a loop,
-/// or a loop goes away: not on a hot path).
+/// or a loop goes away: not on a hot path). Nothing logs while it is held
+/// (a log callback may call back into rdmasafe).
 fn parking() -> MutexGuard<'static, Parking> {
     static P: Mutex<Parking> = Mutex::new(Parking(VecDeque::new()));
     P.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Parks `items`, then (the lock released) says what was forgotten.
+fn park_all(items: impl IntoIterator<Item = Parked>) {
+    let forgotten: Vec<Parked> = {
+        let mut p = parking();
+        items.into_iter().filter_map(|i| p.park(i)).collect()
+    };
+    for old in forgotten {
+        log::debug!(
+            target: "rdmasafe",
+            "drain: {MAX_PARKED} markers parked for CQs out of every loop; forgetting the oldest (QP {}, CQ {:#x})",
+            old.qp_num,
+            old.cq
+        );
+    }
+}
+
+/// Tells rdmasafe that the app destroyed `cq` (out of every loop, with
+/// `ibv_destroy_cq`): drain markers still expected through it went with it,
+/// and a new CQ at the same address must not inherit them (see the module
+/// doc of drains). Rust `Cq`s and `rdmasafe_cq_loop_destroy_cq` do this
+/// themselves; without it a new CQ at the address of a CQ destroyed with
+/// markers in it consumes those two wr_ids of those QP numbers.
+pub fn cq_destroyed(cq: *mut crate::sys::ibv_cq) {
+    drop(parking().take(cq as usize));
 }
 
 impl Drains {
@@ -185,10 +211,10 @@ impl Drains {
     /// A drain of the QP `qp` with number `qp_num` starts: orphans of that
     /// number but another QP are of a QP that was destroyed before its
     /// markers came back (live QPs of one device have distinct numbers):
-    /// they never come now, and matched first (see [`Drains::note`]) they
-    /// would take this drain's markers. Forgotten. (A new QP at the old
-    /// one's address *and* with its number is not told apart: its drain
-    /// would then time out.)
+    /// matched first (see [`Drains::note`]) they would take this drain's
+    /// markers. Forgotten (if one of them is still in its CQ, it then
+    /// reaches the handler). A new QP at the old one's address *and* with
+    /// its number is not told apart: its drain would then time out.
     fn forget_stale(&mut self, qp_num: u32, qp: usize) {
         let before = self.orphans.len();
         self.orphans.retain(|o| o.qp_num != qp_num || o.qp == qp);
@@ -202,29 +228,38 @@ impl Drains {
     pub(crate) fn take_all(&mut self) -> Vec<Done> {
         let mut dones = Vec::with_capacity(self.watches.len());
         for w in self.watches.drain(..) {
-            self.orphans.push(w.orphan());
+            if !(w.send_seen && w.recv_seen) {
+                self.orphans.push(w.orphan());
+            }
             dones.push(w.done);
         }
-        let mut p = parking();
-        for o in self.orphans.drain(..) {
+        let mut items = Vec::new();
+        for o in self.orphans.drain(..).filter(|o| o.send || o.recv) {
             if o.cqs.0 == o.cqs.1 {
-                p.park(Parked { cq: o.cqs.0, qp_num: o.qp_num, qp: o.qp, send: o.send, recv: o.recv });
+                items.push(Parked { cq: o.cqs.0, qp_num: o.qp_num, qp: o.qp, send: o.send, recv: o.recv });
                 continue;
             }
             if o.send {
-                p.park(Parked { cq: o.cqs.0, qp_num: o.qp_num, qp: o.qp, send: true, recv: false });
+                items.push(Parked { cq: o.cqs.0, qp_num: o.qp_num, qp: o.qp, send: true, recv: false });
             }
             if o.recv {
-                p.park(Parked { cq: o.cqs.1, qp_num: o.qp_num, qp: o.qp, send: false, recv: true });
+                items.push(Parked { cq: o.cqs.1, qp_num: o.qp_num, qp: o.qp, send: false, recv: true });
             }
         }
+        park_all(items);
         dones
     }
 
     /// `cq` joins the loop: the markers parked for it when it left a loop
     /// (this one or another) are this loop's to consume.
+    /// Markers of a QP destroyed since (a drain in progress is of another
+    /// QP with its number) are forgotten, as at a drain's start.
     pub(crate) fn adopt(&mut self, cq: usize) {
-        for p in parking().take(cq) {
+        let parked = parking().take(cq);
+        for p in parked {
+            if self.watches.iter().any(|w| w.qp_num == p.qp_num && w.qp != p.qp) {
+                continue;
+            }
             self.orphans.push(Orphan { qp_num: p.qp_num, qp: p.qp, cqs: (cq, cq), send: p.send, recv: p.recv });
         }
     }
@@ -309,7 +344,7 @@ impl Drains {
             };
             match result {
                 Some(r) => {
-                    let w = self.watches.swap_remove(i);
+                    let w = self.watches.remove(i); // in start order (see `note`)
                     if !(w.send_seen && w.recv_seen) {
                         self.orphans.push(w.orphan());
                     }
@@ -331,7 +366,7 @@ impl Drains {
         let mut i = 0;
         while i < self.watches.len() {
             if self.watches[i].cqs.0 == cq || self.watches[i].cqs.1 == cq {
-                let w = self.watches.swap_remove(i);
+                let w = self.watches.remove(i); // in start order (see `note`)
                 self.orphans.push(w.orphan());
                 out.push((w.done, Err(crate::Error::new("rdmasafe drain_qp: its CQ left the loop", libc::ECANCELED))));
             } else {
@@ -340,17 +375,20 @@ impl Drains {
         }
         // Markers that can only come through `cq` come back with it, to
         // whichever loop it joins next: parked till then.
-        let mut parked = None;
+        let mut items = Vec::new();
         for o in &mut self.orphans {
             let send = o.send && o.cqs.0 == cq;
             let recv = o.recv && o.cqs.1 == cq;
             if send || recv {
-                parked.get_or_insert_with(parking).park(Parked { cq, qp_num: o.qp_num, qp: o.qp, send, recv });
+                items.push(Parked { cq, qp_num: o.qp_num, qp: o.qp, send, recv });
                 o.send &= !send;
                 o.recv &= !recv;
             }
         }
         self.orphans.retain(|o| o.send || o.recv);
+        if !items.is_empty() {
+            park_all(items);
+        }
         out
     }
 }
@@ -517,6 +555,67 @@ mod tests {
         assert!(b.note(&marker(11, DRAIN_RECV_WR_ID)) && !b.note(&marker(11, DRAIN_SEND_WR_ID)));
         assert!(c.note(&marker(12, DRAIN_SEND_WR_ID)) && c.note(&marker(12, DRAIN_RECV_WR_ID)));
         assert!(a.is_empty() && b.is_empty() && c.is_empty());
+    }
+
+    /// A dropped loop parks only what is still to come: a drain whose
+    /// markers were both in (not taken out yet) parks nothing.
+    #[test]
+    fn a_complete_drain_parks_nothing_when_its_loop_goes() {
+        let cq = 0x7e57_0110;
+        let mut d = Drains::default();
+        let mut w = watch_on(7, (cq, cq), Instant::now() + Duration::from_secs(60));
+        w.send_seen = true;
+        w.recv_seen = true;
+        d.watches.push(w);
+        assert_eq!(d.take_all().len(), 1);
+        assert!(parking().take(cq).is_empty(), "nothing parked for a complete drain");
+    }
+
+    /// Markers parked for a CQ of a QP destroyed since: the CQ joins a loop
+    /// where another QP with that number drains; they are not adopted
+    /// (they would take that drain's markers).
+    #[test]
+    fn a_stale_parked_marker_is_not_adopted_beside_a_drain_of_its_qp_number() {
+        let cq = 0x7e57_0120;
+        park_all([Parked { cq, qp_num: 5, qp: 0xdead, send: true, recv: false }]);
+        let mut d = Drains::default();
+        d.watches.push(watch_on(5, (cq, cq), Instant::now() + Duration::from_secs(60)));
+        d.adopt(cq);
+        assert!(d.orphans.is_empty(), "the destroyed QP's marker is forgotten");
+        assert!(d.note(&marker(5, DRAIN_SEND_WR_ID)));
+        assert!(d.watches[0].send_seen, "the running drain got its own marker");
+    }
+
+    /// A destroyed CQ's parked markers go with it: a new CQ at its address
+    /// inherits nothing.
+    #[test]
+    fn a_destroyed_cqs_parked_markers_are_forgotten() {
+        let cq = 0x7e57_0130;
+        park_all([Parked { cq, qp_num: 6, qp: 0xbeef, send: true, recv: true }]);
+        cq_destroyed(cq as *mut crate::sys::ibv_cq);
+        let mut d = Drains::default();
+        d.adopt(cq);
+        assert!(d.is_empty());
+    }
+
+    /// Two drains of one QP in progress: the older gets the first marker,
+    /// also after a drain in front of them in the list finished.
+    #[test]
+    fn drains_of_one_qp_keep_their_order() {
+        let later = Instant::now() + Duration::from_secs(60);
+        let mut d = Drains::default();
+        let mut other = watch(9, later);
+        other.send_seen = true;
+        other.recv_seen = true;
+        d.watches.push(other);
+        d.watches.push(watch(7, later));
+        let mut second = watch(7, later);
+        second.qp = 0x7777; // told apart in this test by its address
+        d.watches.push(second);
+        assert_eq!(d.take_finished(None).len(), 1, "QP 9's drain is done");
+        assert!(d.note(&marker(7, DRAIN_SEND_WR_ID)));
+        let first = d.watches.iter().find(|w| w.qp != 0x7777).unwrap();
+        assert!(first.send_seen, "the older drain of QP 7 got the first marker");
     }
 
     /// At most MAX_PARKED markers are parked; the oldest go first.

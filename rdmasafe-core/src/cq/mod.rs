@@ -39,7 +39,7 @@ mod timers;
 pub use crate::wc::{Wc, WcOpcode, WcStatus};
 pub use async_events::{AsyncElement, AsyncEvent, AsyncEventType, AsyncEvents, AsyncThread};
 pub use control::{LoopControl, Outcome};
-pub use drain::{DRAIN_RECV_WR_ID, DRAIN_SEND_WR_ID};
+pub use drain::{cq_destroyed, DRAIN_RECV_WR_ID, DRAIN_SEND_WR_ID};
 pub use event_loop::{CqLoop, LoopThread, Progress, RunEnd};
 pub use learn::MAX_LATENCY_WEIGHT;
 pub use local::{LocalControl, LocalCqLoop, StopHandle};
