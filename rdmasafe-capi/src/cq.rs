@@ -833,9 +833,15 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_get_stats(
 /// them to the loop: they are consumed whenever they come back, also after
 /// their CQ left the loop and was added to it or another loop again (kept
 /// by CQ address, at most 1024 markers). So on a QP that was drained, the
-/// wr_ids UINT64_MAX and UINT64_MAX - 1 belong to the loop. A drain retried
-/// after a timeout is done only once its own markers are back (a queue
-/// completes in order: the old drain's come first).
+/// wr_ids UINT64_MAX and UINT64_MAX - 1 belong to the loop (a CQ destroyed
+/// with `rdmasafe_cq_loop_destroy_cq` takes its markers along; after
+/// `ibv_destroy_cq` of your own, a new CQ at the same address inherits
+/// them). A drain retried after a timeout is done only once its own markers
+/// are back (a queue completes in order: the old drain's come first), so a
+/// marker that never comes back (the CQ overran) makes every later drain of
+/// that QP time out. On Linux 6.1's rxe a receive posted to a QP already in
+/// the error state was seen never to complete, so a retry without
+/// `use_srq` can time out there.
 ///
 /// From another thread this blocks up to `timeout_ms`
 /// (> 0), running the loop itself when nobody runs it; from inside a
