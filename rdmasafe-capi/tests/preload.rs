@@ -1109,8 +1109,9 @@ fn cmtime_races_do_not_count_against_rpings_caps() {
     assert_eq!(c.failures.len(), 1, "5 preloaded rping sides: {:?}", c.failures);
 }
 
-/// A setting the preload cannot honour (an unknown RDMASAFE_CHECK value)
-/// is said on stderr even with logging off (RDMASAFE_LOG unset): it
+/// A setting the preload cannot honour (an unknown RDMASAFE_CHECK or
+/// RDMASAFE_LOG value, a RDMASAFE_CHECK_HOLD_MS that is no number) is said
+/// on stderr even with logging off: it
 /// changes what the preload does. On the host: the preload reads its
 /// settings at a program's first CM call, before librdmacm is asked (which
 /// fails here without an RDMA device; the call's result is not the point).
@@ -1134,18 +1135,25 @@ fn an_unknown_rdmasafe_check_value_is_said_with_logging_off() {
     .unwrap();
     let exe = dir.join("first_get");
     run_logged("cc first_get.c", Command::new("cc").arg("-o").arg(&exe).arg(&src).args(["-lrdmacm", "-libverbs"]));
-    let run = |check: &str| {
-        let out = Command::new(&exe)
-            .env("LD_PRELOAD", &link)
-            .env("RDMASAFE_CHECK", check)
-            .env_remove("RDMASAFE_LOG")
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{check}: {out:?}");
-        String::from_utf8_lossy(&out.stderr).into_owned()
+    let run = |env: &[(&str, &str)]| {
+        let mut cmd = Command::new(&exe);
+        cmd.env("LD_PRELOAD", &link).env_remove("RDMASAFE_LOG").env_remove("RDMASAFE_CHECK");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let out = cmd.output().unwrap();
+        assert!(out.status.success(), "{env:?}: {out:?}");
+        // The preload's lines only (libibverbs may warn about the host).
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        err.lines().filter(|l| l.starts_with("rdmasafe")).collect::<Vec<_>>().join("\n")
     };
-    let err = run("chek");
+    let err = run(&[("RDMASAFE_CHECK", "chek")]);
     assert!(err.contains("RDMASAFE_CHECK=\"chek\"") && err.contains("copy mode"), "stderr: {err:?}");
-    assert_eq!(run("0"), "", "a known value, logging off: nothing said");
+    assert_eq!(run(&[("RDMASAFE_CHECK", "0")]), "", "a known value, logging off: nothing said");
+    let err = run(&[("RDMASAFE_CHECK", "1"), ("RDMASAFE_CHECK_HOLD_MS", "10s")]);
+    assert!(err.contains("RDMASAFE_CHECK_HOLD_MS=\"10s\""), "stderr: {err:?}");
+    let err = run(&[("RDMASAFE_LOG", "verbose")]);
+    assert!(err.contains("RDMASAFE_LOG=\"verbose\""), "stderr: {err:?}");
+    assert_eq!(run(&[("RDMASAFE_LOG", "off")]), "", "off is a level: nothing said");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -429,11 +429,14 @@ pub(crate) struct Checker {
 
 impl Checker {
     pub(crate) fn new(fix: bool) -> Checker {
-        let hold_ms = std::env::var("RDMASAFE_CHECK_HOLD_MS")
-            .ok()
-            .and_then(|s| s.trim().parse::<u64>().ok())
-            .unwrap_or(1000)
-            .max(1);
+        let hold_ms = match std::env::var("RDMASAFE_CHECK_HOLD_MS") {
+            Err(_) => 1000,
+            Ok(s) => s.trim().parse::<u64>().unwrap_or_else(|_| {
+                crate::out::setup_error(&format!("RDMASAFE_CHECK_HOLD_MS={s:?} is no number of milliseconds: 1000"));
+                1000
+            }),
+        }
+        .max(1);
         Checker { fix, hold_ms, cm: Mutex::default(), cq: Mutex::default(), watcher: AtomicBool::new(false) }
     }
 

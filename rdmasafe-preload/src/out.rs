@@ -30,24 +30,32 @@ impl Log for StderrLog {
 
 static LOGGER: StderrLog = StderrLog;
 
-/// RDMASAFE_LOG's value as a level (error|warn|info|debug|trace; anything
-/// else, or unset: off).
-pub(crate) fn parse_level(s: &str) -> LevelFilter {
-    match s.trim().to_ascii_lowercase().as_str() {
+/// RDMASAFE_LOG's value as a level (error|warn|info|debug|trace; off, 0 or
+/// empty: off); `None` for anything else (librdmasafe takes that as off).
+pub(crate) fn parse_level(s: &str) -> Option<LevelFilter> {
+    Some(match s.trim().to_ascii_lowercase().as_str() {
         "error" => LevelFilter::Error,
         "warn" | "warning" => LevelFilter::Warn,
         "info" => LevelFilter::Info,
         "debug" => LevelFilter::Debug,
         "trace" => LevelFilter::Trace,
-        _ => LevelFilter::Off,
-    }
+        "" | "off" | "0" => LevelFilter::Off,
+        _ => return None,
+    })
 }
 
 /// Installs the stderr logger of this library (its own copy of the `log`
 /// facade: the program's logging, if any, is not affected).
 pub(crate) fn install_logger() {
     if log::set_logger(&LOGGER).is_ok() {
-        log::set_max_level(std::env::var("RDMASAFE_LOG").map(|s| parse_level(&s)).unwrap_or(LevelFilter::Off));
+        let value = std::env::var("RDMASAFE_LOG").unwrap_or_default();
+        let level = parse_level(&value).unwrap_or_else(|| {
+            setup_error(&format!(
+                "RDMASAFE_LOG={value:?} is none of error, warn, info, debug, trace, off: logging off"
+            ));
+            LevelFilter::Off
+        });
+        log::set_max_level(level);
     }
 }
 
@@ -103,9 +111,10 @@ mod tests {
 
     #[test]
     fn levels_parse_like_librdmasafe() {
-        assert_eq!(parse_level(" Info "), LevelFilter::Info);
-        assert_eq!(parse_level("warning"), LevelFilter::Warn);
-        assert_eq!(parse_level("2"), LevelFilter::Off);
-        assert_eq!(parse_level(""), LevelFilter::Off);
+        assert_eq!(parse_level(" Info "), Some(LevelFilter::Info));
+        assert_eq!(parse_level("warning"), Some(LevelFilter::Warn));
+        assert_eq!(parse_level("2"), None, "refused (librdmasafe: off)");
+        assert_eq!(parse_level(""), Some(LevelFilter::Off));
+        assert_eq!(parse_level("OFF"), Some(LevelFilter::Off));
     }
 }
