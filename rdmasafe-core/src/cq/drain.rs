@@ -426,6 +426,14 @@ mod tests {
         }
     }
 
+    /// Exactly one drain finished, with Ok, and nothing is left to watch.
+    fn one_done_and_nothing_left(d: &mut Drains, now: Instant, what: &str) {
+        let finished = d.take_finished(Some(now));
+        assert_eq!(finished.len(), 1, "{what}");
+        assert!(finished[0].1.is_ok(), "{what}");
+        assert!(d.is_empty(), "{what}");
+    }
+
     #[test]
     fn markers_of_a_timed_out_drain_are_consumed_when_they_come_back() {
         let now = Instant::now();
@@ -460,10 +468,7 @@ mod tests {
         assert!(d.note(&marker(7, DRAIN_SEND_WR_ID)), "the first drain's send marker: the loop's");
         assert!(d.take_finished(Some(now)).is_empty(), "the retry still waits for its own send marker");
         assert!(d.note(&marker(7, DRAIN_SEND_WR_ID)), "the retry's send marker");
-        let finished = d.take_finished(Some(now));
-        assert_eq!(finished.len(), 1);
-        assert!(finished[0].1.is_ok(), "the retry is done");
-        assert!(d.is_empty());
+        one_done_and_nothing_left(&mut d, now, "the retry is done");
     }
 
     /// A timed-out drain's QP destroyed before its markers came back, and a
@@ -483,10 +488,7 @@ mod tests {
         d.watches.push(new);
         assert!(d.note(&marker(7, DRAIN_SEND_WR_ID)));
         assert!(d.note(&marker(7, DRAIN_RECV_WR_ID)));
-        let finished = d.take_finished(Some(now));
-        assert_eq!(finished.len(), 1);
-        assert!(finished[0].1.is_ok(), "the new QP's drain got its own markers");
-        assert!(d.is_empty());
+        one_done_and_nothing_left(&mut d, now, "the new QP's drain got its own markers");
     }
 
     /// A CQ that leaves the loop takes the markers still to come through it
