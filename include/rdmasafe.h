@@ -1063,9 +1063,14 @@ int rdmasafe_cq_loop_drain_qp_async(struct rdmasafe_cq_loop *cq_loop,
  * `period_ms`, rdmasafe posts a probe (a signaled zero-length RDMA WRITE
  * with wr_id `probe_wr_id`, using one send-queue slot; the peer's
  * application sees nothing; a full send queue delays it, up to the
- * bound). If a probe has not completed within `bound_ms`, or fails, the
- * peer is declared dead: the QP is moved to the error state (outstanding
- * work flushes to the callbacks) and `on_dead` is called once. A timer
+ * bound). If a probe has not completed within `bound_ms`, or fails with
+ * an error status other than a flush, the peer is declared dead: the QP
+ * is moved to the error state (outstanding work flushes to the callbacks)
+ * and `on_dead` is called once. A QP not connected yet (a keepalive added
+ * at CONNECT_REQUEST, before `rdma_accept`) is probed once it is in RTS;
+ * a QP moved to the error state by something else (a drain, the app's
+ * `rdma_disconnect`, another request's error, each reported by its own
+ * completion or event) ends the probing without a dead peer. A timer
  * decides, so this works whatever retry_cnt the QP has. Probe completions
  * are never passed to the CQ callback: pick a `probe_wr_id` the app does
  * not use on this QP. The QP must stay alive until

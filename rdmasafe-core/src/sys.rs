@@ -517,6 +517,42 @@ pub unsafe fn qp_to_error(qp: *mut ibv_qp) -> crate::Result<()> {
     }
 }
 
+/// Where a QP stands for sending, from its state (`ibv_query_qp`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QpSend {
+    /// RESET, INIT, RTR: not connected yet.
+    NotYet,
+    /// RTS.
+    Ready,
+    /// SQE, ERR: moved to an error state (by whoever did, who reports it).
+    Error,
+    /// SQD, another state, or the query failed.
+    Unknown,
+}
+
+/// Where `qp` stands for sending (an `ibv_query_qp` system call).
+///
+/// # Safety
+/// `qp` must be a live QP.
+pub unsafe fn qp_send_state(qp: *mut ibv_qp) -> QpSend {
+    use rdma_sys::ibv_qp_state::*;
+    // SAFETY: live QP; attr and init are plain data valid for the call.
+    let state = unsafe {
+        let mut attr: rdma_sys::ibv_qp_attr = std::mem::zeroed();
+        let mut init: rdma_sys::ibv_qp_init_attr = std::mem::zeroed();
+        if rdma_sys::ibv_query_qp(qp, &mut attr, rdma_sys::ibv_qp_attr_mask::IBV_QP_STATE.0 as i32, &mut init) != 0 {
+            return QpSend::Unknown;
+        }
+        attr.qp_state
+    };
+    match state {
+        IBV_QPS_RESET | IBV_QPS_INIT | IBV_QPS_RTR => QpSend::NotYet,
+        IBV_QPS_RTS => QpSend::Ready,
+        IBV_QPS_SQE | IBV_QPS_ERR => QpSend::Error,
+        _ => QpSend::Unknown,
+    }
+}
+
 /// Posts a signaled zero-length RDMA WRITE (a keepalive probe: zero-length
 /// RDMA operations check no rkey, and the peer's application sees nothing).
 ///

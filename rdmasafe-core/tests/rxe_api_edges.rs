@@ -704,3 +704,77 @@ fn a_late_marker_stays_the_loops_after_moving_to_another_loop() {
 fn a_late_marker_stays_the_loops_after_its_loop_is_dropped() {
     a_late_marker_stays_the_loops_after(Readd::LoopDropped);
 }
+
+/// A keepalive added at CONNECT_REQUEST, before `accept` (the QP in INIT:
+/// it cannot send yet), with several periods passing before the accept:
+/// the probes wait for the QP instead of declaring the peer dead (which
+/// moved the QP to the error state and made the accept fail). Found by a
+/// soak test of a Ceph-style server. Then a clean close (our disconnect):
+/// not a dead peer either (a flushed or refused probe was taken for one).
+/// The waits only make the premises (periods pass); nothing is timed.
+#[test]
+fn a_keepalive_added_before_accept_waits_for_the_qp_to_send() {
+    use common::cm::{expect, listen, params, resolved};
+    use rdmasafe_core::cm::{EventType as E, QpCaps};
+    use rdmasafe_core::verbs::{Mr, Pd};
+    let _s = serial();
+    let _dog = common::watchdog("keepalive before accept", Duration::from_secs(300));
+    let addr = common::bed().addr;
+    let chan = channel();
+    let caps = QpCaps { max_send_wr: 4, max_recv_wr: 4, max_sge: 1, max_inline_data: 0 };
+    let l = listen(addr, PortSpace::Tcp, 8);
+    let cch = EventChannel::new().unwrap();
+    let mut client = resolved(&cch, PortSpace::Tcp, addr, l.port);
+    let ctx = client.device_context().unwrap();
+    let cpd = Pd::new(&ctx).unwrap();
+    let client_cq = Cq::new(&ctx, 8, None).unwrap();
+    client.create_qp(&cpd, &client_cq, &client_cq, caps, false).unwrap();
+    client.connect(&params(b"ka")).unwrap();
+    let mut req = expect(&l.ch, E::CONNECT_REQUEST);
+    let mut r = req.take_request().unwrap();
+    let spd = Pd::new(&ctx).unwrap();
+    let server_cq = Cq::new(&ctx, 8, Some(&chan)).unwrap();
+    r.id_mut().create_qp(&spd, &server_cq, &server_cq, caps, false).unwrap();
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let g2 = got.clone();
+    lp.add_cq(&server_cq, move |wcs, _| g2.lock().unwrap().extend(wcs.iter().map(|w| (w.wr_id(), w.is_success()))))
+        .unwrap();
+    let dead = Arc::new(AtomicBool::new(false));
+    let d2 = dead.clone();
+    let period = Duration::from_millis(20);
+    let cfg = Keepalive { period, bound: Duration::from_millis(200), wr_id: 0xabc };
+    lp.add_keepalive_id(r.id_mut(), cfg, Box::new(move |_, _| d2.store(true, SeqCst))).unwrap();
+    // Well past the bound, the loop running: probes were due all along.
+    let until = Instant::now() + 20 * period;
+    while Instant::now() < until {
+        let _ = lp.process_once(Wait::For(period));
+    }
+    assert!(!dead.load(SeqCst), "the peer of a QP that cannot send yet was declared dead: {:?}", lp.stats());
+    let mr = Mr::new(&spd, 64).unwrap();
+    r.id_mut().post_recv(&mr, 0, 64, 7).unwrap();
+    let server = r.accept(&params(b"ok")).expect("accept after the keepalive's periods");
+    expect(&cch, E::ESTABLISHED);
+    expect(&l.ch, E::ESTABLISHED);
+    // The connection works, and the keepalive probes it now.
+    let mut cmr = Mr::new(&cpd, 64).unwrap();
+    cmr.write(0, b"hello").unwrap();
+    client.post_send(&cmr, 0, 5, 1).unwrap();
+    assert!(drive_until(&lp, || got.lock().unwrap().contains(&(7, true))), "the receive: {:?}", got.lock().unwrap());
+    let probes_before = lp.stats().keepalive_probes_ok;
+    assert!(drive_until(&lp, || lp.stats().keepalive_probes_ok > probes_before), "a probe answered after the accept");
+    assert!(!dead.load(SeqCst) && lp.stats().keepalive_dead == 0, "{:?}", lp.stats());
+    // A clean close (our disconnect moves the QP to the error state): the
+    // keepalive goes quiet; a peer that closed is not a dead one.
+    server.disconnect().unwrap();
+    let until = Instant::now() + 20 * period + cfg.bound;
+    while Instant::now() < until {
+        let _ = lp.process_once(Wait::For(period));
+    }
+    assert!(
+        !dead.load(SeqCst) && lp.stats().keepalive_dead == 0,
+        "declared dead after a clean close: {:?}",
+        lp.stats()
+    );
+    drop((server, client, cch, l));
+}

@@ -249,6 +249,13 @@ impl LiveQp {
         self.with(|q| unsafe { sys::post_zero_length_write(q, wr_id) })
     }
 
+    /// Where the QP stands for sending (see [`sys::QpSend`]); `Unknown`
+    /// for a QP its owner destroyed.
+    pub(crate) fn send_state(&self) -> sys::QpSend {
+        // SAFETY: live QP (checked by `with`).
+        self.with(|q| Ok(unsafe { sys::qp_send_state(q) })).unwrap_or(sys::QpSend::Unknown)
+    }
+
     /// Moves the QP to the error state (flushes what is outstanding).
     pub(crate) fn to_error(&self) -> Result<()> {
         // SAFETY: live QP (checked by `with`).

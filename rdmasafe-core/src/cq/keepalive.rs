@@ -1,7 +1,7 @@
 //! Dead-peer detection: a zero-length RDMA WRITE after a period of
 //! silence, and a timer, not the QP's retry count, decides.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use super::handle::LiveQp;
@@ -27,9 +27,15 @@ struct Entry {
     last_activity: Instant,
     probe: Probe,
     dead: bool,
-    /// A drain moved the QP to the error state: no more probes, and a
-    /// flushed probe is not a dead peer.
-    draining: bool,
+    /// The QP is in an error state that the keepalive did not cause (a
+    /// drain, the app's disconnect, another request's error, whose own
+    /// completion or event reports it): no more probes, and a flushed
+    /// probe is not a dead peer.
+    quiet: bool,
+    /// A probe (or other work) of this QP completed successfully: it is
+    /// connected. Until then a probe is posted only once the QP is in RTS
+    /// (a keepalive added before accept or connect waits for it).
+    connected: bool,
     on_dead: DeadPeer,
 }
 
@@ -38,8 +44,11 @@ struct Entry {
 pub(crate) struct Keepalives {
     by_qpn: HashMap<u32, Entry>,
     /// Probes still outstanding for keepalives that were removed:
-    /// (qp_num, wr_id). Their completions are consumed like any probe's.
-    orphans: Vec<(u32, u64)>,
+    /// (qp_num, wr_id, send CQ). Their completions are consumed like any
+    /// probe's; they go when their CQ leaves the loop, and at most
+    /// [`MAX_ORPHANS`] are kept (a QP destroyed without a drain may never
+    /// return its probe).
+    orphans: VecDeque<(u32, u64, usize)>,
     /// No deadline is earlier than this (a cache: activity only ever moves
     /// deadlines later, so waking at it is early at worst).
     next: Option<Instant>,
@@ -50,7 +59,7 @@ fn earliest(next: &mut Option<Instant>, d: Instant) {
     *next = Some(next.map_or(d, |n| n.min(d)));
 }
 
-/// A dead or draining peer's keepalive sends no more probes. It is still
+/// A dead or quiet peer's keepalive sends no more probes. It is still
 /// looked at once a period for its id's drop, which ends it; a QP without
 /// an id stays until the app removes the keepalive.
 fn watch_for_drop(e: &Entry, now: Instant, next: &mut Option<Instant>) {
@@ -58,6 +67,9 @@ fn watch_for_drop(e: &Entry, now: Instant, next: &mut Option<Instant>) {
         earliest(next, sys::deadline_after(now, e.cfg.period));
     }
 }
+
+/// Most probes of removed keepalives remembered (the oldest forgotten first).
+const MAX_ORPHANS: usize = 1024;
 
 /// How often a probe blocked by a full send queue is retried.
 fn retry_interval(cfg: &Keepalive) -> Duration {
@@ -76,7 +88,17 @@ impl Keepalives {
         self.next = Some(self.next.map_or(first, |n| n.min(first)));
         self.by_qpn.insert(
             qpn,
-            Entry { qp, send_cq, cfg, last_activity: now, probe: Probe::Idle, dead: false, draining: false, on_dead },
+            Entry {
+                qp,
+                send_cq,
+                cfg,
+                last_activity: now,
+                probe: Probe::Idle,
+                dead: false,
+                quiet: false,
+                connected: false,
+                on_dead,
+            },
         );
     }
 
@@ -86,7 +108,10 @@ impl Keepalives {
         match self.by_qpn.remove(&qpn) {
             Some(e) => {
                 if matches!(e.probe, Probe::Sent(_)) {
-                    self.orphans.push((qpn, e.cfg.wr_id));
+                    if self.orphans.len() >= MAX_ORPHANS {
+                        self.orphans.pop_front();
+                    }
+                    self.orphans.push_back((qpn, e.cfg.wr_id, e.send_cq));
                 }
                 true
             }
@@ -101,6 +126,7 @@ impl Keepalives {
         for q in &gone {
             self.by_qpn.remove(q);
         }
+        self.orphans.retain(|&(_, _, c)| c != cq);
         gone
     }
 
@@ -111,6 +137,7 @@ impl Keepalives {
         if let Some(e) = self.by_qpn.get_mut(&wc.qp_num()) {
             if ok {
                 e.last_activity = now;
+                e.connected = true;
             }
             if wc.wr_id() == e.cfg.wr_id && matches!(e.probe, Probe::Sent(_)) {
                 e.probe = Probe::Idle;
@@ -121,15 +148,21 @@ impl Keepalives {
                     let d = sys::deadline_after(now, e.cfg.period);
                     earliest(&mut self.next, d);
                 }
-                if !ok && !e.dead && !e.draining {
+                if !ok && wc.status() == crate::wc::WcStatus::WR_FLUSH_ERR {
+                    // The QP was moved to the error state by someone else
+                    // (a drain, the app's disconnect, another request's
+                    // error, each reported by its own completion or
+                    // event): not a dead peer, and no more probes.
+                    e.quiet = true;
+                } else if !ok && !e.dead && !e.quiet {
                     // Retry exceeded or the like: the timer need not wait.
                     e.probe = Probe::Sent(now.checked_sub(e.cfg.bound).unwrap_or(now));
                     self.next = Some(now);
                 }
                 return (true, ok);
             }
-        } else if let Some(i) = self.orphans.iter().position(|&(q, w)| q == wc.qp_num() && w == wc.wr_id()) {
-            self.orphans.swap_remove(i);
+        } else if let Some(i) = self.orphans.iter().position(|&(q, w, _)| q == wc.qp_num() && w == wc.wr_id()) {
+            self.orphans.remove(i);
             return (true, false);
         }
         (false, false)
@@ -156,11 +189,11 @@ impl Keepalives {
         for (qpn, e) in self.by_qpn.iter_mut() {
             if e.qp.is_destroyed() {
                 // Its CmId was dropped: nothing to watch any more (dead or
-                // draining too: the keepalive ends by itself, as promised).
+                // quiet too: the keepalive ends by itself, as promised).
                 destroyed.push(*qpn);
                 continue;
             }
-            if e.dead || e.draining {
+            if e.dead || e.quiet {
                 watch_for_drop(e, now, &mut next);
                 continue;
             }
@@ -170,14 +203,42 @@ impl Keepalives {
                 _ => None,
             };
             if let Some(since) = bound_from {
-                match e.qp.post_probe(e.cfg.wr_id) {
-                    Ok(()) => {
-                        e.probe = Probe::Sent(now);
-                        posted += 1;
+                // Not connected yet (added before accept / connect): a
+                // probe waits for RTS, a period at a time (one state
+                // query per period until the first success).
+                let state = if e.connected { sys::QpSend::Ready } else { e.qp.send_state() };
+                let posted_now = match state {
+                    sys::QpSend::NotYet => {
+                        e.probe = Probe::Idle;
+                        e.last_activity = now;
+                        false
                     }
-                    Err(err) if err.errno() == libc::ENOMEM => e.probe = Probe::Blocked(since),
-                    // The QP cannot take a probe at all (error state, ...).
-                    Err(_) => e.probe = Probe::Sent(now.checked_sub(e.cfg.bound).unwrap_or(now)),
+                    _ => match e.qp.post_probe(e.cfg.wr_id) {
+                        Ok(()) => {
+                            e.probe = Probe::Sent(now);
+                            true
+                        }
+                        Err(err) if err.errno() == libc::ENOMEM => {
+                            e.probe = Probe::Blocked(since);
+                            false
+                        }
+                        // In an error state someone else caused (see `quiet`).
+                        Err(_) if e.qp.send_state() == sys::QpSend::Error => {
+                            e.probe = Probe::Idle;
+                            e.quiet = true;
+                            false
+                        }
+                        // The QP cannot take a probe at all.
+                        Err(_) => {
+                            e.probe = Probe::Sent(now.checked_sub(e.cfg.bound).unwrap_or(now));
+                            false
+                        }
+                    },
+                };
+                posted += u64::from(posted_now);
+                if e.quiet {
+                    watch_for_drop(e, now, &mut next);
+                    continue;
                 }
             }
             let overdue = match e.probe {
@@ -213,7 +274,7 @@ impl Keepalives {
     /// is consumed, never taken for a dead peer.
     pub(crate) fn draining(&mut self, qpn: u32) {
         if let Some(e) = self.by_qpn.get_mut(&qpn) {
-            e.draining = true;
+            e.quiet = true;
         }
     }
 
@@ -225,7 +286,7 @@ impl Keepalives {
         let mut cqs: Vec<usize> = self
             .by_qpn
             .values()
-            .filter(|e| !e.dead && !e.draining)
+            .filter(|e| !e.dead && !e.quiet)
             .filter(|e| match e.probe {
                 Probe::Sent(t) | Probe::Blocked(t) => now.saturating_duration_since(t) >= e.cfg.bound,
                 Probe::Idle => false,
@@ -240,5 +301,35 @@ impl Keepalives {
     /// The callback of a peer declared dead.
     pub(crate) fn on_dead(&mut self, qpn: u32) -> Option<&mut DeadPeer> {
         self.by_qpn.get_mut(&qpn).map(|e| &mut e.on_dead)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wc(qp_num: u32, wr_id: u64) -> Wc {
+        let mut wc = crate::verbs::empty_wc();
+        let raw = &mut Wc::as_raw_slice_mut(std::slice::from_mut(&mut wc))[0];
+        raw.qp_num = qp_num;
+        raw.wr_id = wr_id;
+        wc
+    }
+
+    /// A removed keepalive's probe still out goes with its send CQ when
+    /// that leaves the loop (a later QP with its number and an app request
+    /// with that wr_id would have been swallowed).
+    #[test]
+    fn orphan_probes_go_with_their_cq() {
+        let mut k = Keepalives::default();
+        k.orphans.push_back((7, 0xfeed, 0x1000));
+        k.orphans.push_back((8, 0xfeed, 0x2000));
+        assert!(k.remove_for_cq(0x1000).is_empty());
+        assert_eq!(k.orphans.len(), 1, "QP 7's probe went with CQ 0x1000");
+        let (ours, _) = k.note(&wc(7, 0xfeed), Instant::now());
+        assert!(!ours, "a later QP 7's request reaches the app");
+        let (ours, _) = k.note(&wc(8, 0xfeed), Instant::now());
+        assert!(ours, "QP 8's orphan probe, its CQ still in the loop, is consumed");
+        assert!(k.is_empty());
     }
 }
