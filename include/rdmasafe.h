@@ -564,9 +564,10 @@ const char *rdmasafe_version(int *major, int *minor, int *patch);
  * Gets one async event of `context`, copies it into `*out` and acks it at
  * once, so no held copy can block a destroy. Waits at most `timeout_ms`
  * (-1 forever, 0 not at all) with poll() on `context->async_fd`, whose
- * mode is not changed. One reader per context. A signal ends the wait with
- * -EINTR, as with `ibv_get_async_event` (a removed rxe device raises no
- * event, so a signal is what stops a thread waiting with -1).
+ * mode is not changed. One reader per context. Any handled signal ends
+ * the wait with -EINTR, even one whose handler has SA_RESTART (poll() is
+ * never restarted); a removed rxe device raises no event, so a signal is
+ * what stops a thread waiting with -1.
  *
  * Returns 0, -EINVAL (NULL argument, `timeout_ms < -1`), -EAGAIN
  * (`timeout_ms == 0`, none), -ETIMEDOUT, -EINTR (a signal), or a
@@ -1067,10 +1068,14 @@ int rdmasafe_cq_loop_drain_qp_async(struct rdmasafe_cq_loop *cq_loop,
  * an error status other than a flush, the peer is declared dead: the QP
  * is moved to the error state (outstanding work flushes to the callbacks)
  * and `on_dead` is called once. A QP not connected yet (a keepalive added
- * at CONNECT_REQUEST, before `rdma_accept`) is probed once it is in RTS;
- * a QP moved to the error state by something else (a drain, the app's
- * `rdma_disconnect`, another request's error, each reported by its own
- * completion or event) ends the probing without a dead peer. A timer
+ * at CONNECT_REQUEST, before `rdma_accept`) is probed once it is in RTS,
+ * and until the QP's first success a probe's bound is at least twice the
+ * QP's ack timeout (the peer's QP may not be ready yet: it drops the
+ * probe, which is sent again after that timeout). A QP moved to the error
+ * state by something else (a drain, the app's `rdma_disconnect`, another
+ * request's error, each reported by its own completion or event) ends the
+ * probing without a dead peer, except a request of the QP that fails with
+ * IBV_WC_RETRY_EXC_ERR (the peer unreachable): a dead peer. A timer
  * decides, so this works whatever retry_cnt the QP has. Probe completions
  * are never passed to the CQ callback: pick a `probe_wr_id` the app does
  * not use on this QP. The QP must stay alive until

@@ -52,9 +52,10 @@ pub struct rdmasafe_async_event {
 /// Gets one async event of `context`, copies it into `*out` and acks it at
 /// once, so no held copy can block a destroy. Waits at most `timeout_ms`
 /// (-1 forever, 0 not at all) with poll() on `context->async_fd`, whose
-/// mode is not changed. One reader per context. A signal ends the wait with
-/// -EINTR, as with `ibv_get_async_event` (a removed rxe device raises no
-/// event, so a signal is what stops a thread waiting with -1).
+/// mode is not changed. One reader per context. Any handled signal ends
+/// the wait with -EINTR, even one whose handler has SA_RESTART (poll() is
+/// never restarted); a removed rxe device raises no event, so a signal is
+/// what stops a thread waiting with -1.
 ///
 /// Returns 0, -EINVAL (NULL argument, `timeout_ms < -1`), -EAGAIN
 /// (`timeout_ms == 0`, none), -ETIMEDOUT, -EINTR (a signal), or a

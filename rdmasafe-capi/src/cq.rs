@@ -564,12 +564,12 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_destroy_cq(cq_loop: *mut rdmasafe_cq_l
                 let then = Box::new(move |r: rdmasafe_core::Result<()>| {
                     let t = target;
                     if r.is_ok() {
+                        // Before the destroy: a new CQ at its address must not inherit.
+                        rdmasafe_core::cq::cq_destroyed(t.0);
                         // SAFETY: out of the loop now, and the app's to destroy.
                         let d = unsafe { rdmasafe_core::sys::ibv_destroy_cq(t.0) };
                         if d != 0 {
                             log::error!(target: "rdmasafe", "rdmasafe_cq_loop_destroy_cq: ibv_destroy_cq: errno {d}");
-                        } else {
-                            rdmasafe_core::cq::cq_destroyed(t.0);
                         }
                     }
                 });
@@ -582,12 +582,11 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_destroy_cq(cq_loop: *mut rdmasafe_cq_l
                 Ok(_) => {}
                 Err(e) => return neg(e),
             }
+            // Before the destroy: a new CQ at its address must not inherit.
+            rdmasafe_core::cq::cq_destroyed(cq);
             // SAFETY: the CQ left the loop (removal complete); the app's.
             match unsafe { rdmasafe_core::sys::ibv_destroy_cq(cq) } {
-                0 => {
-                    rdmasafe_core::cq::cq_destroyed(cq);
-                    0
-                }
+                0 => 0,
                 r => -r.abs(),
             }
         },
@@ -946,10 +945,14 @@ unsafe impl Send for CDeadPeer {}
 /// an error status other than a flush, the peer is declared dead: the QP
 /// is moved to the error state (outstanding work flushes to the callbacks)
 /// and `on_dead` is called once. A QP not connected yet (a keepalive added
-/// at CONNECT_REQUEST, before `rdma_accept`) is probed once it is in RTS;
-/// a QP moved to the error state by something else (a drain, the app's
-/// `rdma_disconnect`, another request's error, each reported by its own
-/// completion or event) ends the probing without a dead peer. A timer
+/// at CONNECT_REQUEST, before `rdma_accept`) is probed once it is in RTS,
+/// and until the QP's first success a probe's bound is at least twice the
+/// QP's ack timeout (the peer's QP may not be ready yet: it drops the
+/// probe, which is sent again after that timeout). A QP moved to the error
+/// state by something else (a drain, the app's `rdma_disconnect`, another
+/// request's error, each reported by its own completion or event) ends the
+/// probing without a dead peer, except a request of the QP that fails with
+/// IBV_WC_RETRY_EXC_ERR (the peer unreachable): a dead peer. A timer
 /// decides, so this works whatever retry_cnt the QP has. Probe completions
 /// are never passed to the CQ callback: pick a `probe_wr_id` the app does
 /// not use on this QP. The QP must stay alive until

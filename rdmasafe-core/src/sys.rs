@@ -553,6 +553,25 @@ pub unsafe fn qp_send_state(qp: *mut ibv_qp) -> QpSend {
     }
 }
 
+/// The QP's local ack timeout (4.096 us * 2^timeout, from `ibv_query_qp`):
+/// how long a lost packet waits before it is sent again. `None` when the
+/// query fails or the timeout is 0 (infinite).
+///
+/// # Safety
+/// `qp` must be a live QP.
+pub unsafe fn qp_ack_timeout(qp: *mut ibv_qp) -> Option<Duration> {
+    // SAFETY: live QP; attr and init are plain data valid for the call.
+    let t = unsafe {
+        let mut attr: rdma_sys::ibv_qp_attr = std::mem::zeroed();
+        let mut init: rdma_sys::ibv_qp_init_attr = std::mem::zeroed();
+        if rdma_sys::ibv_query_qp(qp, &mut attr, rdma_sys::ibv_qp_attr_mask::IBV_QP_TIMEOUT.0 as i32, &mut init) != 0 {
+            return None;
+        }
+        attr.timeout
+    };
+    (t != 0).then(|| Duration::from_nanos(4096u64 << t.min(31)))
+}
+
 /// Posts a signaled zero-length RDMA WRITE (a keepalive probe: zero-length
 /// RDMA operations check no rkey, and the peer's application sees nothing).
 ///

@@ -601,8 +601,9 @@ impl Drop for CqInner {
             if n > 0 {
                 sys::ibv_ack_cq_events(self.raw.as_ptr(), n);
             }
-            sys::ibv_destroy_cq(self.raw.as_ptr());
+            // Before the destroy: a new CQ at this address must not inherit.
             crate::cq::cq_destroyed(self.raw.as_ptr());
+            sys::ibv_destroy_cq(self.raw.as_ptr());
         }
     }
 }

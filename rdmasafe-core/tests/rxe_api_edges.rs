@@ -709,7 +709,9 @@ fn a_late_marker_stays_the_loops_after_its_loop_is_dropped() {
 /// it cannot send yet), with several periods passing before the accept:
 /// the probes wait for the QP instead of declaring the peer dead (which
 /// moved the QP to the error state and made the accept fail). Found by a
-/// soak test of a Ceph-style server. Then a clean close (our disconnect):
+/// soak test of a Ceph-style server. Then probes while our QP is in RTS
+/// and the client's not yet (dropped there, sent again only after the ack
+/// timeout): not a dead peer. Then a clean close (our disconnect):
 /// not a dead peer either (a flushed or refused probe was taken for one).
 /// The waits only make the premises (periods pass); nothing is timed.
 #[test]
@@ -754,6 +756,15 @@ fn a_keepalive_added_before_accept_waits_for_the_qp_to_send() {
     let mr = Mr::new(&spd, 64).unwrap();
     r.id_mut().post_recv(&mr, 0, 64, 7).unwrap();
     let server = r.accept(&params(b"ok")).expect("accept after the keepalive's periods");
+    // Our QP is in RTS now, the client's still in INIT until its app gets
+    // the CM event: probes meanwhile are dropped there and sent again only
+    // after the ack timeout (2 s on rxe), longer than the bound. Not a dead
+    // peer either (the first probe's bound covers that timeout).
+    let until = Instant::now() + 2 * cfg.bound;
+    while Instant::now() < until {
+        let _ = lp.process_once(Wait::For(period));
+    }
+    assert!(lp.stats().keepalive_probes > 0, "the premise: a probe went out before the client's QP was ready");
     expect(&cch, E::ESTABLISHED);
     expect(&l.ch, E::ESTABLISHED);
     // The connection works, and the keepalive probes it now.

@@ -148,9 +148,10 @@ impl AsyncEvents {
     }
 
     /// Waits per `wait` for one event; copies and acks it. ETIMEDOUT /
-    /// EAGAIN when none came; EINTR when a signal interrupted the wait, as
-    /// `ibv_get_async_event` does (a removed rxe device raises no event: a
-    /// signal is what stops a reader waiting forever).
+    /// EAGAIN when none came; EINTR when any handled signal interrupted the
+    /// wait (even with SA_RESTART: poll() is never restarted; a removed rxe
+    /// device raises no event, so a signal is what stops a reader waiting
+    /// forever).
     pub fn get(&self, wait: Wait) -> Result<AsyncEvent> {
         self.get_or_woken(wait, None, false).and_then(|e| e.ok_or(Error::new("ibv_get_async_event", libc::EINTR)))
     }

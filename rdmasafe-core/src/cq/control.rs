@@ -462,11 +462,14 @@ impl LoopControl {
     /// (e.g. retry exceeded) declares the peer dead at once; a full send
     /// queue (ENOMEM) delays the probe, up to the bound. A QP that is not
     /// connected yet (RESET, INIT, RTR: a keepalive added at
-    /// CONNECT_REQUEST, before the accept) is probed once it is in RTS. A
-    /// QP moved to the error state by something else (a drain, the app's
-    /// disconnect, another request's error, each reported by its own
-    /// completion or event) ends the probing: a flushed probe, or one the
-    /// QP refuses in that state, is not a dead peer.
+    /// CONNECT_REQUEST, before the accept) is probed once it is in RTS, and
+    /// until its first success a probe's bound is at least twice the QP's
+    /// ack timeout (the peer's QP may drop it, not ready yet). A QP moved
+    /// to the error state by something else (a drain, the app's disconnect,
+    /// another request's error, each reported by its own completion or
+    /// event) ends the probing: a flushed probe, or one the QP refuses in
+    /// that state, is not a dead peer; a request of the QP that fails with
+    /// retry exceeded (the peer unreachable) is one.
     ///
     /// Errors: EINVAL (zero period or bound, not an RC QP, send CQ not in
     /// this loop), EBUSY (the QP already has a keepalive).

@@ -148,8 +148,9 @@ fn park_all(items: impl IntoIterator<Item = Parked>) {
     }
 }
 
-/// Tells rdmasafe that the app destroyed `cq` (out of every loop, with
-/// `ibv_destroy_cq`): drain markers still expected through it went with it,
+/// Tells rdmasafe that the app destroys `cq` (out of every loop; call it
+/// right before `ibv_destroy_cq`): drain markers still expected through it
+/// go with it,
 /// and a new CQ at the same address must not inherit them (see the module
 /// doc of drains). Rust `Cq`s and `rdmasafe_cq_loop_destroy_cq` do this
 /// themselves; without it a new CQ at the address of a CQ destroyed with

@@ -249,6 +249,12 @@ impl LiveQp {
         self.with(|q| unsafe { sys::post_zero_length_write(q, wr_id) })
     }
 
+    /// The QP's ack timeout (see [`sys::qp_ack_timeout`]).
+    pub(crate) fn ack_timeout(&self) -> Option<std::time::Duration> {
+        // SAFETY: live QP (checked by `with`).
+        self.with(|q| Ok(unsafe { sys::qp_ack_timeout(q) })).ok().flatten()
+    }
+
     /// Where the QP stands for sending (see [`sys::QpSend`]); `Unknown`
     /// for a QP its owner destroyed.
     pub(crate) fn send_state(&self) -> sys::QpSend {

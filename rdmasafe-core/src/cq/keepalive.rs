@@ -34,8 +34,19 @@ struct Entry {
     quiet: bool,
     /// A probe (or other work) of this QP completed successfully: it is
     /// connected. Until then a probe is posted only once the QP is in RTS
-    /// (a keepalive added before accept or connect waits for it).
+    /// (a keepalive added before accept or connect waits for it), and its
+    /// bound is at least twice the QP's ack timeout: the peer's QP may not
+    /// be ready yet when ours is (the client's moves on when its app gets
+    /// the CM event), and then drops the probe, which is sent again only
+    /// after that timeout.
     connected: bool,
+    /// Twice the QP's ack timeout (from `ibv_query_qp`, when the first
+    /// probe is posted); zero until then.
+    first_grace: Duration,
+    /// Another request of the QP failed with "retry exceeded": the peer is
+    /// unreachable (the probe then only flushes, which alone is not a dead
+    /// peer).
+    peer_lost: bool,
     on_dead: DeadPeer,
 }
 
@@ -68,6 +79,23 @@ fn watch_for_drop(e: &Entry, now: Instant, next: &mut Option<Instant>) {
     }
 }
 
+impl Entry {
+    /// The bound of the probe out now (see `connected`).
+    fn bound(&self) -> Duration {
+        if self.connected {
+            self.cfg.bound
+        } else {
+            self.cfg.bound.max(self.first_grace)
+        }
+    }
+
+    /// A probe state that is overdue now: the peer is declared dead at the
+    /// next look.
+    fn overdue(&self, now: Instant) -> Probe {
+        Probe::Sent(now.checked_sub(self.bound()).unwrap_or(now))
+    }
+}
+
 /// Most probes of removed keepalives remembered (the oldest forgotten first).
 const MAX_ORPHANS: usize = 1024;
 
@@ -97,6 +125,8 @@ impl Keepalives {
                 dead: false,
                 quiet: false,
                 connected: false,
+                first_grace: Duration::ZERO,
+                peer_lost: false,
                 on_dead,
             },
         );
@@ -139,7 +169,15 @@ impl Keepalives {
                 e.last_activity = now;
                 e.connected = true;
             }
-            if wc.wr_id() == e.cfg.wr_id && matches!(e.probe, Probe::Sent(_)) {
+            let probe = wc.wr_id() == e.cfg.wr_id && matches!(e.probe, Probe::Sent(_));
+            if !probe && wc.status() == crate::wc::WcStatus::RETRY_EXC_ERR && !e.dead && !e.quiet {
+                // The peer is unreachable (the QP is in error now): dead,
+                // whatever the probe's flush says after this.
+                e.peer_lost = true;
+                e.probe = e.overdue(now);
+                self.next = Some(now);
+            }
+            if probe {
                 e.probe = Probe::Idle;
                 if ok {
                     // The next probe is due a period from now, not at the
@@ -148,7 +186,7 @@ impl Keepalives {
                     let d = sys::deadline_after(now, e.cfg.period);
                     earliest(&mut self.next, d);
                 }
-                if !ok && wc.status() == crate::wc::WcStatus::WR_FLUSH_ERR {
+                if !ok && wc.status() == crate::wc::WcStatus::WR_FLUSH_ERR && !e.peer_lost {
                     // The QP was moved to the error state by someone else
                     // (a drain, the app's disconnect, another request's
                     // error, each reported by its own completion or
@@ -156,7 +194,7 @@ impl Keepalives {
                     e.quiet = true;
                 } else if !ok && !e.dead && !e.quiet {
                     // Retry exceeded or the like: the timer need not wait.
-                    e.probe = Probe::Sent(now.checked_sub(e.cfg.bound).unwrap_or(now));
+                    e.probe = e.overdue(now);
                     self.next = Some(now);
                 }
                 return (true, ok);
@@ -204,45 +242,41 @@ impl Keepalives {
             };
             if let Some(since) = bound_from {
                 // Not connected yet (added before accept / connect): a
-                // probe waits for RTS, a period at a time (one state
-                // query per period until the first success).
+                // probe waits for RTS, a period at a time (one state query
+                // per attempt until the QP's first success).
                 let state = if e.connected { sys::QpSend::Ready } else { e.qp.send_state() };
-                let posted_now = match state {
-                    sys::QpSend::NotYet => {
-                        e.probe = Probe::Idle;
-                        e.last_activity = now;
-                        false
+                if state == sys::QpSend::NotYet {
+                    e.probe = Probe::Idle;
+                    e.last_activity = now;
+                } else {
+                    if !e.connected && e.first_grace.is_zero() {
+                        e.first_grace = e.qp.ack_timeout().map_or(Duration::ZERO, |t| 2 * t);
                     }
-                    _ => match e.qp.post_probe(e.cfg.wr_id) {
+                    match e.qp.post_probe(e.cfg.wr_id) {
                         Ok(()) => {
                             e.probe = Probe::Sent(now);
-                            true
+                            posted += 1;
                         }
-                        Err(err) if err.errno() == libc::ENOMEM => {
-                            e.probe = Probe::Blocked(since);
-                            false
+                        Err(err) if err.errno() == libc::ENOMEM => e.probe = Probe::Blocked(since),
+                        // Its CmId destroyed it meanwhile: the keepalive ends.
+                        Err(err) if err.errno() == libc::ENOENT => {
+                            destroyed.push(*qpn);
+                            continue;
                         }
                         // In an error state someone else caused (see `quiet`).
-                        Err(_) if e.qp.send_state() == sys::QpSend::Error => {
+                        Err(_) if !e.peer_lost && e.qp.send_state() == sys::QpSend::Error => {
                             e.probe = Probe::Idle;
                             e.quiet = true;
-                            false
+                            watch_for_drop(e, now, &mut next);
+                            continue;
                         }
                         // The QP cannot take a probe at all.
-                        Err(_) => {
-                            e.probe = Probe::Sent(now.checked_sub(e.cfg.bound).unwrap_or(now));
-                            false
-                        }
-                    },
-                };
-                posted += u64::from(posted_now);
-                if e.quiet {
-                    watch_for_drop(e, now, &mut next);
-                    continue;
+                        Err(_) => e.probe = e.overdue(now),
+                    }
                 }
             }
             let overdue = match e.probe {
-                Probe::Sent(t) | Probe::Blocked(t) => now.saturating_duration_since(t) >= e.cfg.bound,
+                Probe::Sent(t) | Probe::Blocked(t) => now.saturating_duration_since(t) >= e.bound(),
                 Probe::Idle => false,
             };
             if overdue {
@@ -255,9 +289,9 @@ impl Keepalives {
             }
             let d = match e.probe {
                 Probe::Idle => sys::deadline_after(e.last_activity, e.cfg.period),
-                Probe::Sent(t) => sys::deadline_after(t, e.cfg.bound),
+                Probe::Sent(t) => sys::deadline_after(t, e.bound()),
                 Probe::Blocked(t) => {
-                    sys::deadline_after(now, retry_interval(&e.cfg)).min(sys::deadline_after(t, e.cfg.bound))
+                    sys::deadline_after(now, retry_interval(&e.cfg)).min(sys::deadline_after(t, e.bound()))
                 }
             };
             earliest(&mut next, d);
@@ -288,7 +322,7 @@ impl Keepalives {
             .values()
             .filter(|e| !e.dead && !e.quiet)
             .filter(|e| match e.probe {
-                Probe::Sent(t) | Probe::Blocked(t) => now.saturating_duration_since(t) >= e.cfg.bound,
+                Probe::Sent(t) | Probe::Blocked(t) => now.saturating_duration_since(t) >= e.bound(),
                 Probe::Idle => false,
             })
             .map(|e| e.send_cq)
