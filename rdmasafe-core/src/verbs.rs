@@ -673,3 +673,13 @@ impl Cq {
 pub fn empty_wc() -> Wc {
     Wc::zeroed()
 }
+
+/// A successful completion of `qp_num` with `wr_id` (unit tests).
+#[cfg(test)]
+pub(crate) fn wc_of(qp_num: u32, wr_id: u64) -> Wc {
+    let mut wc = empty_wc();
+    let raw = &mut Wc::as_raw_slice_mut(std::slice::from_mut(&mut wc))[0];
+    raw.qp_num = qp_num;
+    raw.wr_id = wr_id;
+    wc
+}

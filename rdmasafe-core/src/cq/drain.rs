@@ -400,11 +400,7 @@ mod tests {
     use std::time::Duration;
 
     fn marker(qp_num: u32, wr_id: u64) -> Wc {
-        let mut wc = crate::verbs::empty_wc();
-        let raw = &mut Wc::as_raw_slice_mut(std::slice::from_mut(&mut wc))[0];
-        raw.qp_num = qp_num;
-        raw.wr_id = wr_id;
-        wc
+        crate::verbs::wc_of(qp_num, wr_id)
     }
 
     fn watch(qp_num: u32, deadline: Instant) -> Watch {

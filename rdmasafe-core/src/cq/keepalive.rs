@@ -342,13 +342,7 @@ impl Keepalives {
 mod tests {
     use super::*;
 
-    fn wc(qp_num: u32, wr_id: u64) -> Wc {
-        let mut wc = crate::verbs::empty_wc();
-        let raw = &mut Wc::as_raw_slice_mut(std::slice::from_mut(&mut wc))[0];
-        raw.qp_num = qp_num;
-        raw.wr_id = wr_id;
-        wc
-    }
+    use crate::verbs::wc_of as wc;
 
     /// A removed keepalive's probe still out goes with its send CQ when
     /// that leaves the loop (a later QP with its number and an app request
