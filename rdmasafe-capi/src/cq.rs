@@ -564,12 +564,10 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_destroy_cq(cq_loop: *mut rdmasafe_cq_l
                 let then = Box::new(move |r: rdmasafe_core::Result<()>| {
                     let t = target;
                     if r.is_ok() {
-                        // Before the destroy: a new CQ at its address must not inherit.
-                        rdmasafe_core::cq::cq_destroyed(t.0);
                         // SAFETY: out of the loop now, and the app's to destroy.
-                        let d = unsafe { rdmasafe_core::sys::ibv_destroy_cq(t.0) };
+                        let d = unsafe { destroy_left_cq(t.0) };
                         if d != 0 {
-                            log::error!(target: "rdmasafe", "rdmasafe_cq_loop_destroy_cq: ibv_destroy_cq: errno {d}");
+                            log::error!(target: "rdmasafe", "rdmasafe_cq_loop_destroy_cq: ibv_destroy_cq: errno {}", -d);
                         }
                     }
                 });
@@ -582,15 +580,25 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_destroy_cq(cq_loop: *mut rdmasafe_cq_l
                 Ok(_) => {}
                 Err(e) => return neg(e),
             }
-            // Before the destroy: a new CQ at its address must not inherit.
-            rdmasafe_core::cq::cq_destroyed(cq);
             // SAFETY: the CQ left the loop (removal complete); the app's.
-            match unsafe { rdmasafe_core::sys::ibv_destroy_cq(cq) } {
-                0 => 0,
-                r => -r.abs(),
-            }
+            unsafe { destroy_left_cq(cq) }
         },
     )
+}
+
+/// `ibv_destroy_cq` of a CQ that left its loop: 0 or a negative errno. The
+/// drain markers parked for it go first (a new CQ at its address must not
+/// inherit them).
+///
+/// # Safety
+/// `cq` is a live CQ out of every loop that nothing uses any more.
+unsafe fn destroy_left_cq(cq: *mut ibv_cq) -> c_int {
+    rdmasafe_core::cq::cq_destroyed(cq);
+    // SAFETY: the caller's contract.
+    match unsafe { rdmasafe_core::sys::ibv_destroy_cq(cq) } {
+        0 => 0,
+        r => -r.abs(),
+    }
 }
 
 /// Runs the loop on the calling thread until `rdmasafe_cq_loop_stop`, then

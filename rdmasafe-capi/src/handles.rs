@@ -100,14 +100,21 @@ impl<T> Entered<'_, T> {
     /// This thread is inside another call on the same object too (one
     /// that may wait for this one: its remove would never return).
     pub(crate) fn nested(&self) -> bool {
-        times_inside(self.cell as *const Cell<T> as usize) > usize::from(self.noted)
+        times_inside(self.cell.addr()) > usize::from(self.noted)
+    }
+}
+
+impl<T> Cell<T> {
+    /// The cell's address: what a thread notes it is inside calls on.
+    fn addr(&self) -> usize {
+        self as *const Cell<T> as usize
     }
 }
 
 impl<T> Drop for Entered<'_, T> {
     fn drop(&mut self) {
         if self.noted {
-            forget_inside(self.cell as *const Cell<T> as usize);
+            forget_inside(self.cell.addr());
         }
         self.cell.users.fetch_sub(1, SeqCst);
     }
@@ -150,7 +157,7 @@ impl<T> Table<T> {
     /// The object `h` names, if it is alive. Lock-free.
     pub(crate) fn enter(&self, h: usize) -> Option<Entered<'_, T>> {
         let mut e = self.enter_signal_safe(h)?;
-        e.noted = note_inside(e.cell as *const Cell<T> as usize);
+        e.noted = note_inside(e.cell.addr());
         Some(e)
     }
 
@@ -202,7 +209,7 @@ impl<T> Table<T> {
             waits = waits.saturating_add(1);
         }
         cell.obj.store(std::ptr::null_mut(), SeqCst);
-        let i = (cell as *const Cell<T> as usize - self.cells().as_ptr() as usize) / std::mem::size_of::<Cell<T>>();
+        let i = (cell.addr() - self.cells().as_ptr() as usize) / std::mem::size_of::<Cell<T>>();
         self.free.lock().unwrap_or_else(|e| e.into_inner()).push(i as u32);
         // SAFETY: from Box::into_raw in insert; no user is left and the
         // generation changed, so nobody else can reach it.

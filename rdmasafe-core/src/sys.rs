@@ -530,22 +530,30 @@ pub enum QpSend {
     Unknown,
 }
 
+/// `ibv_query_qp` of the attributes in `mask`; `None` if it fails.
+///
+/// # Safety
+/// `qp` must be a live QP.
+unsafe fn query_qp(qp: *mut ibv_qp, mask: rdma_sys::ibv_qp_attr_mask) -> Option<rdma_sys::ibv_qp_attr> {
+    // SAFETY: live QP (caller); attr and init are plain data valid for the call.
+    unsafe {
+        let mut attr: rdma_sys::ibv_qp_attr = std::mem::zeroed();
+        let mut init: rdma_sys::ibv_qp_init_attr = std::mem::zeroed();
+        (rdma_sys::ibv_query_qp(qp, &mut attr, mask.0 as i32, &mut init) == 0).then_some(attr)
+    }
+}
+
 /// Where `qp` stands for sending (an `ibv_query_qp` system call).
 ///
 /// # Safety
 /// `qp` must be a live QP.
 pub unsafe fn qp_send_state(qp: *mut ibv_qp) -> QpSend {
     use rdma_sys::ibv_qp_state::*;
-    // SAFETY: live QP; attr and init are plain data valid for the call.
-    let state = unsafe {
-        let mut attr: rdma_sys::ibv_qp_attr = std::mem::zeroed();
-        let mut init: rdma_sys::ibv_qp_init_attr = std::mem::zeroed();
-        if rdma_sys::ibv_query_qp(qp, &mut attr, rdma_sys::ibv_qp_attr_mask::IBV_QP_STATE.0 as i32, &mut init) != 0 {
-            return QpSend::Unknown;
-        }
-        attr.qp_state
+    // SAFETY: live QP (caller).
+    let Some(attr) = (unsafe { query_qp(qp, rdma_sys::ibv_qp_attr_mask::IBV_QP_STATE) }) else {
+        return QpSend::Unknown;
     };
-    match state {
+    match attr.qp_state {
         IBV_QPS_RESET | IBV_QPS_INIT | IBV_QPS_RTR => QpSend::NotYet,
         IBV_QPS_RTS => QpSend::Ready,
         IBV_QPS_SQE | IBV_QPS_ERR => QpSend::Error,
@@ -560,15 +568,8 @@ pub unsafe fn qp_send_state(qp: *mut ibv_qp) -> QpSend {
 /// # Safety
 /// `qp` must be a live QP.
 pub unsafe fn qp_ack_timeout(qp: *mut ibv_qp) -> Option<Duration> {
-    // SAFETY: live QP; attr and init are plain data valid for the call.
-    let t = unsafe {
-        let mut attr: rdma_sys::ibv_qp_attr = std::mem::zeroed();
-        let mut init: rdma_sys::ibv_qp_init_attr = std::mem::zeroed();
-        if rdma_sys::ibv_query_qp(qp, &mut attr, rdma_sys::ibv_qp_attr_mask::IBV_QP_TIMEOUT.0 as i32, &mut init) != 0 {
-            return None;
-        }
-        attr.timeout
-    };
+    // SAFETY: live QP (caller).
+    let t = unsafe { query_qp(qp, rdma_sys::ibv_qp_attr_mask::IBV_QP_TIMEOUT) }?.timeout;
     (t != 0).then(|| Duration::from_nanos(4096u64 << t.min(31)))
 }
 

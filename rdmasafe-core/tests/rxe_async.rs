@@ -35,6 +35,11 @@ fn serial() -> MutexGuard<'static, ()> {
     L.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// A current-thread runtime with IO and time.
+fn current_thread() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+}
+
 fn run_echo(rt: tokio::runtime::Runtime, what: &str) {
     let bed = common::bed();
     let t0 = Instant::now();
@@ -69,7 +74,7 @@ fn run_echo(rt: tokio::runtime::Runtime, what: &str) {
 fn echo_64_clients_on_a_current_thread_runtime() {
     let _s = serial();
     let _dog = common::watchdog("async echo, current-thread", Duration::from_secs(300));
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = current_thread();
     run_echo(rt, "current-thread");
 }
 
@@ -94,7 +99,7 @@ fn futures_dropped_mid_flight_then_a_clean_teardown() {
     let _s = serial();
     let bed = common::bed();
     let _dog = common::watchdog("dropped futures", Duration::from_secs(300));
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = current_thread();
     let short = Duration::from_millis(50);
     rt.block_on(async {
         // 1. A pending next() dropped: nothing could come yet (no id on
@@ -226,7 +231,7 @@ fn keepalive_deadlines_drive_an_idle_async_loop() {
     let bed = common::bed();
     let _dog = common::watchdog("async keepalive", Duration::from_secs(240));
     let t0 = Instant::now();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = current_thread();
     rt.block_on(async {
         let ctx = common::cm::device(bed.addr);
         let chan = CompChannel::new(&ctx).unwrap();
@@ -278,7 +283,7 @@ fn a_blocking_drain_from_a_plain_thread_leaves_the_handlers_on_the_runtime() {
     let _s = serial();
     let bed = common::bed();
     let _dog = common::watchdog("async loop, blocking drain from a thread", Duration::from_secs(240));
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = current_thread();
     let runtime_thread = std::thread::current().id();
     rt.block_on(async {
         let ctx = common::cm::device(bed.addr);
@@ -331,7 +336,7 @@ fn a_blocking_drain_does_not_wait_forever_for_an_idle_runtime() {
     let _s = serial();
     let bed = common::bed();
     let _dog = common::watchdog("async loop on an idle runtime, blocking drain", Duration::from_secs(240));
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = current_thread();
     let ctx = common::cm::device(bed.addr);
     let chan = CompChannel::new(&ctx).unwrap();
     let p = Arc::new(rc_pair(bed.addr, &chan, false, 16));

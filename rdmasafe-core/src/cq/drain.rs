@@ -77,6 +77,15 @@ struct Orphan {
     recv: bool,
 }
 
+impl Orphan {
+    /// Those of these markers that come through `cq`, to park for it.
+    fn through(&self, cq: usize) -> Option<Parked> {
+        let send = self.send && self.cqs.0 == cq;
+        let recv = self.recv && self.cqs.1 == cq;
+        (send || recv).then_some(Parked { cq, qp_num: self.qp_num, qp: self.qp, send, recv })
+    }
+}
+
 /// The drains in progress on one loop, and markers still on their way.
 #[derive(Default)]
 pub(crate) struct Drains {
@@ -235,16 +244,10 @@ impl Drains {
             dones.push(w.done);
         }
         let mut items = Vec::new();
-        for o in self.orphans.drain(..).filter(|o| o.send || o.recv) {
-            if o.cqs.0 == o.cqs.1 {
-                items.push(Parked { cq: o.cqs.0, qp_num: o.qp_num, qp: o.qp, send: o.send, recv: o.recv });
-                continue;
-            }
-            if o.send {
-                items.push(Parked { cq: o.cqs.0, qp_num: o.qp_num, qp: o.qp, send: true, recv: false });
-            }
-            if o.recv {
-                items.push(Parked { cq: o.cqs.1, qp_num: o.qp_num, qp: o.qp, send: false, recv: true });
+        for o in self.orphans.drain(..) {
+            items.extend(o.through(o.cqs.0));
+            if o.cqs.1 != o.cqs.0 {
+                items.extend(o.through(o.cqs.1));
             }
         }
         park_all(items);
@@ -378,12 +381,10 @@ impl Drains {
         // whichever loop it joins next: parked till then.
         let mut items = Vec::new();
         for o in &mut self.orphans {
-            let send = o.send && o.cqs.0 == cq;
-            let recv = o.recv && o.cqs.1 == cq;
-            if send || recv {
-                items.push(Parked { cq, qp_num: o.qp_num, qp: o.qp, send, recv });
-                o.send &= !send;
-                o.recv &= !recv;
+            if let Some(p) = o.through(cq) {
+                o.send &= !p.send;
+                o.recv &= !p.recv;
+                items.push(p);
             }
         }
         self.orphans.retain(|o| o.send || o.recv);

@@ -94,6 +94,54 @@ impl Entry {
     fn overdue(&self, now: Instant) -> Probe {
         Probe::Sent(now.checked_sub(self.bound()).unwrap_or(now))
     }
+
+    /// Makes the probe overdue and the next look `now` (the timer need not
+    /// wait: the peer is dead).
+    fn fail_now(&mut self, next: &mut Option<Instant>, now: Instant) {
+        self.probe = self.overdue(now);
+        *next = Some(now);
+    }
+
+    /// A probe is due (its bound counting from `since`): waits for RTS,
+    /// posts it, or says why not.
+    fn attempt_probe(&mut self, now: Instant, since: Instant) -> Attempt {
+        // Not connected yet (added before accept / connect): a probe waits
+        // for RTS, a period at a time (one state query per attempt until
+        // the QP's first success).
+        if !self.connected && self.qp.send_state() == sys::QpSend::NotYet {
+            self.probe = Probe::Idle;
+            self.last_activity = now;
+            return Attempt::NotPosted;
+        }
+        if !self.connected && self.first_grace.is_zero() {
+            self.first_grace = self.qp.ack_timeout().map_or(Duration::ZERO, |t| 2 * t);
+        }
+        match self.qp.post_probe(self.cfg.wr_id) {
+            Ok(()) => {
+                self.probe = Probe::Sent(now);
+                return Attempt::Posted;
+            }
+            Err(err) if err.errno() == libc::ENOMEM => self.probe = Probe::Blocked(since),
+            // Its CmId destroyed it meanwhile: the keepalive ends.
+            Err(err) if err.errno() == libc::ENOENT => return Attempt::Destroyed,
+            // In an error state someone else caused (see `quiet`).
+            Err(_) if !self.peer_lost && self.qp.send_state() == sys::QpSend::Error => {
+                self.probe = Probe::Idle;
+                self.quiet = true;
+            }
+            // The QP cannot take a probe at all.
+            Err(_) => self.probe = self.overdue(now),
+        }
+        Attempt::NotPosted
+    }
+}
+
+/// What [`Entry::attempt_probe`] came to.
+enum Attempt {
+    Posted,
+    NotPosted,
+    /// The QP's `CmId` destroyed it.
+    Destroyed,
 }
 
 /// Most probes of removed keepalives remembered (the oldest forgotten first).
@@ -174,8 +222,7 @@ impl Keepalives {
                 // The peer is unreachable (the QP is in error now): dead,
                 // whatever the probe's flush says after this.
                 e.peer_lost = true;
-                e.probe = e.overdue(now);
-                self.next = Some(now);
+                e.fail_now(&mut self.next, now);
             }
             if probe {
                 e.probe = Probe::Idle;
@@ -193,9 +240,8 @@ impl Keepalives {
                     // event): not a dead peer, and no more probes.
                     e.quiet = true;
                 } else if !ok && !e.dead && !e.quiet {
-                    // Retry exceeded or the like: the timer need not wait.
-                    e.probe = e.overdue(now);
-                    self.next = Some(now);
+                    // Retry exceeded or the like.
+                    e.fail_now(&mut self.next, now);
                 }
                 return (true, ok);
             }
@@ -241,38 +287,17 @@ impl Keepalives {
                 _ => None,
             };
             if let Some(since) = bound_from {
-                // Not connected yet (added before accept / connect): a
-                // probe waits for RTS, a period at a time (one state query
-                // per attempt until the QP's first success).
-                let state = if e.connected { sys::QpSend::Ready } else { e.qp.send_state() };
-                if state == sys::QpSend::NotYet {
-                    e.probe = Probe::Idle;
-                    e.last_activity = now;
-                } else {
-                    if !e.connected && e.first_grace.is_zero() {
-                        e.first_grace = e.qp.ack_timeout().map_or(Duration::ZERO, |t| 2 * t);
+                match e.attempt_probe(now, since) {
+                    Attempt::Posted => posted += 1,
+                    Attempt::NotPosted => {}
+                    Attempt::Destroyed => {
+                        destroyed.push(*qpn);
+                        continue;
                     }
-                    match e.qp.post_probe(e.cfg.wr_id) {
-                        Ok(()) => {
-                            e.probe = Probe::Sent(now);
-                            posted += 1;
-                        }
-                        Err(err) if err.errno() == libc::ENOMEM => e.probe = Probe::Blocked(since),
-                        // Its CmId destroyed it meanwhile: the keepalive ends.
-                        Err(err) if err.errno() == libc::ENOENT => {
-                            destroyed.push(*qpn);
-                            continue;
-                        }
-                        // In an error state someone else caused (see `quiet`).
-                        Err(_) if !e.peer_lost && e.qp.send_state() == sys::QpSend::Error => {
-                            e.probe = Probe::Idle;
-                            e.quiet = true;
-                            watch_for_drop(e, now, &mut next);
-                            continue;
-                        }
-                        // The QP cannot take a probe at all.
-                        Err(_) => e.probe = e.overdue(now),
-                    }
+                }
+                if e.quiet {
+                    watch_for_drop(e, now, &mut next);
+                    continue;
                 }
             }
             let overdue = match e.probe {
