@@ -392,8 +392,13 @@ fn check_pair(
         if cfg == "check" {
             let rep = runs.get(&format!("{this}.report"));
             c.that(rep.is_some_and(|r| r.out.trim().is_empty()), format!("{this}: check mode reported {rep:?}"));
-            if !(tool == "cmtime" && *side == "server") {
-                let l = exit_lines(te);
+            let l = exit_lines(te);
+            if raced && l.is_empty() {
+                // The lost race ends the process through the tool's CM
+                // thread (exit 255) while main exits: the exit line, which
+                // main's exit prints, may never come (seen once under load).
+                println!("[preload] {this}: no check-mode exit line after the lost teardown race");
+            } else if !(tool == "cmtime" && *side == "server") {
                 c.that(
                     l.len() == 1
                         && l[0].contains(": mode=check ")
