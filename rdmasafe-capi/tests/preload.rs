@@ -56,6 +56,7 @@ mod common;
 use common::{blocks, profile_dir, root, run_logged, Block};
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
@@ -217,8 +218,9 @@ fn exit_lines(b: &Block) -> Vec<&str> {
 
 /// What a copy-mode side's exit line says: checks its balance, returns
 /// the events copied.
-/// `get_errors`: the failed gets expected (rping's lost race: one).
-fn copy_counters(c: &mut Checks, label: &str, err: &Block, get_errors: u64) -> Option<u64> {
+/// `get_errors`: the failed gets allowed (a lost teardown race: none or
+/// one, see [`lost_teardown_race`]).
+fn copy_counters(c: &mut Checks, label: &str, err: &Block, get_errors: RangeInclusive<u64>) -> Option<u64> {
     let lines = exit_lines(err);
     if !c.that(lines.len() == 1, format!("{label}: {} preload exit lines (want 1): {lines:?}", lines.len())) {
         return None;
@@ -234,7 +236,10 @@ fn copy_counters(c: &mut Checks, label: &str, err: &Block, get_errors: u64) -> O
     );
     c.that(f("outstanding") == Some(0), format!("{label}: copies outstanding at exit: {l}"));
     c.that(f("not_copies") == Some(0), format!("{label}: acks of non-copies: {l}"));
-    c.that(f("get_errors") == Some(get_errors), format!("{label}: failed gets (want {get_errors}): {l}"));
+    c.that(
+        f("get_errors").is_some_and(|n| get_errors.contains(&n)),
+        format!("{label}: failed gets (want {get_errors:?}): {l}"),
+    );
     copied
 }
 
@@ -313,7 +318,9 @@ fn teardown_race(tool: &str) -> Option<TeardownRace> {
 /// librdmacm's) and on a busy machine. Such a run is counted, and compared
 /// as the run rping meant: its stdout as stock's, its stderr as stock's but
 /// for that one line, exit 0, and under the preload a balanced exit line
-/// with exactly that one failed get.
+/// with at most that one failed get: the exit line is written by main's
+/// exit, which may come before the thread's failed get is counted (CI
+/// 2026-12-03: the line printed, `get_errors=0`).
 ///
 /// cmtime of rdma-core 44.0 has the same race on its client side: its
 /// event thread (`process_events`) loops on rdma_get_cm_event, and main
@@ -420,7 +427,10 @@ fn check_pair(
                 }
                 Some(n)
             } else {
-                copy_counters(c, &this, te, u64::from(raced))
+                // The exit line is written by main's exit, which races the
+                // CM thread's failed get: counted or not yet (CI 2026-12-03:
+                // rping's race line with get_errors=0).
+                copy_counters(c, &this, te, if raced { 0..=1 } else { 0..=0 })
             };
             let want = match tool {
                 "rping" => Some(to.count("cma_event type ") as u64),
@@ -963,15 +973,16 @@ fn a_lost_rping_race_forgives_that_line_and_nothing_else() {
     let race = format!("{RPING_RACE_LINE}\n{}", rping_exit_line(3, 1));
     let failed = |runs: BTreeMap<String, Block>| check_rping(&runs, "server").0;
     let has = |f: &[String], what: &str| f.iter().any(|f| f.contains(what));
-    // The line without a failed get the preload counted.
+    // The line with the failed get not counted yet when main's exit wrote
+    // the exit line (CI 2026-12-03) is the race.
     let f = failed(rping_pair("server", "", &format!("{RPING_RACE_LINE}\n{}", rping_exit_line(3, 0)), 0));
-    assert!(has(&f, "failed gets (want 1)"), "{f:?}");
+    assert!(f.is_empty(), "{f:?}");
     // A second failed get is not the race.
     let f = failed(rping_pair("server", "", &format!("{RPING_RACE_LINE}\n{}", rping_exit_line(3, 2)), 0));
-    assert!(has(&f, "failed gets (want 1)"), "{f:?}");
+    assert!(has(&f, "failed gets (want 0..=1)"), "{f:?}");
     // Without the line, a failed get with exit 255 is no race either.
     let f = failed(rping_pair("server", "", &rping_exit_line(3, 1), 255));
-    assert!(has(&f, "failed gets (want 0)") && has(&f, "exit Some(255)"), "{f:?}");
+    assert!(has(&f, "failed gets (want 0..=0)") && has(&f, "exit Some(255)"), "{f:?}");
     // A run cut short: stdout is still compared, and the events counted.
     let short = "cma_event type RDMA_CM_EVENT_CONNECT_REQUEST cma_id 0x1 (parent)\n";
     let f = failed(rping_pair("server", short, &race, 255));
@@ -1079,11 +1090,14 @@ fn a_lost_cmtime_teardown_race_is_compared_as_the_run_cmtime_meant() {
 fn a_lost_cmtime_race_forgives_that_line_and_nothing_else() {
     let has = |f: &[String], what: &str| f.iter().any(|f| f.contains(what));
     let failed = |err: String, exit: i32| check_cmtime(&cmtime_pair("pclient", &err, exit), "pclient").0;
-    // The line without the failed get the preload counted, or with two.
-    for n in [0, 2] {
+    // The line with the failed get counted or not yet (main's exit wrote
+    // the exit line first) is the race; with two failed gets it is not.
+    for n in [0, 1] {
         let f = failed(format!("{CMTIME_RACE_LINE}\n{}", cmtime_exit_line("pclient", n)), 0);
-        assert!(has(&f, "failed gets (want 1)"), "{n}: {f:?}");
+        assert!(f.is_empty(), "{n}: {f:?}");
     }
+    let f = failed(format!("{CMTIME_RACE_LINE}\n{}", cmtime_exit_line("pclient", 2)), 0);
+    assert!(has(&f, "failed gets (want 0..=1)"), "{f:?}");
     // cmtime's thread returns after the print: main exits 0, nothing else.
     let f = failed(format!("{CMTIME_RACE_LINE}\n{}", cmtime_exit_line("pclient", 1)), 255);
     assert!(has(&f, "exit Some(255)"), "{f:?}");
