@@ -80,7 +80,7 @@ use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
-use tokio::io::unix::AsyncFd;
+use tokio::io::unix::{AsyncFd, AsyncFdReadyGuard};
 use tokio::io::Interest;
 use tokio::sync::oneshot;
 
@@ -120,9 +120,12 @@ fn register<T: OwnsItsFd>(inner: T) -> Result<AsyncFd<T>> {
 ///
 /// Events are the same owned copies [`EventChannel::get`] returns (copied,
 /// and librdmacm's original acked, before you see them). The channel may
-/// be shared between tasks (`&self` is enough to await); ids are made on
+/// be shared between tasks (`&self` is enough to await
+/// [`AsyncEventChannel::next`]); ids are made on
 /// [`AsyncEventChannel::channel`]. One `AsyncEventChannel` per channel: a
-/// second one on a clone of the same channel fails to register (EEXIST).
+/// second one on a clone of the same channel fails to register (EEXIST)
+/// on the same runtime; on another runtime it registers, and the two then
+/// take events from one queue, each seeing only some of them: don't.
 pub struct AsyncEventChannel {
     fd: AsyncFd<EventChannel>,
 }
@@ -141,9 +144,18 @@ impl AsyncEventChannel {
     }
 
     /// Waits for the next event. Cancel-safe: dropping the future before
-    /// it completes loses no event.
+    /// it completes loses no event. Any number of tasks may await it at
+    /// once: each waiter is woken when the channel becomes readable, and
+    /// each event goes to one of them.
     pub async fn next(&self) -> Result<CmEvent> {
-        poll_fn(|cx| self.poll_next(cx)).await
+        loop {
+            // `readable` keeps a waker per waiter (`poll_read_ready`, under
+            // poll_next, keeps only the last task's).
+            let mut guard = self.fd.readable().await.map_err(Error::from)?;
+            if let Ok(r) = Self::try_next(&mut guard) {
+                return r;
+            }
+        }
     }
 
     /// Waits for a first event, then appends it and up to `max - 1` more
@@ -171,20 +183,31 @@ impl AsyncEventChannel {
     /// The poll form of [`AsyncEventChannel::next`] (for a hand-written
     /// future or a `Stream` adapter): `Ready` with the next event or an
     /// error, `Pending` with `cx` registered for the fd's readiness.
+    /// Single consumer: only the task that polled it last is woken (as
+    /// tokio's `AsyncFd::poll_read_ready`); tasks that share the channel
+    /// await [`AsyncEventChannel::next`] instead.
     pub fn poll_next(&self, cx: &mut Context<'_>) -> Poll<Result<CmEvent>> {
         loop {
             let mut guard = ready!(self.fd.poll_read_ready(cx)).map_err(Error::from)?;
-            // Readiness is cleared only when the get found nothing (EAGAIN).
-            let got = guard.try_io(|inner| match inner.get_ref().try_get() {
-                Ok(Some(ev)) => Ok(Ok(ev)),
-                Ok(None) => Err(io::ErrorKind::WouldBlock.into()),
-                Err(e) => Ok(Err(e)),
-            });
-            match got {
-                Ok(Ok(r)) => return Poll::Ready(r),
-                Ok(Err(e)) => return Poll::Ready(Err(Error::from(e))),
-                Err(_would_block) => continue,
+            if let Ok(r) = Self::try_next(&mut guard) {
+                return Poll::Ready(r);
             }
+        }
+    }
+
+    /// One get while the fd is readable: `Ok` with the event or an error,
+    /// `Err` when the channel was empty (readiness cleared then, and only
+    /// then: EAGAIN).
+    fn try_next(guard: &mut AsyncFdReadyGuard<'_, EventChannel>) -> std::result::Result<Result<CmEvent>, ()> {
+        let got = guard.try_io(|inner| match inner.get_ref().try_get() {
+            Ok(Some(ev)) => Ok(Ok(ev)),
+            Ok(None) => Err(io::ErrorKind::WouldBlock.into()),
+            Err(e) => Ok(Err(e)),
+        });
+        match got {
+            Ok(Ok(r)) => Ok(r),
+            Ok(Err(e)) => Ok(Err(Error::from(e))),
+            Err(_would_block) => Err(()),
         }
     }
 
@@ -321,7 +344,7 @@ impl AsyncCqLoop {
         // docs). The mark goes with the task, however it ends (run over,
         // aborted, dropped before its first poll).
         let mark = DriverMark(self.control());
-        mark.0 .0.set_driver(true);
+        mark.0 .0.set_driver_tag(first_driver());
         let join = tokio::spawn(async move {
             let _mark = mark;
             let r = self.run().await;
@@ -333,6 +356,25 @@ impl AsyncCqLoop {
     /// Deregisters the loop's fd and gives the loop back.
     pub fn into_inner(self) -> CqLoop {
         self.fd.into_inner()
+    }
+}
+
+/// Who drives a loop spawned now until its task is first polled (then the
+/// polling thread, see [`CqLoop::set_async_driver`]). The spawning thread
+/// if it is the one that will poll the task: a task of a multi-thread
+/// runtime spawning (it runs on a worker, and a blocking change from it
+/// must not wait for the run it holds up: it drives the loop, as when
+/// nobody runs it), or a current-thread runtime (its one thread, in
+/// `block_on`). Otherwise no thread (a thread outside a multi-thread
+/// runtime, in `Runtime::enter` or `block_on`): its blocking changes wait
+/// for the workers, which run the handlers.
+fn first_driver() -> u64 {
+    let on_this_thread = tokio::task::try_id().is_some()
+        || tokio::runtime::Handle::current().runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread;
+    if on_this_thread {
+        crate::sys::thread_tag()
+    } else {
+        crate::cq::NOT_POLLED_YET
     }
 }
 

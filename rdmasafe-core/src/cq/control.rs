@@ -140,10 +140,11 @@ pub(crate) struct Shared {
     pub(crate) owner: AtomicU64,
     /// `sys::thread_tag` of the thread that last polled an async run of
     /// this loop while that run is alive (before its first poll: the thread
-    /// that spawned its task), 0 if none: a blocking change from another
-    /// thread then waits for that run to apply and finish it, instead of
-    /// driving the loop (running handlers) itself, while the run shows
-    /// life (see `DRIVER_GRACE`).
+    /// that spawned its task if it will poll it, else [`NOT_POLLED_YET`]),
+    /// 0 if none: a blocking change from another thread then waits for
+    /// that run to apply and finish it, instead of driving the loop
+    /// (running handlers) itself, while the run shows life (see
+    /// `DRIVER_GRACE`).
     pub(crate) driver: AtomicU64,
     cmds: Mutex<VecDeque<Cmd>>,
     pub(crate) cmds_pending: AtomicBool,
@@ -160,6 +161,12 @@ pub(crate) struct Shared {
     /// and remove answer EBUSY / ENOENT at once.
     keepalives: Mutex<HashMap<u32, usize>>,
 }
+
+/// `Shared::driver` of a spawned run that no thread has polled yet, whose
+/// runtime's threads are not the spawner's: no thread's tag (tags are odd),
+/// so that every thread's blocking change waits for the run.
+#[cfg(feature = "tokio")]
+pub(crate) const NOT_POLLED_YET: u64 = 2;
 
 /// How long a blocking change waits for an async run (or a thread waiting
 /// to run the loop) that shows no sign of life before it drives the loop
@@ -214,8 +221,14 @@ impl Shared {
     /// themselves from then on).
     #[cfg(feature = "tokio")]
     pub(crate) fn set_driver(&self, polling: bool) {
-        let tag = if polling { sys::thread_tag() } else { 0 };
-        if self.driver.swap(tag, SeqCst) != tag && !polling {
+        self.set_driver_tag(if polling { sys::thread_tag() } else { 0 });
+    }
+
+    /// `driver` set to `tag` (0: the run ended, which wakes the blocking
+    /// changes that waited for it).
+    #[cfg(feature = "tokio")]
+    pub(crate) fn set_driver_tag(&self, tag: u64) {
+        if self.driver.swap(tag, SeqCst) != tag && tag == 0 {
             self.notify();
         }
     }

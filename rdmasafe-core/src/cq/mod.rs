@@ -38,6 +38,8 @@ mod timers;
 
 pub use crate::wc::{Wc, WcOpcode, WcStatus};
 pub use async_events::{AsyncElement, AsyncEvent, AsyncEventType, AsyncEvents, AsyncThread};
+#[cfg(feature = "tokio")]
+pub(crate) use control::NOT_POLLED_YET;
 pub use control::{LoopControl, Outcome};
 pub use drain::{cq_destroyed, DRAIN_RECV_WR_ID, DRAIN_SEND_WR_ID};
 pub use event_loop::{CqLoop, LoopThread, Progress, RunEnd};
