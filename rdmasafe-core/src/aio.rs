@@ -80,7 +80,7 @@ use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
-use tokio::io::unix::{AsyncFd, AsyncFdReadyGuard};
+use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 use tokio::sync::oneshot;
 
@@ -148,14 +148,10 @@ impl AsyncEventChannel {
     /// once: each waiter is woken when the channel becomes readable, and
     /// each event goes to one of them.
     pub async fn next(&self) -> Result<CmEvent> {
-        loop {
-            // `readable` keeps a waker per waiter (`poll_read_ready`, under
-            // poll_next, keeps only the last task's).
-            let mut guard = self.fd.readable().await.map_err(Error::from)?;
-            if let Ok(r) = Self::try_next(&mut guard) {
-                return r;
-            }
-        }
+        // `async_io` waits with a waker per waiter (`poll_read_ready`, under
+        // poll_next, keeps only the last task's) and spends the task's
+        // cooperative budget as tokio's own I/O does.
+        self.fd.async_io(Interest::READABLE, get_or_would_block).await.map_err(Error::from)?
     }
 
     /// Waits for a first event, then appends it and up to `max - 1` more
@@ -189,31 +185,27 @@ impl AsyncEventChannel {
     pub fn poll_next(&self, cx: &mut Context<'_>) -> Poll<Result<CmEvent>> {
         loop {
             let mut guard = ready!(self.fd.poll_read_ready(cx)).map_err(Error::from)?;
-            if let Ok(r) = Self::try_next(&mut guard) {
-                return Poll::Ready(r);
+            if let Ok(r) = guard.try_io(|inner| get_or_would_block(inner.get_ref())) {
+                return Poll::Ready(r.map_err(Error::from)?);
             }
-        }
-    }
-
-    /// One get while the fd is readable: `Ok` with the event or an error,
-    /// `Err` when the channel was empty (readiness cleared then, and only
-    /// then: EAGAIN).
-    fn try_next(guard: &mut AsyncFdReadyGuard<'_, EventChannel>) -> std::result::Result<Result<CmEvent>, ()> {
-        let got = guard.try_io(|inner| match inner.get_ref().try_get() {
-            Ok(Some(ev)) => Ok(Ok(ev)),
-            Ok(None) => Err(io::ErrorKind::WouldBlock.into()),
-            Err(e) => Ok(Err(e)),
-        });
-        match got {
-            Ok(Ok(r)) => Ok(r),
-            Ok(Err(e)) => Ok(Err(Error::from(e))),
-            Err(_would_block) => Err(()),
         }
     }
 
     /// Deregisters the channel and gives it back.
     pub fn into_inner(self) -> EventChannel {
         self.fd.into_inner()
+    }
+}
+
+/// One get from the channel, for a readiness wait: `Ok` with the event or
+/// the get's error, `WouldBlock` when the channel is empty (readiness is
+/// cleared then, and only then). A step taken inside the wait's
+/// synchronous part: a future dropped at any await loses no event.
+fn get_or_would_block(ch: &EventChannel) -> io::Result<Result<CmEvent>> {
+    match ch.try_get() {
+        Ok(Some(ev)) => Ok(Ok(ev)),
+        Ok(None) => Err(io::ErrorKind::WouldBlock.into()),
+        Err(e) => Ok(Err(e)),
     }
 }
 
@@ -336,7 +328,13 @@ impl AsyncCqLoop {
 
     /// Runs the loop as a task of the current runtime (see
     /// [`AsyncCqLoop::run`]); [`LoopTask::stop`] stops it and gives the
-    /// loop back.
+    /// loop back. Until the task is first polled, a blocking change
+    /// ([`LoopControl::drain_id`], [`LoopControl::remove_cq`]) from the
+    /// spawning thread waits for the runtime to run it if that thread is
+    /// outside a multi-thread runtime's tasks (a plain thread in
+    /// `Runtime::enter`, `block_on`); from a task, or on a current-thread
+    /// runtime, it runs the loop (and the handlers) on the spawning thread,
+    /// also when that is a `spawn_blocking` or `block_in_place` thread.
     pub fn spawn(self) -> LoopTask {
         let ctl = self.control();
         // From now on, not only once the task is first polled: blocking
@@ -360,14 +358,19 @@ impl AsyncCqLoop {
 }
 
 /// Who drives a loop spawned now until its task is first polled (then the
-/// polling thread, see [`CqLoop::set_async_driver`]). The spawning thread
-/// if it is the one that will poll the task: a task of a multi-thread
-/// runtime spawning (it runs on a worker, and a blocking change from it
-/// must not wait for the run it holds up: it drives the loop, as when
-/// nobody runs it), or a current-thread runtime (its one thread, in
-/// `block_on`). Otherwise no thread (a thread outside a multi-thread
-/// runtime, in `Runtime::enter` or `block_on`): its blocking changes wait
-/// for the workers, which run the handlers.
+/// polling thread, see [`CqLoop::set_async_driver`]): a guess of whether
+/// the spawning thread will poll it. Yes inside a task (on a multi-thread
+/// runtime a worker, whose LIFO slot the new task takes and no other
+/// worker steals: a blocking change from it must drive the loop, not wait
+/// for the grace) and on a current-thread runtime (usually its one thread,
+/// in `block_on`): the spawner's tag. Otherwise (a plain thread in
+/// `Runtime::enter`, or `block_on` of a multi-thread runtime) no thread:
+/// its blocking changes wait for the workers, which run the handlers.
+/// tokio has no "is this a worker" call, so the guess is wrong, until the
+/// first poll only, for a spawn from `spawn_blocking`, `block_in_place`, a
+/// `LocalSet` task on a multi-thread runtime's `block_on` thread, or a
+/// second thread in a current-thread runtime's `enter` (see
+/// [`AsyncCqLoop::spawn`]).
 fn first_driver() -> u64 {
     let on_this_thread = tokio::task::try_id().is_some()
         || tokio::runtime::Handle::current().runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread;

@@ -470,3 +470,42 @@ fn a_loop_spawned_from_outside_a_multi_thread_runtime_keeps_its_handlers_there()
         drop(p);
     }
 }
+
+/// `next()` over a burst of queued events spends the task's cooperative
+/// budget as tokio's own I/O does: the runtime's other tasks get to run
+/// before the burst is all taken. (Awaited through `readable()` alone, it
+/// took all 300 before another task ran.)
+#[test]
+fn next_over_a_burst_lets_other_tasks_run() {
+    let _s = serial();
+    let bed = common::bed();
+    let _dog = common::watchdog("next over a burst", Duration::from_secs(300));
+    const N: usize = 300;
+    current_thread().block_on(async {
+        let ch = AsyncEventChannel::new(EventChannel::new().unwrap()).unwrap();
+        let ids: Vec<_> = (0..N).map(|_| ch.channel().create_id(PortSpace::Tcp).unwrap()).collect();
+        for id in &ids {
+            id.resolve_addr(None, (bed.addr, 7).into(), Duration::from_secs(10)).unwrap();
+        }
+        // Let the events queue up (a blocking sleep: no task runs meanwhile),
+        // and take the first: the fd is known readable from then on.
+        std::thread::sleep(Duration::from_secs(2));
+        let first = tokio::time::timeout(Duration::from_secs(20), ch.next()).await.expect("the event").unwrap();
+        assert_eq!(first.event_type(), EventType::ADDR_RESOLVED);
+        let ran = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let r2 = ran.clone();
+        let other = tokio::spawn(async move { r2.store(true, std::sync::atomic::Ordering::SeqCst) });
+        let mut taken_before_it_ran = None;
+        for i in 1..N {
+            let ev = tokio::time::timeout(Duration::from_secs(20), ch.next()).await.expect("the event").unwrap();
+            assert_eq!(ev.event_type(), EventType::ADDR_RESOLVED);
+            if taken_before_it_ran.is_none() && ran.load(std::sync::atomic::Ordering::SeqCst) {
+                taken_before_it_ran = Some(i);
+            }
+        }
+        other.await.unwrap();
+        println!("next() over a burst of {N}: the other task ran after {taken_before_it_ran:?} events");
+        assert!(taken_before_it_ran.is_some(), "all {N} events were taken before another task ran");
+    });
+    assert_eq!(cm::counters().outstanding, 0);
+}

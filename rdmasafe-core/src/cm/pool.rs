@@ -723,10 +723,11 @@ pub(crate) fn check_limit() -> crate::Result<()> {
 
 /// Bounds the copies alive at once (0: unlimited, the default). A get that
 /// would pass the bound fails with ENOBUFS before `rdma_get_cm_event`, so
-/// the event stays in the kernel until copies are freed. It fails at once,
-/// whether an event is pending or not, and nothing wakes a waiter when a
-/// copy is freed (an async `AsyncEventChannel::next` too
-/// returns ENOBUFS at once): free copies before you get again, or a loop
+/// the event stays in the kernel until copies are freed. A get fails at
+/// once, whether an event is pending or not, and nothing wakes a waiter
+/// when a copy is freed (an async `AsyncEventChannel::next` returns
+/// ENOBUFS at its next get: at once, or when an event comes if it found
+/// the channel empty last): free copies before you get again, or a loop
 /// that retries spins.
 pub fn set_limit(max_outstanding: u64) {
     LIMIT.store(max_outstanding, Relaxed);

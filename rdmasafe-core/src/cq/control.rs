@@ -140,7 +140,8 @@ pub(crate) struct Shared {
     pub(crate) owner: AtomicU64,
     /// `sys::thread_tag` of the thread that last polled an async run of
     /// this loop while that run is alive (before its first poll: the thread
-    /// that spawned its task if it will poll it, else [`NOT_POLLED_YET`]),
+    /// that spawned its task if it is likely to poll it, else
+    /// [`NOT_POLLED_YET`]: see `aio::first_driver`),
     /// 0 if none: a blocking change from another thread then waits for
     /// that run to apply and finish it, instead of driving the loop
     /// (running handlers) itself, while the run shows life (see
