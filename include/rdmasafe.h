@@ -539,7 +539,11 @@ typedef void (*rdmasafe_dead_peer_cb)(void *ctx, struct ibv_qp *qp, uint32_t qp_
  * loop). It may block: a line written by a CM get comes after librdmacm's
  * original event is acked or held, so a callback that waits for a thread
  * in `rdma_destroy_id` of that event's id is released by the ack deadline
- * at the latest (a callback that blocks on a loop's thread stalls that loop).
+ * at the latest; the ack deadline's own line ("held past its ack
+ * deadline") is written by a thread of rdmasafe's ("rdmasafe-cm-log")
+ * after the ack, so a callback blocked in it holds up no deadline (at most
+ * 256 such lines wait for it; more are dropped). A callback that blocks on
+ * a loop's thread stalls that loop.
  */
 typedef void (*rdmasafe_log_cb)(void *ctx, int level, const char *msg);
 
@@ -756,7 +760,11 @@ int rdmasafe_cm_set_ack_deadline(int ms);
 /**
  * Bounds the copies alive at once: with `max_outstanding` copies held, the
  * get calls fail with ENOBUFS *before* asking librdmacm, so the event stays
- * in the kernel until copies are freed (0: unlimited, the default). Also,
+ * in the kernel until copies are freed (0: unlimited, the default). A get
+ * blocked in librdmacm counts as a copy held: threads getting at once
+ * never hold more than the bound between them (copies got before the
+ * bound was set are counted, but not against racing gets, until they are
+ * freed). A refused get fails at once, without waiting. Also,
  * whatever the limit, a warn-level log line says so when the copies held
  * pass 4096, and again at every doubling. Thread-safe.
  *

@@ -303,7 +303,11 @@ pub extern "C" fn rdmasafe_cm_set_ack_deadline(ms: c_int) -> c_int {
 
 /// Bounds the copies alive at once: with `max_outstanding` copies held, the
 /// get calls fail with ENOBUFS *before* asking librdmacm, so the event stays
-/// in the kernel until copies are freed (0: unlimited, the default). Also,
+/// in the kernel until copies are freed (0: unlimited, the default). A get
+/// blocked in librdmacm counts as a copy held: threads getting at once
+/// never hold more than the bound between them (copies got before the
+/// bound was set are counted, but not against racing gets, until they are
+/// freed). A refused get fails at once, without waiting. Also,
 /// whatever the limit, a warn-level log line says so when the copies held
 /// pass 4096, and again at every doubling. Thread-safe.
 ///

@@ -26,7 +26,11 @@ use crate::guard;
 /// loop). It may block: a line written by a CM get comes after librdmacm's
 /// original event is acked or held, so a callback that waits for a thread
 /// in `rdma_destroy_id` of that event's id is released by the ack deadline
-/// at the latest (a callback that blocks on a loop's thread stalls that loop).
+/// at the latest; the ack deadline's own line ("held past its ack
+/// deadline") is written by a thread of rdmasafe's ("rdmasafe-cm-log")
+/// after the ack, so a callback blocked in it holds up no deadline (at most
+/// 256 such lines wait for it; more are dropped). A callback that blocks on
+/// a loop's thread stalls that loop.
 pub type rdmasafe_log_cb = Option<unsafe extern "C" fn(ctx: *mut c_void, level: c_int, msg: *const c_char)>;
 
 struct CSink {

@@ -306,8 +306,9 @@ impl<'a> ChannelRef<'a> {
     fn take_event(&self) -> Result<(pool::SlotBox, *mut rdma_cm_event, u64)> {
         // Storage and the limit first: a failure here leaves the event in
         // the kernel.
-        pool::check_limit()?;
+        let unit = pool::LimitUnit::take()?;
         let mut slot = pool::take()?;
+        slot.keep_unit(unit);
         let mut ev = null_mut();
         loop {
             // SAFETY: raw is a live channel; ev receives an event pointer.

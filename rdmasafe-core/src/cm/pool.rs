@@ -81,6 +81,9 @@ pub(crate) struct Slot {
     qp_type: UnsafeCell<u32>,
     /// Counted as a copy (taken slots are counted once filled).
     counted: UnsafeCell<bool>,
+    /// Holds a unit of [`set_limit`]'s bound ([`LimitUnit`]), given back
+    /// when the slot is.
+    unit: UnsafeCell<bool>,
     /// `id->context` / `listen_id->context` at copy time. Atomics: the C
     /// app may read them through `rdmasafe_event_get_contexts` on one
     /// thread while (wrongly) freeing the copy on another.
@@ -432,6 +435,10 @@ static ACKED_AT_DEADLINE: AtomicU64 = AtomicU64::new(0);
 static REFUSED: AtomicU64 = AtomicU64::new(0);
 static NEXT_WARNING: AtomicU64 = AtomicU64::new(FIRST_WARNING);
 static LIMIT: AtomicU64 = AtomicU64::new(0);
+/// Units of [`LIMIT`] held: by copies alive and by gets in flight (taken
+/// before `rdma_get_cm_event`, so that threads getting at once cannot all
+/// pass the bound).
+static UNITS: AtomicU64 = AtomicU64::new(0);
 
 fn outstanding() -> u64 {
     // FREED first: a concurrent free between the loads can only make the
@@ -649,8 +656,11 @@ impl SlotBox {
     fn release(&mut self) {
         let s = self.0;
         let held = s.claim_original(s.ack.load(Relaxed) >> 1);
-        // SAFETY: the owner's exclusive field.
-        let counted = unsafe { *s.counted.get() };
+        // SAFETY: the owner's exclusive fields.
+        let (counted, unit) = unsafe { (*s.counted.get(), std::mem::replace(&mut *s.unit.get(), false)) };
+        if unit {
+            UNITS.fetch_sub(1, AcqRel); // the unit keep_unit kept
+        }
         if counted {
             FREED.fetch_add(1, Relaxed);
             // Published by the push below (Release), read by a pop after it.
@@ -704,26 +714,70 @@ pub(crate) fn take() -> crate::Result<SlotBox> {
     let b = SlotBox(s);
     // SAFETY: the new owner's exclusive field.
     unsafe { *b.0.counted.get() = false };
+    // SAFETY: as above (released with the slot's last owner).
+    unsafe { *b.0.unit.get() = false };
     // The contexts are left as they were: nothing reads them before the
     // copy (copy_raw) sets them, since only a copy handed to C is peeked.
     Ok(b)
 }
 
-/// Refuses a new copy while [`set_limit`]'s bound is reached (ENOBUFS),
-/// before anything is taken from librdmacm.
-#[inline]
-pub(crate) fn check_limit() -> crate::Result<()> {
-    let limit = LIMIT.load(Relaxed);
-    if limit != 0 && outstanding() >= limit {
-        REFUSED.fetch_add(1, Relaxed);
-        return Err(crate::Error::new("rdmasafe: held CM event copies at the limit", libc::ENOBUFS));
+/// A unit of [`set_limit`]'s bound, held by a get from before it asks
+/// librdmacm until its copy is freed (or the get fails): given back when
+/// dropped.
+#[must_use]
+pub(crate) struct LimitUnit(());
+
+impl LimitUnit {
+    /// A unit, or ENOBUFS while the bound is reached (counting the copies
+    /// alive and the gets in flight), before anything is taken from
+    /// librdmacm; `None` without a bound.
+    #[inline]
+    pub(crate) fn take() -> crate::Result<Option<LimitUnit>> {
+        let limit = LIMIT.load(Relaxed);
+        if limit == 0 {
+            return Ok(None);
+        }
+        let mut held = UNITS.load(Relaxed);
+        loop {
+            // Copies got before the bound was set hold no unit: counted
+            // through `outstanding` (exact once they are freed).
+            if held >= limit || outstanding() >= limit {
+                REFUSED.fetch_add(1, Relaxed);
+                return Err(crate::Error::new("rdmasafe: held CM event copies at the limit", libc::ENOBUFS));
+            }
+            match UNITS.compare_exchange_weak(held, held + 1, AcqRel, Relaxed) {
+                Ok(_) => return Ok(Some(LimitUnit(()))),
+                Err(now) => held = now,
+            }
+        }
     }
-    Ok(())
+}
+
+impl Drop for LimitUnit {
+    fn drop(&mut self) {
+        UNITS.fetch_sub(1, AcqRel);
+    }
+}
+
+impl SlotBox {
+    /// The slot keeps `unit` until it is given back (the copy freed, or
+    /// the get failed).
+    #[inline]
+    pub(crate) fn keep_unit(&mut self, unit: Option<LimitUnit>) {
+        if let Some(u) = unit {
+            std::mem::forget(u);
+            // SAFETY: the owner's exclusive field.
+            unsafe { *self.0.unit.get() = true };
+        }
+    }
 }
 
 /// Bounds the copies alive at once (0: unlimited, the default). A get that
 /// would pass the bound fails with ENOBUFS before `rdma_get_cm_event`, so
-/// the event stays in the kernel until copies are freed. A get fails at
+/// the event stays in the kernel until copies are freed. Gets in flight
+/// count: threads getting at once never hold more than the bound between
+/// them (copies got before the bound was set count as alive, not exactly
+/// against racing gets, until they are freed). A get fails at
 /// once, whether an event is pending or not, and nothing wakes a waiter
 /// when a copy is freed (an async `AsyncEventChannel::next` returns
 /// ENOBUFS at its next get: at once, or when an event comes if it found
@@ -898,20 +952,47 @@ fn scan(now: u64) {
             // SAFETY: the original is un-acked (claimed just now), so
             // librdmacm still owns it and its id is live.
             let (t, id) = unsafe { ((*o).event, (*o).id) };
-            let msg = format!(
-                "a copy of CM event {} (id {id:p}) was held past its ack deadline: acked librdmacm's \
-                 original, so rdma_destroy_id / rdma_migrate_id of the id no longer wait for it (the copy \
-                 stays valid; its ev->id may be destroyed from now on)",
-                super::EventType(t)
-            );
-            if n == 0 {
-                log::warn!(target: "rdmasafe", "{msg}");
-            } else {
-                log::debug!(target: "rdmasafe", "{msg}");
-            }
-            // SAFETY: claimed exactly once.
+            // SAFETY: claimed exactly once. Nothing reads it afterwards.
             unsafe { sys::ack_cm_event(o) };
+            let level = if n == 0 { log::Level::Warn } else { log::Level::Debug };
+            if log::log_enabled!(target: "rdmasafe", level) {
+                log_off_the_reaper(
+                    level,
+                    format!(
+                        "a copy of CM event {} (id {id:p}) was held past its ack deadline: acked librdmacm's \
+                         original, so rdma_destroy_id / rdma_migrate_id of the id no longer wait for it (the \
+                         copy stays valid; its ev->id may be destroyed from now on)",
+                        super::EventType(t)
+                    ),
+                );
+            }
         }
+    }
+}
+
+/// Lines of the reaper waiting for [`log_off_the_reaper`]'s thread.
+const REAPER_LINES: usize = 256;
+
+/// Writes a line of the reaper's on a thread of its own (started at the
+/// first line): the app's log callback may block, e.g. on an app lock that
+/// a thread in `rdma_destroy_id` holds, and that destroy (or any other
+/// one) may be waiting for the reaper's next ack. The reaper never waits
+/// for a log callback. A line that finds [`REAPER_LINES`] waiting (a
+/// callback blocked that long), or no thread, is dropped.
+fn log_off_the_reaper(level: log::Level, line: String) {
+    type Lines = std::sync::mpsc::SyncSender<(log::Level, String)>;
+    static LINES: OnceLock<Option<Lines>> = OnceLock::new();
+    let lines = LINES.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<(log::Level, String)>(REAPER_LINES);
+        let writer = move || {
+            for (level, line) in rx {
+                log::log!(target: "rdmasafe", level, "{line}");
+            }
+        };
+        std::thread::Builder::new().name("rdmasafe-cm-log".into()).spawn(writer).ok().map(|_| tx)
+    });
+    if let Some(tx) = lines {
+        let _ = tx.try_send((level, line));
     }
 }
 
