@@ -253,7 +253,10 @@ struct rdmasafe_cm_counters {
    */
   uint64_t acked_at_free;
   /**
-   * Of those, originals acked because the ack deadline passed first.
+   * Of those, originals acked because the ack deadline passed first
+   * (under librdmasafe-preload.so also librdmacm's own current events
+   * of synchronous ids, `rdma_create_ep` and rsockets, which it keeps for
+   * a connection's life: harmless, not warned of).
    */
   uint64_t acked_at_deadline;
   /**

@@ -349,7 +349,10 @@ pub struct rdmasafe_cm_counters {
     pub acks_deferred: u64,
     /// Of those, originals acked by `rdmasafe_event_free`.
     pub acked_at_free: u64,
-    /// Of those, originals acked because the ack deadline passed first.
+    /// Of those, originals acked because the ack deadline passed first
+    /// (under librdmasafe-preload.so also librdmacm's own current events
+    /// of synchronous ids, `rdma_create_ep` and rsockets, which it keeps for
+    /// a connection's life: harmless, not warned of).
     pub acked_at_deadline: u64,
     /// Gets refused with ENOBUFS by `rdmasafe_cm_set_limit`.
     pub refused_at_limit: u64,

@@ -948,26 +948,57 @@ fn scan(now: u64) {
             continue;
         }
         if let Some(o) = s.claim_original(ack >> 1) {
-            let n = ACKED_AT_DEADLINE.fetch_add(1, SeqCst);
+            ACKED_AT_DEADLINE.fetch_add(1, SeqCst);
             // SAFETY: the original is un-acked (claimed just now), so
             // librdmacm still owns it and its id is live.
             let (t, id) = unsafe { ((*o).event, (*o).id) };
+            // SAFETY: as above (the id is live until the ack below).
+            let librdmacms = unsafe { held_by_librdmacm(id, s) };
             // SAFETY: claimed exactly once. Nothing reads it afterwards.
             unsafe { sys::ack_cm_event(o) };
-            let level = if n == 0 { log::Level::Warn } else { log::Level::Debug };
-            if log::log_enabled!(target: "rdmasafe", level) {
-                log_off_the_reaper(
-                    level,
-                    format!(
-                        "a copy of CM event {} (id {id:p}) was held past its ack deadline: acked librdmacm's \
-                         original, so rdma_destroy_id / rdma_migrate_id of the id no longer wait for it (the \
-                         copy stays valid; its ev->id may be destroyed from now on)",
-                        super::EventType(t)
-                    ),
+            let t = super::EventType(t);
+            let (level, line) = if librdmacms {
+                let line = format!(
+                    "CM event {t} (id {id:p}) is librdmacm's own current event of a synchronous id \
+                     (rdma_create_ep, rsockets), kept past the ack deadline: acked its original (harmless: \
+                     librdmacm frees its copy itself, before it destroys the id)"
                 );
+                (log::Level::Debug, line)
+            } else {
+                let line = format!(
+                    "a copy of CM event {t} (id {id:p}) was held past its ack deadline: acked librdmacm's \
+                     original, so rdma_destroy_id / rdma_migrate_id of the id no longer wait for it (the \
+                     copy stays valid; its ev->id may be destroyed from now on)"
+                );
+                (if WARNED_LATE.swap(true, Relaxed) { log::Level::Debug } else { log::Level::Warn }, line)
+            };
+            if log::log_enabled!(target: "rdmasafe", level) {
+                log_off_the_reaper(level, line);
             }
         }
     }
+}
+
+/// A copy held past its deadline was warned of (later ones: debug lines).
+static WARNED_LATE: AtomicBool = AtomicBool::new(false);
+
+/// True if the copy in `slot` is what librdmacm keeps as `id`'s current
+/// event: a synchronous id's (librdmacm's own `rdma_get_cm_event`, which
+/// an LD_PRELOAD makes a copy, stored in `id->event` until the next one or
+/// the id's destroy, which frees it before it waits). Not an app's late
+/// free.
+///
+/// # Safety
+/// `id` NULL or a live id (an un-acked event's).
+unsafe fn held_by_librdmacm(id: *mut sys::rdma_cm_id, slot: &Slot) -> bool {
+    if id.is_null() {
+        return false;
+    }
+    // SAFETY: live (caller). librdmacm may be writing the field on
+    // another thread; a volatile read of an aligned pointer sees either
+    // value, and either answer is fine.
+    let cur = unsafe { std::ptr::read_volatile(std::ptr::addr_of!((*id).event)) };
+    std::ptr::eq(cur.cast::<Slot>(), slot)
 }
 
 /// Lines of the reaper waiting for [`log_off_the_reaper`]'s thread.
@@ -1054,7 +1085,10 @@ pub struct Counters {
     pub acks_deferred: u64,
     /// Of those, originals acked when their copy was freed.
     pub acked_at_free: u64,
-    /// Of those, originals acked because the deadline passed first.
+    /// Of those, originals acked because the deadline passed first (under
+    /// an LD_PRELOAD also librdmacm's own current events of synchronous
+    /// ids, `rdma_create_ep` and rsockets, kept for a connection's life:
+    /// harmless, logged at debug level, not warned of).
     pub acked_at_deadline: u64,
     /// Gets refused with ENOBUFS by [`set_limit`].
     pub refused_at_limit: u64,

@@ -1,0 +1,106 @@
+//! A copy that librdmacm itself keeps as a synchronous id's current event
+//! (`id->event`: `rdma_create_ep` ids and rsockets, whose own
+//! `rdma_get_cm_event` the preload makes a copy) is acked at the ack
+//! deadline without the "held past its ack deadline" warning: librdmacm
+//! frees it itself before it destroys the id, so no app is late. (rstream
+//! under the preload warned on every connection longer than the deadline.)
+//! An app's copy held past the deadline is still warned of.
+//! librdmacm's two calls are replaced (`set_cm_event_calls`) by a stand-in.
+
+mod standin;
+
+use std::collections::HashSet;
+use std::os::raw::{c_char, c_int, c_void};
+use std::ptr::null_mut;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use rdmasafe::{
+    rdmasafe_cm_set_ack_deadline, rdmasafe_event_free, rdmasafe_get_event, rdmasafe_set_log_callback,
+    rdmasafe_set_log_level,
+};
+use rdmasafe_core::cm::SyntheticEvent;
+use rdmasafe_core::sys::{self, rdma_cm_event, rdma_cm_id, rdma_event_channel, CmEventCalls};
+use standin::{channel, ready, take_ready};
+
+/// The id the stand-in's next event is of.
+static NEXT_ID: AtomicUsize = AtomicUsize::new(0);
+static ACKED: Mutex<Option<HashSet<usize>>> = Mutex::new(None);
+/// The deadline's lines: (level, message).
+static LINES: Mutex<Vec<(c_int, String)>> = Mutex::new(Vec::new());
+/// A watchdog, not a timing: far beyond the 50 ms deadline.
+const WATCHDOG: Duration = Duration::from_secs(30);
+
+unsafe extern "C" fn fake_get(ch: *mut rdma_event_channel, ev: *mut *mut rdma_cm_event) -> c_int {
+    // SAFETY: ch is the test's channel.
+    if !unsafe { take_ready(ch) } {
+        return -1;
+    }
+    let mut e = SyntheticEvent::zeroed();
+    e.event.id = NEXT_ID.load(SeqCst) as *mut rdma_cm_id;
+    // SAFETY: ev is writable (rdmasafe's contract with librdmacm's call).
+    unsafe { *ev = Box::into_raw(e).cast() };
+    0
+}
+
+unsafe extern "C" fn fake_ack(ev: *mut rdma_cm_event) -> c_int {
+    ACKED.lock().unwrap().get_or_insert_with(HashSet::new).insert(ev as usize);
+    0
+}
+
+unsafe extern "C" fn log_cb(_ctx: *mut c_void, level: c_int, msg: *const c_char) {
+    // SAFETY: msg is a NUL-terminated string for the call's duration.
+    let msg = unsafe { std::ffi::CStr::from_ptr(msg) }.to_string_lossy().into_owned();
+    if msg.contains("ack deadline") {
+        LINES.lock().unwrap().push((level, msg));
+    }
+}
+
+/// A copy of an event of `id`, kept until the deadline's line about it.
+fn held_past_the_deadline(
+    ch: &mut rdma_event_channel,
+    w: c_int,
+    id: &mut rdma_cm_id,
+    librdmacms: bool,
+) -> (c_int, String) {
+    let before = LINES.lock().unwrap().len();
+    NEXT_ID.store(id as *mut rdma_cm_id as usize, SeqCst);
+    ready(w);
+    let mut ev = null_mut();
+    // SAFETY: a live stand-in channel; ev is writable.
+    assert_eq!(unsafe { rdmasafe_get_event(ch, &mut ev) }, 0);
+    if librdmacms {
+        id.event = ev; // as librdmacm's ucma_complete keeps it
+    }
+    let end = Instant::now() + WATCHDOG;
+    while LINES.lock().unwrap().len() == before {
+        assert!(Instant::now() < end, "no deadline line");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    id.event = null_mut();
+    // SAFETY: the copy got above, freed once.
+    assert_eq!(unsafe { rdmasafe_event_free(ev) }, 0);
+    LINES.lock().unwrap()[before].clone()
+}
+
+#[test]
+fn librdmacms_own_held_event_is_no_late_app() {
+    // SAFETY: fake_get / fake_ack behave as one librdmacm's pair for
+    // zeroed events of zeroed ids, from any thread.
+    unsafe { sys::set_cm_event_calls(CmEventCalls { get: fake_get, ack: fake_ack }) }
+        .expect("first CM use of this process");
+    assert!(rdmasafe_cm_set_ack_deadline(50) >= 0);
+    let (mut ch, w) = channel();
+    assert_eq!(rdmasafe_set_log_callback(Some(log_cb), null_mut()), 0);
+    assert_eq!(rdmasafe_set_log_level(4), 0);
+    // SAFETY: an all-zero id is a valid value of the C struct.
+    let mut id: Box<rdma_cm_id> = Box::new(unsafe { std::mem::zeroed() });
+    let (level, line) = held_past_the_deadline(&mut ch, w, &mut id, true);
+    assert_eq!(level, 4, "librdmacm's own held event: a debug line, not a warning: {line}");
+    assert!(line.contains("synchronous id"), "{line}");
+    let (level, line) = held_past_the_deadline(&mut ch, w, &mut id, false);
+    assert_eq!(level, 2, "an app's copy held past the deadline is warned of: {line}");
+    assert!(line.contains("was held past its ack deadline"), "{line}");
+    assert_eq!(rdmasafe_set_log_level(0), 0);
+}
