@@ -17,13 +17,10 @@ use std::ptr::null_mut;
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use rdmasafe::{
-    rdmasafe_cm_set_ack_deadline, rdmasafe_event_free, rdmasafe_get_event, rdmasafe_set_log_callback,
-    rdmasafe_set_log_level,
-};
+use rdmasafe::{rdmasafe_cm_set_ack_deadline, rdmasafe_event_free, rdmasafe_set_log_callback, rdmasafe_set_log_level};
 use rdmasafe_core::cm::SyntheticEvent;
 use rdmasafe_core::sys::{self, rdma_cm_event, rdma_event_channel, CmEventCalls};
-use standin::{channel, ready, take_ready};
+use standin::{channel, get_copy, take_ready};
 
 /// The originals the stand-in get handed out, in order.
 static GOT: Mutex<Vec<usize>> = Mutex::new(Vec::new());
@@ -78,14 +75,6 @@ unsafe extern "C" fn log_cb(_ctx: *mut c_void, _level: c_int, msg: *const c_char
     SEEN.lock().unwrap().push(ok);
 }
 
-fn get(ch: &mut rdma_event_channel, w: c_int) -> *mut rdma_cm_event {
-    ready(w);
-    let mut ev = null_mut();
-    // SAFETY: a live stand-in channel; ev is writable.
-    assert_eq!(unsafe { rdmasafe_get_event(ch, &mut ev) }, 0);
-    ev
-}
-
 #[test]
 fn a_log_callback_blocked_on_the_deadline_line_does_not_stop_the_deadlines() {
     // SAFETY: fake_get / fake_ack behave as one librdmacm's pair for
@@ -96,7 +85,7 @@ fn a_log_callback_blocked_on_the_deadline_line_does_not_stop_the_deadlines() {
     let (mut ch, w) = channel();
     assert_eq!(rdmasafe_set_log_callback(Some(log_cb), null_mut()), 0);
     assert_eq!(rdmasafe_set_log_level(4), 0); // debug: the deadline's lines
-    let first = get(&mut ch, w);
+    let first = get_copy(&mut ch, w);
     // The first deadline line's callback waits for the second original,
     // which is got only now, and acked by its own deadline.
     let end = Instant::now() + WATCHDOG;
@@ -104,7 +93,7 @@ fn a_log_callback_blocked_on_the_deadline_line_does_not_stop_the_deadlines() {
         assert!(Instant::now() < end, "the first copy's deadline never came");
         std::thread::sleep(Duration::from_millis(5));
     }
-    let second = get(&mut ch, w);
+    let second = get_copy(&mut ch, w);
     while SEEN.lock().unwrap().len() < 2 {
         assert!(Instant::now() < end + WATCHDOG, "the deadline lines never came");
         std::thread::sleep(Duration::from_millis(5));

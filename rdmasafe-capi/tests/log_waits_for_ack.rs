@@ -20,13 +20,10 @@ use std::sync::atomic::{AtomicUsize, Ordering::*};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use rdmasafe::{
-    rdmasafe_cm_set_ack_deadline, rdmasafe_event_free, rdmasafe_get_event, rdmasafe_set_log_callback,
-    rdmasafe_set_log_level,
-};
+use rdmasafe::{rdmasafe_cm_set_ack_deadline, rdmasafe_event_free, rdmasafe_set_log_callback, rdmasafe_set_log_level};
 use rdmasafe_core::cm::SyntheticEvent;
 use rdmasafe_core::sys::{self, rdma_cm_event, rdma_event_channel, CmEventCalls};
-use standin::{channel, ready, take_ready};
+use standin::{channel, get_copy, take_ready};
 
 /// The original the stand-in get handed out last.
 static LAST: AtomicUsize = AtomicUsize::new(0);
@@ -78,14 +75,6 @@ unsafe extern "C" fn log_cb(_ctx: *mut c_void, _level: c_int, msg: *const c_char
     SEEN.lock().unwrap().push((msg, acked));
 }
 
-fn get(ch: &mut rdma_event_channel, w: c_int) -> *mut rdma_cm_event {
-    ready(w);
-    let mut ev = null_mut();
-    // SAFETY: a live stand-in channel; ev is writable.
-    assert_eq!(unsafe { rdmasafe_get_event(ch, &mut ev) }, 0);
-    ev
-}
-
 fn seen_once(line: &str) {
     let seen = std::mem::take(&mut *SEEN.lock().unwrap());
     assert_eq!(seen.len(), 1, "the callback saw the {line:?} line once: {seen:?}");
@@ -110,7 +99,7 @@ fn a_log_line_of_the_get_path_comes_after_the_hold() {
     // The trace line of every copy.
     *AWAIT.lock().unwrap() = "copied CM event";
     assert_eq!(rdmasafe_set_log_level(5), 0);
-    let ev = get(&mut ch, w);
+    let ev = get_copy(&mut ch, w);
     assert_eq!(rdmasafe_set_log_level(0), 0);
     *AWAIT.lock().unwrap() = "";
     seen_once("copied CM event");
@@ -121,7 +110,7 @@ fn a_log_line_of_the_get_path_comes_after_the_hold() {
     // each copy is off), and the callback waits only on that line.
     *AWAIT.lock().unwrap() = "CM event copies are held";
     assert_eq!(rdmasafe_set_log_level(2), 0);
-    let held: Vec<_> = (0..4096).map(|_| get(&mut ch, w)).collect();
+    let held: Vec<_> = (0..4096).map(|_| get_copy(&mut ch, w)).collect();
     assert_eq!(rdmasafe_set_log_level(0), 0);
     *AWAIT.lock().unwrap() = "";
     seen_once("CM event copies are held");

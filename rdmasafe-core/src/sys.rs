@@ -210,6 +210,19 @@ pub unsafe fn commit(at: NonNull<u8>, bytes: usize) -> std::io::Result<()> {
     Ok(())
 }
 
+/// `id->event`: the event librdmacm keeps as a synchronous id's current
+/// one (`ucma_complete` stores it until the next, or the id's destroy,
+/// which acks it before it waits); NULL for other ids.
+///
+/// # Safety
+/// `id` must be a live id (e.g. the id of an event not acked yet).
+/// librdmacm may be writing the field on another thread: a volatile read
+/// of an aligned pointer sees the old or the new value.
+pub unsafe fn current_event(id: *const rdma_cm_id) -> *mut rdma_cm_event {
+    // SAFETY: live (caller); an aligned pointer field.
+    unsafe { std::ptr::read_volatile(std::ptr::addr_of!((*id).event)) }
+}
+
 /// A coarse monotonic clock in milliseconds (`CLOCK_MONOTONIC_COARSE`,
 /// a few ms of resolution). It is read from the vDSO's data page without
 /// touching the hardware clock, so it is no system call even on VMs whose

@@ -410,12 +410,8 @@ unsafe fn librdmacm_holds(ev: usize, e: &CmEntry) -> bool {
     if e.id == 0 {
         return false;
     }
-    let id = e.id as *const rdma_cm_id;
-    // SAFETY: the id is live (see above). librdmacm may be writing the
-    // field on another thread (ucma_complete); a volatile read of an
-    // aligned pointer sees either value, and either answer is fine.
-    let cur = unsafe { std::ptr::read_volatile(std::ptr::addr_of!((*id).event)) };
-    cur as usize == ev
+    // SAFETY: the id is live (see above).
+    unsafe { sys::current_event(e.id as *const rdma_cm_id) as usize == ev }
 }
 
 /// Check mode's state.

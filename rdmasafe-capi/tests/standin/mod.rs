@@ -32,3 +32,13 @@ pub unsafe fn take_ready(ch: *mut rdma_event_channel) -> bool {
     // SAFETY: ch is live (caller); b is one writable byte.
     unsafe { libc::read((*ch).fd, (&mut b as *mut u8).cast(), 1) == 1 }
 }
+
+/// Makes one event ready on `ch` (write end `w`) and gets its copy with
+/// `rdmasafe_get_event` (asserting success).
+pub fn get_copy(ch: &mut rdma_event_channel, w: c_int) -> *mut rdmasafe_core::sys::rdma_cm_event {
+    ready(w);
+    let mut ev = std::ptr::null_mut();
+    // SAFETY: a live stand-in channel; ev is writable.
+    assert_eq!(unsafe { rdmasafe::rdmasafe_get_event(ch, &mut ev) }, 0);
+    ev
+}

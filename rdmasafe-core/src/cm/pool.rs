@@ -983,22 +983,14 @@ fn scan(now: u64) {
 static WARNED_LATE: AtomicBool = AtomicBool::new(false);
 
 /// True if the copy in `slot` is what librdmacm keeps as `id`'s current
-/// event: a synchronous id's (librdmacm's own `rdma_get_cm_event`, which
-/// an LD_PRELOAD makes a copy, stored in `id->event` until the next one or
-/// the id's destroy, which frees it before it waits). Not an app's late
-/// free.
+/// event ([`sys::current_event`]: a synchronous id's own get, which an
+/// LD_PRELOAD makes a copy). Not an app's late free.
 ///
 /// # Safety
 /// `id` NULL or a live id (an un-acked event's).
 unsafe fn held_by_librdmacm(id: *mut sys::rdma_cm_id, slot: &Slot) -> bool {
-    if id.is_null() {
-        return false;
-    }
-    // SAFETY: live (caller). librdmacm may be writing the field on
-    // another thread; a volatile read of an aligned pointer sees either
-    // value, and either answer is fine.
-    let cur = unsafe { std::ptr::read_volatile(std::ptr::addr_of!((*id).event)) };
-    std::ptr::eq(cur.cast::<Slot>(), slot)
+    // SAFETY: live (caller).
+    !id.is_null() && std::ptr::eq(unsafe { sys::current_event(id) }.cast::<Slot>(), slot)
 }
 
 /// Lines of the reaper waiting for [`log_off_the_reaper`]'s thread.
