@@ -136,7 +136,11 @@
 /**
  * Learning adaptive mode: measures its own sleep-to-wake cost and the idle
  * gaps before completions arrive, and picks from them when to sleep and
- * how long to spin (`adaptive_spin_us` is ignored).
+ * how long to spin (`adaptive_spin_us` is ignored). A wake is priced by
+ * the completions it delays (those the recent wakes found waiting), and a
+ * loop whose recent gaps were all shorter than a wake spins on for one
+ * priced wake before it sleeps: a stream is not slept through at its rare
+ * longer gaps.
  */
 #define RDMASAFE_MODE_LEARNING 3
 
@@ -317,7 +321,8 @@ struct rdmasafe_cq_loop_options {
    * RDMASAFE_MODE_LEARNING only: how many microseconds of CPU one
    * microsecond of added latency is worth when the loop prices the ways
    * to wait, 1..1000 (default 1: alike). A wake from sleep adds its
-   * block + wake cost to a completion's latency; a weight of k prices
+   * block + wake cost to the latency of each completion that waited for
+   * it; a weight of k prices
    * that cost k times, so the loop spins longer after completions and
    * polls in wider windows around periodic arrivals: lower latency for
    * more CPU. A weighted wake is priced at most 10 ms (its own cost, if

@@ -369,6 +369,10 @@ impl Core {
             l.model.overhead_sample(ns(t1.saturating_duration_since(t)).saturating_mul(2));
         }
         if n > 0 {
+            if slept.is_some() {
+                // Each of them waited for the wake.
+                l.model.wake_batch(n);
+            }
             let now = match slept {
                 // Woken by the completions' event: they came about one
                 // wake-up latency before the loop ran again (and not before

@@ -25,6 +25,10 @@ pub enum Mode {
     /// from the recent gaps picks, each time it goes idle, the cheapest of
     /// sleeping at once, spinning for a while, or sleeping until just before
     /// the next arrival is due and spinning from then (periodic traffic).
+    /// A wake is priced by the completions it delays (those the recent
+    /// wakes found waiting), and a loop whose recent gaps were all shorter
+    /// than a wake spins on for one priced wake before it sleeps: a stream
+    /// is not slept through at its rare longer gaps.
     /// The CQs stay armed while it sleeps on a timer, so an early completion
     /// still wakes it. Reads the clock at the first empty poll after
     /// completions, once per 4 empty polling passes after that (every pass
@@ -71,8 +75,8 @@ pub struct LoopOptions {
     /// [`Mode::Learning`] only: how many microseconds of CPU one
     /// microsecond of added latency is worth when the loop prices the ways
     /// to wait (1..=1000, default 1: alike). A wake from sleep adds its
-    /// block + wake cost to a completion's latency; with a weight of `k`
-    /// that cost is priced `k` times, so the loop spins longer after
+    /// block + wake cost to the latency of each completion that waited for
+    /// it; with a weight of `k` that cost is priced `k` times, so the loop spins longer after
     /// completions and polls in wider windows around periodic arrivals:
     /// lower latency for more CPU. A weighted wake is priced at most 10 ms
     /// (its own cost, if that is more): no weight makes the loop spin for
