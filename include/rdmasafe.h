@@ -137,10 +137,11 @@
  * Learning adaptive mode: measures its own sleep-to-wake cost and the idle
  * gaps before completions arrive, and picks from them when to sleep and
  * how long to spin (`adaptive_spin_us` is ignored). A wake is priced by
- * the completions it delays (those the recent wakes found waiting), and a
- * loop whose recent gaps were all shorter than a wake spins on for one
- * priced wake before it sleeps: a stream is not slept through at its rare
- * longer gaps.
+ * the completions it delays (`learn_wake_batch_milli` of the stats). When
+ * the plan spins through every recent gap and sets no timer, it spins
+ * until at least one priced wake after the first empty poll: a stream's
+ * rare longer gap is spun through, not slept through, and a ping-pong
+ * whose round trips are all shorter than a wake spins about one wake.
  */
 #define RDMASAFE_MODE_LEARNING 3
 
@@ -326,7 +327,9 @@ struct rdmasafe_cq_loop_options {
    * that cost k times, so the loop spins longer after completions and
    * polls in wider windows around periodic arrivals: lower latency for
    * more CPU. A weighted wake is priced at most 10 ms (its own cost, if
-   * that is more): no weight makes the loop spin for seconds. Other
+   * that is more): no weight makes the loop spin for seconds, but a loop
+   * whose recent gaps are all short spins up to that bound after its
+   * last completion (e.g. 10 ms at weight 1000 with a 25 us wake). Other
    * modes ignore it, but it must be 0 or in range in every mode.
    */
   int learn_latency_weight;
@@ -528,6 +531,16 @@ struct rdmasafe_cq_loop_stats {
    * plus the work around a sleep).
    */
   uint64_t learn_wake_cost_ns;
+  /**
+   * Learning mode: the completions a wake delays, as the plan prices
+   * them, in thousandths (1000: one; 0 before the first plan): the
+   * average, over the recent wakes from the loop's own sleeps, of the
+   * completions handed to callbacks after them (a solicited-only CQ's
+   * batch counts once). The plan prices a wake `learn_wake_cost_ns`
+   * times this times `learn_latency_weight`, at most 10 ms (the wake
+   * cost itself if that is more).
+   */
+  uint64_t learn_wake_batch_milli;
 };
 
 /**

@@ -31,10 +31,11 @@ pub const RDMASAFE_MODE_ADAPTIVE: c_int = 2;
 /// Learning adaptive mode: measures its own sleep-to-wake cost and the idle
 /// gaps before completions arrive, and picks from them when to sleep and
 /// how long to spin (`adaptive_spin_us` is ignored). A wake is priced by
-/// the completions it delays (those the recent wakes found waiting), and a
-/// loop whose recent gaps were all shorter than a wake spins on for one
-/// priced wake before it sleeps: a stream is not slept through at its rare
-/// longer gaps.
+/// the completions it delays (`learn_wake_batch_milli` of the stats). When
+/// the plan spins through every recent gap and sets no timer, it spins
+/// until at least one priced wake after the first empty poll: a stream's
+/// rare longer gap is spun through, not slept through, and a ping-pong
+/// whose round trips are all shorter than a wake spins about one wake.
 pub const RDMASAFE_MODE_LEARNING: c_int = 3;
 
 /// Returned (positive) by a change requested from inside one of the loop's
@@ -114,7 +115,9 @@ pub struct rdmasafe_cq_loop_options {
     /// that cost k times, so the loop spins longer after completions and
     /// polls in wider windows around periodic arrivals: lower latency for
     /// more CPU. A weighted wake is priced at most 10 ms (its own cost, if
-    /// that is more): no weight makes the loop spin for seconds. Other
+    /// that is more): no weight makes the loop spin for seconds, but a loop
+    /// whose recent gaps are all short spins up to that bound after its
+    /// last completion (e.g. 10 ms at weight 1000 with a 25 us wake). Other
     /// modes ignore it, but it must be 0 or in range in every mode.
     pub learn_latency_weight: c_int,
 }
@@ -223,6 +226,14 @@ pub struct rdmasafe_cq_loop_stats {
     /// Learning mode: the measured block + wake cost, ns (wake-up latency
     /// plus the work around a sleep).
     pub learn_wake_cost_ns: u64,
+    /// Learning mode: the completions a wake delays, as the plan prices
+    /// them, in thousandths (1000: one; 0 before the first plan): the
+    /// average, over the recent wakes from the loop's own sleeps, of the
+    /// completions handed to callbacks after them (a solicited-only CQ's
+    /// batch counts once). The plan prices a wake `learn_wake_cost_ns`
+    /// times this times `learn_latency_weight`, at most 10 ms (the wake
+    /// cost itself if that is more).
+    pub learn_wake_batch_milli: u64,
 }
 
 /// A CQ loop (opaque; the handle is looked up on every call).
@@ -818,6 +829,7 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_get_stats(
                 learn_window_from_ns: s.learn_window_from_ns,
                 learn_window_to_ns: s.learn_window_to_ns,
                 learn_wake_cost_ns: s.learn_wake_cost_ns,
+                learn_wake_batch_milli: s.learn_wake_batch_milli,
             };
             // SAFETY: out checked non-NULL; writable for its stated size (caller).
             match unsafe { crate::abi::write_out(out, &v) } {

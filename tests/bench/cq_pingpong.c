@@ -308,6 +308,7 @@ static void loop_report(struct app *a, struct jline *j)
 	j_u64(j, "learn_window_from_ns", s.learn_window_from_ns);
 	j_u64(j, "learn_window_to_ns", s.learn_window_to_ns);
 	j_u64(j, "learn_wake_cost_ns", s.learn_wake_cost_ns);
+	j_u64(j, "learn_wake_batch_milli", s.learn_wake_batch_milli);
 }
 
 static void loop_teardown(struct app *a)

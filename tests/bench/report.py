@@ -1175,7 +1175,9 @@ def ad_learned(d, case, label="learning"):
             win = (f", window {us('learn_window_from_ns')}-{us('learn_window_to_ns')} us"
                    if r.get("learn_window_to_ns") else ", no window")
             msgs = max(1, r.get("recvs", 0) + r.get("sends", 0))
-            return (f"spin {us('learn_spin_ns')} us{win}, wake cost {us('learn_wake_cost_ns')} us, "
+            batch = (f" x {fnum(r['learn_wake_batch_milli'] / 1000)} completions"
+                     if r.get("learn_wake_batch_milli") else "")
+            return (f"spin {us('learn_spin_ns')} us{win}, wake cost {us('learn_wake_cost_ns')} us{batch}, "
                     f"{fnum(r.get('learn_timer_wakes', 0) / msgs)} timer wakes and "
                     f"{fnum(r.get('learn_calibrations', 0) / msgs)} calibrations per completion")
         parts.append(f"{role}: " + "; ".join(f"repeat {k}: {plan(r)}" for k, r in got))

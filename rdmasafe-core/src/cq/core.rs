@@ -493,7 +493,12 @@ impl Core {
         // Called where it is: while it runs, nobody else can touch the
         // loop's state (this thread holds it; the handler's changes are
         // queued, applied below).
-        let Some(handler) = self.entries.get_mut(r).map(|e| &mut e.handler) else { return };
+        let Some(e) = self.entries.get_mut(r) else { return };
+        // Learning mode's count of the completions that waited for a wake:
+        // a solicited-only CQ's batch counts once (its unsolicited
+        // completions were not meant to wake the loop).
+        self.learn.handed = self.learn.handed.wrapping_add(if e.opts.solicited_only { 1 } else { n as u64 });
+        let handler = &mut e.handler;
         let wcs = &self.wcs[..n];
         // A figure for `LoopControl::in_handler` only (no other memory is
         // published through it): no full fence per handler call.

@@ -355,6 +355,7 @@ impl Core {
             self.plan_sleep();
             self.publish_plan(&ctl.0);
         }
+        let handed = self.learn.handed;
         let r = self.event_cycle(ctl, wait, honor_stop);
         // Taken whatever happened: a sleep that ended in an error (EINTR)
         // must not leave a decision or a timer wake for a later sleep to
@@ -370,8 +371,10 @@ impl Core {
         }
         if n > 0 {
             if slept.is_some() {
-                // Each of them waited for the wake.
-                l.model.wake_batch(n);
+                // The completions handed to handlers after the sleep each
+                // waited for the wake (the loop's own keepalive probes and
+                // drain markers are not handed; see `Learn::handed`).
+                l.model.wake_batch(l.handed.wrapping_sub(handed));
             }
             let now = match slept {
                 // Woken by the completions' event: they came about one
@@ -430,6 +433,7 @@ impl Core {
         c.learn_window_from_ns.store(from, Relaxed);
         c.learn_window_to_ns.store(to, Relaxed);
         c.learn_wake_cost_ns.store(m.wake_cost(), Relaxed);
+        c.learn_wake_batch_milli.store(m.wake_batch_256() * 1000 / 256, Relaxed);
     }
 
     /// Learning mode's poll: until completions arrive, `learn.spin_until`

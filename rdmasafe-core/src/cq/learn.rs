@@ -39,24 +39,33 @@
 //! A wake also delays every completion that arrives while the loop is
 //! waking, not only the first: in a stream, one sleep holds back the
 //! dozens that queue up meanwhile. So `W` is also priced `b` times, `b`
-//! being the completions an event wake's cycle delivered, averaged over the
-//! recent wakes ([`Model::wake_batch`], 1 to [`MAX_WAKE_BATCH`]; 1 before
-//! any wake, and about 1 for requests that each wait for a reply). A
-//! stream whose rare longer gaps the plan would sleep through then gets a
-//! spin that covers them, while ping-pong, periodic and random single
-//! arrivals are priced as before. The 10 ms bound above holds for `k * b * W`.
+//! being the completions handed to handlers in the cycle after one of the
+//! loop's own sleeps, averaged over the recent ones ([`Model::wake_batch`],
+//! 1 to [`MAX_WAKE_BATCH`]; a solicited-only CQ's batch counts once, since
+//! its unsolicited completions were not meant to wake the loop; 1 before
+//! any such wake, and about 1 for requests that each wait for a reply, so
+//! ping-pong, periodic and random single arrivals are priced as without
+//! it). A loop embedded in an app's own epoll (driven with
+//! [`crate::Wait::None`]) does not sleep itself and keeps `b` as it is. The
+//! 10 ms bound above holds for `k * b * W`.
 //!
 //! The plan with the least total over the samples wins: periodic arrivals
 //! get a window around the next one (sleep, then poll); random ones get a
 //! spin of about `W` or none; a stream (idle durations of a few
-//! microseconds) gets a spin that covers them, and then, since the samples
-//! are only the recent past and the next gap exceeds all of them about
-//! once in [`SAMPLES`] + 1, a spin of at least the priced `W`: a rare
-//! longer gap in a stream is spun through, not slept through (the
-//! competitive bound: the extra spin costs at most what the wake would). Until [`MIN_SAMPLES`] idle
-//! durations are known the plan is the classic competitive one: spin for
+//! microseconds) gets a spin that covers them. The samples are only the
+//! recent past, and the next gap exceeds all of them about once in
+//! [`SAMPLES`] + 1: so a plan that spins through every sample and sets no
+//! window spins until at least the priced `W` after the idle start (the
+//! competitive bound: the extra spin costs at most what the wake would, and
+//! nothing over the samples). A rare longer gap in a stream is then spun
+//! through, not slept through; a ping-pong whose round trips are all
+//! shorter than a wake spins about `W` (not only its longest round trip);
+//! and when a completion comes after such a raised spin ran out (the stream
+//! ended), the plan is searched again at once, so the raised spin is not
+//! paid again at the next idle times. Until [`MIN_SAMPLES`] idle durations
+//! are known the plan is the classic competitive one: spin for the priced
 //! `W`. The search is O(n²) over the sorted samples, redone every
-//! [`REFRESH`] samples.
+//! [`REFRESH`] samples and after a raised spin ran out.
 
 /// Idle durations kept.
 pub(super) const SAMPLES: usize = 32;
@@ -74,8 +83,8 @@ pub(super) const CALIBRATE_NS: u64 = 200_000;
 /// The largest latency weight ([`super::LoopOptions::learn_latency_weight`]).
 pub const MAX_LATENCY_WEIGHT: u32 = 1000;
 /// An event wake's completions count as this many at most
-/// ([`Model::wake_batch`]): after a stream, a few wakes bring the average
-/// back to single arrivals.
+/// ([`Model::wake_batch`]): from there, 32 wakes of single arrivals bring
+/// the average under 2, and about 80 back to 1.
 pub(super) const MAX_WAKE_BATCH: u64 = 64;
 /// Idle durations longer than this (an hour, ns) count as this long.
 const MAX_IDLE: u64 = 3_600_000_000_000;
@@ -107,6 +116,10 @@ pub(super) struct Learn {
     pub fired: Option<(std::time::Instant, bool)>,
     /// Empty polling passes (the clock is read on some of them).
     pub passes: u32,
+    /// Completions handed to handlers so far, a solicited-only CQ's batch
+    /// counting as one: the difference over a cycle that slept is what
+    /// [`Model::wake_batch`] learns from.
+    pub handed: u64,
 }
 
 impl Learn {
@@ -149,8 +162,12 @@ pub(super) struct Model {
     /// (1..=[`MAX_LATENCY_WEIGHT`]).
     weight: u32,
     /// EWMA (1/8) of the completions an event wake's cycle delivered, in
-    /// sixteenths (16: one), 16..=16 * [`MAX_WAKE_BATCH`].
-    batch16: u64,
+    /// 1/256ths (256: one), 256..=256 * [`MAX_WAKE_BATCH`]; the fine unit
+    /// keeps the rounding of the average below 1/32 of a completion.
+    batch256: u64,
+    /// The plan's spin was raised to the priced `W` (it spins through
+    /// every sample): a longer idle time re-plans at once.
+    raised: bool,
 }
 
 impl Default for Model {
@@ -167,7 +184,8 @@ impl Default for Model {
             lateness_seen: false,
             since_lateness: 0,
             weight: 1,
-            batch16: 16,
+            batch256: 256,
+            raised: false,
         };
         m.plan = m.competitive();
         m
@@ -211,8 +229,8 @@ impl Model {
     /// seconds.
     fn priced_wake_cost(&self) -> u64 {
         let w = self.wake_cost().min(MAX_IDLE);
-        let times16 = self.weight as u64 * self.batch16;
-        w.max((w.saturating_mul(times16) / 16).min(MAX_COST_SAMPLE))
+        let times256 = self.weight as u64 * self.batch256;
+        w.max((w.saturating_mul(times256) / 256).min(MAX_COST_SAMPLE))
     }
 
     fn competitive(&self) -> Plan {
@@ -225,9 +243,12 @@ impl Model {
         self.next = (self.next + 1) % SAMPLES;
         self.len = (self.len + 1).min(SAMPLES);
         self.fresh += 1;
-        if self.len >= MIN_SAMPLES && self.fresh >= REFRESH {
+        // A raised spin that did not catch this one (a stream ended, say)
+        // is not paid again for the next REFRESH idle times: re-plan now.
+        let missed = self.raised && ns > self.plan.spin;
+        if self.len >= MIN_SAMPLES && (self.fresh >= REFRESH || missed) {
             self.fresh = 0;
-            self.plan = self.search();
+            (self.plan, self.raised) = self.search();
         }
     }
 
@@ -241,9 +262,14 @@ impl Model {
 
     /// An event wake's cycle delivered `n` completions: each of them
     /// waited for the wake (counted 1..=[`MAX_WAKE_BATCH`]).
-    pub(super) fn wake_batch(&mut self, n: usize) {
-        let n = (n as u64).clamp(1, MAX_WAKE_BATCH);
-        self.batch16 = ewma(self.batch16, n * 16);
+    pub(super) fn wake_batch(&mut self, n: u64) {
+        self.batch256 = ewma(self.batch256, n.clamp(1, MAX_WAKE_BATCH) * 256);
+    }
+
+    /// The completions a wake delays, as the plans price it (the recent
+    /// wakes' average), in 1/256ths.
+    pub(super) fn wake_batch_256(&self) -> u64 {
+        self.batch256
     }
 
     /// A sleep cost `ns` of CPU around it.
@@ -259,7 +285,8 @@ impl Model {
     }
 
     /// The cheapest plan over the samples (see the module's comment).
-    fn search(&self) -> Plan {
+    /// With it, whether its spin was raised to the priced `W`.
+    fn search(&self) -> (Plan, bool) {
         let n = self.len;
         // Signed: a(i) below may be negative. Durations are capped at an
         // hour, so no sum of SAMPLES of them overflows.
@@ -333,10 +360,11 @@ impl Model {
         // more than that wake would (the competitive bound), and nothing
         // over the samples.
         let mut plan = winner.1;
-        if plan.window.is_none() && n > 0 && plan.spin as i64 >= y[n - 1] {
-            plan.spin = plan.spin.max(w as u64);
+        let raise = plan.window.is_none() && n > 0 && plan.spin as i64 >= y[n - 1] && (w as u64) > plan.spin;
+        if raise {
+            plan.spin = w as u64;
         }
-        plan
+        (plan, raise)
     }
 }
 
@@ -412,9 +440,9 @@ mod tests {
         for _ in 0..64 {
             m.wake_batch(16);
         }
-        // (the average in sixteenths stops a few short of 16)
+        // the average (in 1/256ths) ends less than 1/32 short of 16
         let priced = m.priced_wake_cost();
-        assert!((15 * 340_000..=16 * 340_000).contains(&priced), "{priced}");
+        assert!((16 * 340_000 - 340_000 / 32..=16 * 340_000).contains(&priced), "{priced}");
         // the plan is refreshed by new samples
         feed(&mut m, (0..REFRESH as u64).map(|i| 15_000 + i * 300));
         assert_eq!(m.plan().spin, priced, "{:?}", m.plan());
@@ -423,15 +451,55 @@ mod tests {
             m.wake_batch(100_000);
         }
         assert_eq!(m.priced_wake_cost(), MAX_COST_SAMPLE);
-        // single arrivals again: back to one within 60 wakes (from the
-        // largest average)
-        for _ in 0..60 {
+        // single arrivals again: from the largest average, under two
+        // completions within 32 wakes, one within 80
+        for _ in 0..32 {
+            m.wake_batch(1);
+        }
+        assert!(m.wake_batch_256() < 2 * 256, "{}", m.wake_batch_256());
+        for _ in 32..80 {
             m.wake_batch(1);
         }
         assert_eq!(m.priced_wake_cost(), 340_000);
-        // a failed count (0) counts as one
+        // a count of 0 counts as one
         m.wake_batch(0);
         assert_eq!(m.priced_wake_cost(), 340_000);
+    }
+
+    #[test]
+    fn the_batch_moves_the_search_itself() {
+        // a stream's gaps of 0.5-3.5 us and one of 60 us; W 40 us
+        let xs: Vec<u64> = (0..SAMPLES as u64).map(|i| if i == 7 { 60_000 } else { 500 + i * 100 }).collect();
+        let mut one = model(30_000, 10_000);
+        feed(&mut one, xs.iter().copied());
+        // a wake costs 40 us: sleeping through the 60 us gap is cheaper
+        assert!(one.plan().spin < 60_000, "{:?}", one.plan());
+        let mut sixteen = model(30_000, 10_000);
+        for _ in 0..64 {
+            sixteen.wake_batch(16);
+        }
+        feed(&mut sixteen, xs.iter().copied());
+        // a wake delays 16 completions: spin through it (and on, to one
+        // priced wake)
+        let p = sixteen.plan();
+        assert!(p.spin >= 60_000 && p.window.is_none(), "{p:?}");
+        assert_eq!(p.spin, sixteen.priced_wake_cost());
+    }
+
+    #[test]
+    fn a_raised_spin_that_missed_replans_at_once() {
+        let mut m = model(30_000, 10_000);
+        feed(&mut m, (0..SAMPLES as u64).map(|i| 500 + i * 100));
+        assert_eq!(m.plan().spin, 40_000, "raised to one wake");
+        // the stream ends: the next completion comes 100 ms later. The
+        // raised spin is not paid again for the next REFRESH idle times
+        // (before: 40 us after each of them).
+        feed(&mut m, [100_000_000]);
+        assert!(m.plan().spin < 40_000, "{:?}", m.plan());
+        // a plan that was not raised waits for REFRESH samples as before
+        let p = m.plan();
+        feed(&mut m, [200_000_000]);
+        assert_eq!(m.plan(), p);
     }
 
     #[test]
@@ -476,11 +544,24 @@ mod tests {
             let mut m = model(rnd() % 50_000 + 1, rnd() % 20_000 + 1);
             // every other round with a latency weight of 2..=20
             m.weight = if round % 2 == 0 { 1 } else { (rnd() % 19 + 2) as u32 };
+            // and wakes that found 1..=100 completions (every third round: none)
+            if round % 3 != 0 {
+                for _ in 0..8 {
+                    m.wake_batch(rnd() % 100 + 1);
+                }
+            }
             let spread = [1_000u64, 50_000, 2_000_000][round % 3];
             let xs: Vec<u64> = (0..SAMPLES).map(|_| rnd() % spread + rnd() % 3 * spread).collect();
             feed(&mut m, xs.iter().copied());
             let total = |p: Plan| xs.iter().map(|&x| cost(&m, p, x)).sum::<u64>();
             let got = total(m.plan());
+            // a plan that spins through every sample spins at least one
+            // priced wake, and no longer than that or the largest sample
+            let largest = xs.iter().copied().max().unwrap();
+            let p = m.plan();
+            if p.window.is_none() && p.spin >= largest {
+                assert_eq!(p.spin, largest.max(m.priced_wake_cost()), "round {round}");
+            }
             // every plan the search may pick from: spins and windows at
             // sample values
             let mut cands = vec![0];

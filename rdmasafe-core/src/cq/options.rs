@@ -25,10 +25,14 @@ pub enum Mode {
     /// from the recent gaps picks, each time it goes idle, the cheapest of
     /// sleeping at once, spinning for a while, or sleeping until just before
     /// the next arrival is due and spinning from then (periodic traffic).
-    /// A wake is priced by the completions it delays (those the recent
-    /// wakes found waiting), and a loop whose recent gaps were all shorter
-    /// than a wake spins on for one priced wake before it sleeps: a stream
-    /// is not slept through at its rare longer gaps.
+    /// A wake is priced by the completions it delays (the average over the
+    /// recent wakes from the loop's own sleeps of the completions handed to
+    /// handlers after them; a solicited-only CQ's batch counts once,
+    /// [`crate::cq::LoopStats::learn_wake_batch_milli`]). When the plan
+    /// spins through every recent gap and sets no timer, it spins until at
+    /// least one priced wake after the first empty poll: a stream's rare
+    /// longer gap is spun through, not slept through, and a ping-pong whose
+    /// round trips are all shorter than a wake spins about one wake.
     /// The CQs stay armed while it sleeps on a timer, so an early completion
     /// still wakes it. Reads the clock at the first empty poll after
     /// completions, once per 4 empty polling passes after that (every pass
@@ -80,7 +84,9 @@ pub struct LoopOptions {
     /// completions and polls in wider windows around periodic arrivals:
     /// lower latency for more CPU. A weighted wake is priced at most 10 ms
     /// (its own cost, if that is more): no weight makes the loop spin for
-    /// seconds. Other modes ignore it, but it must be in range in every
+    /// seconds, but a loop whose recent gaps are all short spins up to that
+    /// bound after its last completion (e.g. 10 ms at weight 1000 with a
+    /// 25 us wake, see [`Mode::Learning`]). Other modes ignore it, but it must be in range in every
     /// mode.
     pub learn_latency_weight: u32,
 }

@@ -77,6 +77,7 @@ pub(crate) struct Counters {
     pub(crate) learn_window_from_ns: AtomicU64,
     pub(crate) learn_window_to_ns: AtomicU64,
     pub(crate) learn_wake_cost_ns: AtomicU64,
+    pub(crate) learn_wake_batch_milli: AtomicU64,
     pub(crate) per_wakeup: Histogram,
     pub(crate) cycle_us: Histogram,
 }
@@ -116,6 +117,7 @@ impl Counters {
             learn_window_from_ns: self.learn_window_from_ns.load(Relaxed),
             learn_window_to_ns: self.learn_window_to_ns.load(Relaxed),
             learn_wake_cost_ns: self.learn_wake_cost_ns.load(Relaxed),
+            learn_wake_batch_milli: self.learn_wake_batch_milli.load(Relaxed),
             completions_per_wakeup: self.per_wakeup.snapshot(),
             cycle_time_us: self.cycle_us.snapshot(),
         }
@@ -205,6 +207,14 @@ pub struct LoopStats {
     /// Learning mode: the measured block + wake cost (wake-up latency plus
     /// the work around a sleep), ns.
     pub learn_wake_cost_ns: u64,
+    /// Learning mode: the completions a wake delays, as the plan prices
+    /// them (the average over the recent wakes from the loop's own sleeps
+    /// of the completions handed to handlers after them; a solicited-only
+    /// CQ's batch counts once), in thousandths (1000: one; 0 before the
+    /// first plan). The plan prices a wake `learn_wake_cost_ns` times this
+    /// times the latency weight, at most 10 ms (the wake cost itself if
+    /// that is more).
+    pub learn_wake_batch_milli: u64,
     /// Histogram of completions delivered per wakeup (power-of-two
     /// buckets, see [`BUCKETS`]).
     pub completions_per_wakeup: [u64; BUCKETS],
