@@ -115,9 +115,12 @@ pub struct rdmasafe_cq_loop_options {
     /// that cost k times, so the loop spins longer after completions and
     /// polls in wider windows around periodic arrivals: lower latency for
     /// more CPU. A weighted wake is priced at most 10 ms (its own cost, if
-    /// that is more): no weight makes the loop spin for seconds, but a loop
-    /// whose recent gaps are all short spins up to that bound after its
-    /// last completion (e.g. 10 ms at weight 1000 with a 25 us wake). Other
+    /// that is more), and the spin after the last completion is never
+    /// longer than one priced wake: no weight makes the loop spin for
+    /// seconds, but a loop whose recent gaps are all short spins up to that
+    /// bound after its last completion (e.g. 10 ms at weight 1000 with a
+    /// 25 us wake). A window around periodic arrivals polls as long as
+    /// their recent spread. Other
     /// modes ignore it, but it must be 0 or in range in every mode.
     pub learn_latency_weight: c_int,
 }
@@ -229,8 +232,10 @@ pub struct rdmasafe_cq_loop_stats {
     /// Learning mode: the completions a wake delays, as the plan prices
     /// them, in thousandths (1000: one; 0 before the first plan): the
     /// average, over the recent wakes from the loop's own sleeps, of the
-    /// completions handed to callbacks after them (a solicited-only CQ's
-    /// batch counts once). The plan prices a wake `learn_wake_cost_ns`
+    /// completions handed to callbacks after them (a solicited-only CQ
+    /// counts once per wake, however many callback calls its completions
+    /// take; a loop driven with a zero timeout, embedded in the app's own
+    /// epoll, never sleeps itself and learns none). The plan prices a wake `learn_wake_cost_ns`
     /// times this times `learn_latency_weight`, at most 10 ms (the wake
     /// cost itself if that is more).
     pub learn_wake_batch_milli: u64,

@@ -652,71 +652,95 @@ fn the_latency_weight_prices_the_wake_in_the_plan() {
     }
 }
 
+/// One learning loop, one CQ: 8 messages (the last one solicited) sent
+/// from the loop's before-sleep hook, which waits until the server's side
+/// has acked them all, so the sleep that follows finds all 8 whatever the
+/// bed's timing. The loop is driven with `wait` until it has them, then
+/// idles so as to publish its plan. Returns the stats.
+fn learning_wake_after_8(addr: std::net::IpAddr, solicited_only: bool, poll_batch: usize, wait: Wait) -> LoopStats {
+    let (ctx, _keep) = device(addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = Arc::new(rc_pair(addr, &chan, false, 16));
+    let opts = LoopOptions { mode: Mode::Learning, poll_batch, ..Default::default() };
+    let lp = CqLoop::new(&chan, opts).unwrap();
+    for k in 0..16 {
+        p.recv(k * SLOT, SLOT as u32, k as u64);
+    }
+    let got = Arc::new(AtomicUsize::new(0));
+    let g = got.clone();
+    let cq_opts = rdmasafe_core::cq::CqOptions { solicited_only, budget: 0 };
+    lp.add_cq_with(&p.server_cq, cq_opts, move |wcs, _| {
+        assert!(wcs.iter().all(|w| w.status() == WcStatus::SUCCESS));
+        g.fetch_add(wcs.len(), SeqCst);
+    })
+    .unwrap();
+    let sent = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (pp, s2) = (p.clone(), sent.clone());
+    lp.set_before_sleep_hook(Some(Box::new(move || {
+        if s2.swap(true, SeqCst) {
+            return;
+        }
+        for k in 0..8u64 {
+            let c = pp.client.lock().unwrap();
+            let o = rdmasafe_core::cm::SendOptions { solicited: k == 7, ..Default::default() };
+            c.id.post_send_with(&c.mr, 0, 8, k, o).unwrap();
+        }
+        let mut wcs: [_; 8] = std::array::from_fn(|_| empty_wc());
+        let mut acked = 0;
+        while acked < 8 {
+            acked += pp.client_cq.poll(&mut wcs).unwrap();
+        }
+    })));
+    while got.load(SeqCst) < 8 {
+        lp.process_once(wait).unwrap();
+    }
+    // idle again: the loop plans its next sleep and publishes the plan
+    for _ in 0..3 {
+        lp.process_once(if wait == Wait::None { wait } else { Wait::For(Duration::from_millis(20)) }).unwrap();
+    }
+    let s = lp.stats();
+    println!(
+        "solicited_only {solicited_only}, poll_batch {poll_batch}, {wait:?}: wake batch {} / 1000, {s:?}",
+        s.learn_wake_batch_milli
+    );
+    assert!(sent.load(SeqCst), "the loop slept");
+    assert_eq!(got.load(SeqCst), 8);
+    assert_eq!(s.completions, 8);
+    s
+}
+
 /// The learning mode prices a wake by the completions that waited for it
 /// (`learn_wake_batch_milli`, in thousandths): 8 messages that all arrive
 /// while the loop sleeps count 8 for that wake (the average moves above
 /// one); on a CQ armed for solicited completions only, the 7 unsolicited
-/// messages and the solicited one that wakes the loop count once (the app
-/// chose not to be woken for the 7: before, they counted 8). The messages
-/// are sent from the loop's before-sleep hook, which waits until the
-/// server's side has acked them all: the sleep that follows finds all 8,
-/// whatever the bed's timing.
+/// messages and the solicited one that wakes the loop count once per wake
+/// (the app chose not to be woken for the 7: before, they counted 8), also
+/// when a small `poll_batch` hands them to the handler in 8 calls (before:
+/// once per handler call, 8 again).
 #[test]
 fn a_learning_wake_is_priced_by_the_completions_that_waited_for_it() {
     let bed = common::bed();
     let _dog = common::watchdog("learning wake batch", Duration::from_secs(300));
-    let (ctx, _keep) = device(bed.addr);
-    for solicited_only in [false, true] {
-        let chan = CompChannel::new(&ctx).unwrap();
-        let p = Arc::new(rc_pair(bed.addr, &chan, false, 16));
-        let opts = LoopOptions { mode: Mode::Learning, ..Default::default() };
-        let lp = CqLoop::new(&chan, opts).unwrap();
-        for k in 0..16 {
-            p.recv(k * SLOT, SLOT as u32, k as u64);
-        }
-        let got = Arc::new(AtomicUsize::new(0));
-        let g = got.clone();
-        let cq_opts = rdmasafe_core::cq::CqOptions { solicited_only, budget: 0 };
-        lp.add_cq_with(&p.server_cq, cq_opts, move |wcs, _| {
-            assert!(wcs.iter().all(|w| w.status() == WcStatus::SUCCESS));
-            g.fetch_add(wcs.len(), SeqCst);
-        })
-        .unwrap();
-        let sent = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let (pp, s2) = (p.clone(), sent.clone());
-        lp.set_before_sleep_hook(Some(Box::new(move || {
-            if s2.swap(true, SeqCst) {
-                return;
-            }
-            for k in 0..8u64 {
-                let c = pp.client.lock().unwrap();
-                let o = rdmasafe_core::cm::SendOptions { solicited: k == 7, ..Default::default() };
-                c.id.post_send_with(&c.mr, 0, 8, k, o).unwrap();
-            }
-            let mut wcs: [_; 8] = std::array::from_fn(|_| empty_wc());
-            let mut acked = 0;
-            while acked < 8 {
-                acked += pp.client_cq.poll(&mut wcs).unwrap();
-            }
-        })));
-        while got.load(SeqCst) < 8 {
-            lp.process_once(Wait::For(Duration::from_millis(50))).unwrap();
-        }
-        // idle again: the loop plans its next sleep and publishes the plan
-        for _ in 0..3 {
-            lp.process_once(Wait::For(Duration::from_millis(20))).unwrap();
-        }
-        let s = lp.stats();
-        println!("solicited_only {solicited_only}: wake batch {} / 1000, {s:?}", s.learn_wake_batch_milli);
-        assert!(sent.load(SeqCst), "the loop slept");
-        assert_eq!(got.load(SeqCst), 8);
-        assert_eq!(s.completions, 8);
-        if solicited_only {
-            assert_eq!(s.learn_wake_batch_milli, 1000, "a solicited-only CQ's batch counts once");
-        } else {
-            assert!(s.learn_wake_batch_milli > 1000, "8 completions waited for the wake: {}", s.learn_wake_batch_milli);
-        }
+    let waited = Wait::For(Duration::from_millis(50));
+    let s = learning_wake_after_8(bed.addr, false, 16, waited);
+    assert!(s.learn_wake_batch_milli > 1000, "8 completions waited for the wake: {}", s.learn_wake_batch_milli);
+    for poll_batch in [16, 1] {
+        let s = learning_wake_after_8(bed.addr, true, poll_batch, waited);
+        assert_eq!(s.learn_wake_batch_milli, 1000, "poll_batch {poll_batch}: a solicited-only CQ counts once per wake");
     }
+}
+
+/// A learning loop embedded in the app's own epoll (driven with
+/// `Wait::None`) never sleeps itself: its zero-timeout waits are polls
+/// (a reactor may call it back to back), so what they find is no wake's
+/// batch and the average stays as it was (before, the 8 messages found by
+/// a zero-timeout wait counted as a wake of 8).
+#[test]
+fn an_embedded_learning_loop_learns_no_wake_batch() {
+    let bed = common::bed();
+    let _dog = common::watchdog("embedded learning wake batch", Duration::from_secs(300));
+    let s = learning_wake_after_8(bed.addr, false, 16, Wait::None);
+    assert_eq!(s.learn_wake_batch_milli, 1000);
 }
 
 extern "C" fn on_usr1(_: libc::c_int) {}

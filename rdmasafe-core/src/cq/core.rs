@@ -495,9 +495,16 @@ impl Core {
         // queued, applied below).
         let Some(e) = self.entries.get_mut(r) else { return };
         // Learning mode's count of the completions that waited for a wake:
-        // a solicited-only CQ's batch counts once (its unsolicited
-        // completions were not meant to wake the loop).
-        self.learn.handed = self.learn.handed.wrapping_add(if e.opts.solicited_only { 1 } else { n as u64 });
+        // a solicited-only CQ counts once per event cycle (one sleep at
+        // most), whatever its handler calls (its unsolicited completions
+        // were not meant to wake the loop).
+        let l = &mut self.learn;
+        if !e.opts.solicited_only {
+            l.handed = l.handed.wrapping_add(n as u64);
+        } else if e.learn_counted != l.event_cycles {
+            e.learn_counted = l.event_cycles;
+            l.handed = l.handed.wrapping_add(1);
+        }
         let handler = &mut e.handler;
         let wcs = &self.wcs[..n];
         // A figure for `LoopControl::in_handler` only (no other memory is

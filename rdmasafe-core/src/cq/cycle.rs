@@ -356,6 +356,7 @@ impl Core {
             self.publish_plan(&ctl.0);
         }
         let handed = self.learn.handed;
+        self.learn.event_cycles = self.learn.event_cycles.wrapping_add(1);
         let r = self.event_cycle(ctl, wait, honor_stop);
         // Taken whatever happened: a sleep that ended in an error (EINTR)
         // must not leave a decision or a timer wake for a later sleep to
@@ -370,10 +371,13 @@ impl Core {
             l.model.overhead_sample(ns(t1.saturating_duration_since(t)).saturating_mul(2));
         }
         if n > 0 {
-            if slept.is_some() {
+            if slept.is_some() && wait != Wait::None {
                 // The completions handed to handlers after the sleep each
                 // waited for the wake (the loop's own keepalive probes and
-                // drain markers are not handed; see `Learn::handed`).
+                // drain markers are not handed; see `Learn::handed`). A
+                // zero-timeout wait (an app's epoll drives the loop; a
+                // reactor may call it back to back) was no sleep of the
+                // loop's: what it found is no wake's batch.
                 l.model.wake_batch(l.handed.wrapping_sub(handed));
             }
             let now = match slept {

@@ -47,6 +47,9 @@ pub(crate) struct Entry {
     pub(crate) in_fired: bool,
     pub(crate) in_ready: bool,
     pub(crate) in_unarmed: bool,
+    /// Learning mode: the event cycle ([`super::learn::Learn::event_cycles`])
+    /// this solicited-only CQ's completions were last counted in.
+    pub(crate) learn_counted: u64,
     gen: u64,
 }
 
@@ -61,6 +64,7 @@ impl Entry {
             in_fired: false,
             in_ready: false,
             in_unarmed: false,
+            learn_counted: 0,
             gen: 0,
         }
     }

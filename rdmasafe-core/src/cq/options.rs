@@ -27,12 +27,15 @@ pub enum Mode {
     /// the next arrival is due and spinning from then (periodic traffic).
     /// A wake is priced by the completions it delays (the average over the
     /// recent wakes from the loop's own sleeps of the completions handed to
-    /// handlers after them; a solicited-only CQ's batch counts once,
+    /// handlers after them; a solicited-only CQ counts once per wake,
+    /// however many handler calls its completions take; a loop driven with
+    /// [`crate::Wait::None`] never sleeps itself and learns none,
     /// [`crate::cq::LoopStats::learn_wake_batch_milli`]). When the plan
     /// spins through every recent gap and sets no timer, it spins until at
     /// least one priced wake after the first empty poll: a stream's rare
     /// longer gap is spun through, not slept through, and a ping-pong whose
-    /// round trips are all shorter than a wake spins about one wake.
+    /// round trips are all shorter than a wake spins about one wake. The
+    /// spin after the last completion never exceeds one priced wake.
     /// The CQs stay armed while it sleeps on a timer, so an early completion
     /// still wakes it. Reads the clock at the first empty poll after
     /// completions, once per 4 empty polling passes after that (every pass
@@ -80,14 +83,17 @@ pub struct LoopOptions {
     /// microsecond of added latency is worth when the loop prices the ways
     /// to wait (1..=1000, default 1: alike). A wake from sleep adds its
     /// block + wake cost to the latency of each completion that waited for
-    /// it; with a weight of `k` that cost is priced `k` times, so the loop spins longer after
-    /// completions and polls in wider windows around periodic arrivals:
-    /// lower latency for more CPU. A weighted wake is priced at most 10 ms
-    /// (its own cost, if that is more): no weight makes the loop spin for
-    /// seconds, but a loop whose recent gaps are all short spins up to that
-    /// bound after its last completion (e.g. 10 ms at weight 1000 with a
-    /// 25 us wake, see [`Mode::Learning`]). Other modes ignore it, but it must be in range in every
-    /// mode.
+    /// it; with a weight of `k` that cost is priced `k` times, so the loop
+    /// spins longer after completions and polls in wider windows around
+    /// periodic arrivals: lower latency for more CPU. A weighted wake is
+    /// priced at most 10 ms (its own cost, if that is more), and the spin
+    /// after the last completion is never longer than one priced wake: no
+    /// weight makes the loop spin for seconds, but a loop whose recent gaps
+    /// are all short spins up to that bound after its last completion
+    /// (e.g. 10 ms at weight 1000 with a 25 us wake, see
+    /// [`Mode::Learning`]). A window around periodic arrivals polls as
+    /// long as their recent spread. Other modes ignore it, but it must be
+    /// in range in every mode.
     pub learn_latency_weight: u32,
 }
 
