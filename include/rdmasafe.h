@@ -139,9 +139,10 @@
  * how long to spin (`adaptive_spin_us` is ignored). A wake is priced by
  * the completions it delays (`learn_wake_batch_milli` of the stats). When
  * the plan spins through every recent gap and sets no timer, it spins
- * until at least one priced wake after the first empty poll: a stream's
- * rare longer gap is spun through, not slept through, and a ping-pong
- * whose round trips are all shorter than a wake spins about one wake.
+ * for one priced wake after the first empty poll: a stream's rare longer
+ * gap is spun through, not slept through, and a ping-pong whose round
+ * trips are all shorter than a wake spins one wake. No plan spins longer
+ * than one priced wake after the last completion.
  */
 #define RDMASAFE_MODE_LEARNING 3
 

@@ -33,9 +33,10 @@ pub const RDMASAFE_MODE_ADAPTIVE: c_int = 2;
 /// how long to spin (`adaptive_spin_us` is ignored). A wake is priced by
 /// the completions it delays (`learn_wake_batch_milli` of the stats). When
 /// the plan spins through every recent gap and sets no timer, it spins
-/// until at least one priced wake after the first empty poll: a stream's
-/// rare longer gap is spun through, not slept through, and a ping-pong
-/// whose round trips are all shorter than a wake spins about one wake.
+/// for one priced wake after the first empty poll: a stream's rare longer
+/// gap is spun through, not slept through, and a ping-pong whose round
+/// trips are all shorter than a wake spins one wake. No plan spins longer
+/// than one priced wake after the last completion.
 pub const RDMASAFE_MODE_LEARNING: c_int = 3;
 
 /// Returned (positive) by a change requested from inside one of the loop's

@@ -72,6 +72,7 @@ impl Core {
         if let Some(t1) = before {
             let t2 = Instant::now();
             self.learn.slept = Some((t1, t2));
+            self.learn.blocked = ms != 0;
             // The plan's (or a calibration's) timer fired: only then is
             // t2 - wake_at its lateness. The sleep must have begun before
             // the time asked for, unless the app's own epoll did the waiting
@@ -371,13 +372,14 @@ impl Core {
             l.model.overhead_sample(ns(t1.saturating_duration_since(t)).saturating_mul(2));
         }
         if n > 0 {
-            if slept.is_some() && wait != Wait::None {
+            if slept.is_some() && l.blocked {
                 // The completions handed to handlers after the sleep each
                 // waited for the wake (the loop's own keepalive probes and
                 // drain markers are not handed; see `Learn::handed`). A
-                // zero-timeout wait (an app's epoll drives the loop; a
-                // reactor may call it back to back) was no sleep of the
-                // loop's: what it found is no wake's batch.
+                // zero-timeout wait (Wait::None or a zero Wait::For: an
+                // app's epoll drives the loop, or a reactor calls it back to
+                // back; or a deadline was due) was no sleep of the loop's:
+                // what it found is no wake's batch.
                 l.model.wake_batch(l.handed.wrapping_sub(handed));
             }
             let now = match slept {

@@ -47,7 +47,8 @@
 //! any such wake, and about 1 for requests that each wait for a reply, so
 //! ping-pong, periodic and random single arrivals are priced as without
 //! it). A loop embedded in an app's own epoll (driven with
-//! [`crate::Wait::None`]) does not sleep itself and keeps `b` as it is. The
+//! [`crate::Wait::None`]) or polled with a zero timeout does not sleep
+//! itself and keeps `b` as it is (so does a wait a due deadline cut to 0). The
 //! 10 ms bound above holds for `k * b * W`.
 //!
 //! The plan with the least total over the samples wins, among those whose
@@ -60,7 +61,7 @@
 //! microseconds) gets a spin that covers them. The samples are only the
 //! recent past, and the next gap exceeds all of them about once in
 //! [`SAMPLES`] + 1: so a plan that spins through every sample and sets no
-//! window spins until at least the priced `W` after the idle start (the
+//! window spins for the priced `W` after the idle start (the
 //! competitive bound: the extra spin costs at most what the wake would, and
 //! nothing over the samples). A rare longer gap in a stream is then spun
 //! through, not slept through; a ping-pong whose round trips are all
@@ -116,6 +117,10 @@ pub(super) struct Learn {
     pub decided: Option<std::time::Instant>,
     /// The last sleep's clock reads: just before `epoll_wait`, just after.
     pub slept: Option<(std::time::Instant, std::time::Instant)>,
+    /// The last sleep's `epoll_wait` could block (its timeout was not 0:
+    /// a zero-timeout wait, asked for or cut to 0 by a due deadline, is a
+    /// poll, and what it finds waited for no wake of the loop's).
+    pub blocked: bool,
     /// The last sleep was ended by `wake_at`'s timer: the time asked for,
     /// and whether the lateness can be measured from it.
     pub fired: Option<(std::time::Instant, bool)>,
@@ -123,7 +128,8 @@ pub(super) struct Learn {
     pub passes: u32,
     /// Completions handed to handlers so far, a solicited-only CQ's
     /// counting as one per event cycle: the difference over a cycle that
-    /// slept is what [`Model::wake_batch`] learns from.
+    /// slept (`slept` and `blocked`: not a zero-timeout wait) is what
+    /// [`Model::wake_batch`] learns from.
     pub handed: u64,
     /// Event cycles (each sleeps at most once) begun so far, from 1: a
     /// solicited-only CQ counts once in each
@@ -224,11 +230,14 @@ impl Model {
         self.lateness
     }
 
+    /// The plan to follow now: the last search's, its spin within the
+    /// priced `W` as priced now (it may have fallen since the search, with
+    /// the wake batch or the measured costs).
     pub(super) fn plan(&self) -> Plan {
         if self.len < MIN_SAMPLES {
             self.competitive()
         } else {
-            self.plan
+            Plan { spin: self.plan.spin.min(self.priced_wake_cost()), ..self.plan }
         }
     }
 
@@ -577,13 +586,13 @@ mod tests {
             feed(&mut m, xs.iter().copied());
             let total = |p: Plan| xs.iter().map(|&x| cost(&m, p, x)).sum::<u64>();
             let got = total(m.plan());
-            // a plan that spins through every sample spins at least one
-            // priced wake, and no longer than that or the largest sample
+            // a plan that spins through every sample spins one priced wake
+            // (the samples are all within it: the spin is capped)
             let largest = xs.iter().copied().max().unwrap();
             let p = m.plan();
             assert!(p.spin <= m.priced_wake_cost(), "round {round}: {p:?}");
             if p.window.is_none() && p.spin >= largest {
-                assert_eq!(p.spin, largest.max(m.priced_wake_cost()), "round {round}");
+                assert_eq!(p.spin, m.priced_wake_cost(), "round {round}");
             }
             // every plan the search may pick from: spins and windows at
             // sample values
@@ -667,6 +676,26 @@ mod tests {
         }
         assert!(longest <= priced, "{longest}");
         assert!(longest > 1_000_000, "the cases catch some long gaps: {longest}");
+    }
+
+    #[test]
+    fn the_spin_follows_the_priced_wake_down_between_searches() {
+        // a stream whose wakes each found 16: spin 16 wakes (640 us)
+        let mut m = model(30_000, 10_000);
+        for _ in 0..64 {
+            m.wake_batch(16);
+        }
+        feed(&mut m, (0..SAMPLES as u64).map(|i| 500 + i * 100));
+        assert_eq!(m.plan().spin, m.priced_wake_cost());
+        assert!(m.plan().spin > 600_000, "{:?}", m.plan());
+        // wakes that find one each: the priced wake falls to 40 us before
+        // the next search, and the spin with it (before: 640 us until
+        // REFRESH more idle times came)
+        for _ in 0..80 {
+            m.wake_batch(1);
+        }
+        assert_eq!(m.priced_wake_cost(), 40_000);
+        assert_eq!(m.plan().spin, 40_000);
     }
 
     #[test]

@@ -29,13 +29,15 @@ pub enum Mode {
     /// recent wakes from the loop's own sleeps of the completions handed to
     /// handlers after them; a solicited-only CQ counts once per wake,
     /// however many handler calls its completions take; a loop driven with
-    /// [`crate::Wait::None`] never sleeps itself and learns none,
+    /// [`crate::Wait::None`] or a zero timeout never sleeps itself and
+    /// learns none,
     /// [`crate::cq::LoopStats::learn_wake_batch_milli`]). When the plan
-    /// spins through every recent gap and sets no timer, it spins until at
-    /// least one priced wake after the first empty poll: a stream's rare
-    /// longer gap is spun through, not slept through, and a ping-pong whose
-    /// round trips are all shorter than a wake spins about one wake. The
-    /// spin after the last completion never exceeds one priced wake.
+    /// spins through every recent gap and sets no timer, it spins for one
+    /// priced wake after the first empty poll: a stream's rare longer gap
+    /// is spun through, not slept through, and a ping-pong whose round
+    /// trips are all shorter than a wake spins one wake. No plan spins
+    /// longer than one priced wake (as priced now) after the last
+    /// completion.
     /// The CQs stay armed while it sleeps on a timer, so an early completion
     /// still wakes it. Reads the clock at the first empty poll after
     /// completions, once per 4 empty polling passes after that (every pass

@@ -211,7 +211,8 @@ pub struct LoopStats {
     /// them (the average over the recent wakes from the loop's own sleeps
     /// of the completions handed to handlers after them; a solicited-only
     /// CQ counts once per wake, however many handler calls its completions
-    /// take; a loop driven with [`crate::Wait::None`] learns none), in
+    /// take; a loop driven with [`crate::Wait::None`] or a zero timeout
+    /// learns none), in
     /// thousandths (1000: one; 0 before the
     /// first plan). The plan prices a wake `learn_wake_cost_ns` times this
     /// times the latency weight, at most 10 ms (the wake cost itself if
