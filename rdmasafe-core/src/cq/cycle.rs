@@ -373,14 +373,15 @@ impl Core {
         }
         if n > 0 {
             if slept.is_some() && l.blocked {
-                // The completions handed to handlers after the sleep each
-                // waited for the wake (the loop's own keepalive probes and
-                // drain markers are not handed; see `Learn::handed`). A
-                // zero-timeout wait (Wait::None or a zero Wait::For: an
-                // app's epoll drives the loop, or a reactor calls it back to
-                // back; or a deadline was due) was no sleep of the loop's:
-                // what it found is no wake's batch.
-                l.model.wake_batch(l.handed.wrapping_sub(handed));
+                // The completions handed to handlers from the sleep to the
+                // next empty poll each waited for the wake (the loop's own
+                // keepalive probes and drain markers are not handed; see
+                // `Learn::handed`; a CQ's budget may leave some for the next
+                // cycles). A zero-timeout wait (Wait::None or a zero
+                // Wait::For: an app's epoll drives the loop, or a reactor
+                // calls it back to back; or a deadline was due) was no sleep
+                // of the loop's: what it found is no wake's batch.
+                l.batch_from = Some(handed);
             }
             let now = match slept {
                 // Woken by the completions' event: they came about one
@@ -389,9 +390,7 @@ impl Core {
                 Some((t1, t2)) => t2.checked_sub(Duration::from_nanos(l.model.lateness())).unwrap_or(t2).max(t1),
                 None => Instant::now(),
             };
-            if let Some(s) = l.idle_start.take() {
-                l.model.idle(ns(now.saturating_duration_since(s)));
-            }
+            l.end_idle(now);
             l.wake_at = None;
             l.calibrating = false;
             l.spin_until = l.model.plan().spin;
@@ -424,6 +423,7 @@ impl Core {
             // return to the app, whose time until the next call is not loop
             // idle time. The next idle duration starts afresh.
             self.learn.idle_start = None;
+            self.learn.idle_outside = false;
         }
         self.rearm_fired_empty();
         Ok(0)
@@ -457,9 +457,9 @@ impl Core {
             let mut n = self.poll_all(ctl, honor_stop)?;
             n += self.tick(ctl, honor_stop)?;
             if n > 0 {
-                if let Some(s) = self.learn.idle_start.take() {
+                if self.learn.idle_start.is_some() {
                     let now = Instant::now();
-                    self.learn.model.idle(ns(now.saturating_duration_since(s)));
+                    self.learn.end_idle(now);
                     self.polling_since = Some(now);
                 }
                 self.learn.spin_until = self.learn.model.plan().spin;
@@ -474,6 +474,10 @@ impl Core {
                 std::hint::spin_loop();
                 continue;
             }
+            if self.learn.idle_start.is_none() {
+                // The first empty poll since completions came.
+                self.learn.end_batch();
+            }
             let now = Instant::now();
             let idle = *self.learn.idle_start.get_or_insert(now);
             if ns(now.saturating_duration_since(idle)) >= self.learn.spin_until {
@@ -486,6 +490,9 @@ impl Core {
                 Wait::For(d) => {
                     let d = *deadline.get_or_insert_with(|| sys::deadline_after(now, d));
                     if now >= d {
+                        // Back to the app, still polling: the time until its
+                        // next call is not loop idle time.
+                        self.learn.idle_outside = true;
                         return Ok(0);
                     }
                 }
@@ -569,6 +576,7 @@ impl Core {
         self.polling_since = None;
         let l = &mut self.learn;
         (l.wake_at, l.idle_start, l.calibrating, l.decided, l.slept, l.fired) = (None, None, false, None, None, None);
+        (l.batch_from, l.idle_outside) = (None, false);
         let next = self.next_deadline(sh);
         self.arm_timer(sh, next);
         sh.stop.store(false, SeqCst);

@@ -7,7 +7,9 @@
 //! **What is measured.** `idle`: from the first empty poll after
 //! completions to the next completion found (time the app spends outside
 //! the loop is not loop idle time: the idle clock starts at the first empty
-//! poll the loop makes itself). `lateness`: how much later than asked a
+//! poll the loop makes itself, and an idle time during which a
+//! `Wait::For` ran out and the call returned to the app still polling is
+//! no sample). `lateness`: how much later than asked a
 //! timed sleep returns (the scheduler's wake-up latency). `overhead`: the
 //! CPU a sleep costs around it (re-arm, the wake's `read()` and ack). The
 //! block + wake cost `W` is lateness + overhead: what an event wake adds to
@@ -39,8 +41,9 @@
 //! A wake also delays every completion that arrives while the loop is
 //! waking, not only the first: in a stream, one sleep holds back the
 //! dozens that queue up meanwhile. So `W` is also priced `b` times, `b`
-//! being the completions handed to handlers in the cycle after one of the
-//! loop's own sleeps, averaged over the recent ones ([`Model::wake_batch`],
+//! being the completions handed to handlers from one of the loop's own
+//! sleeps to its next empty poll (a CQ's budget may hand them over in
+//! several cycles), averaged over the recent ones ([`Model::wake_batch`],
 //! 1 to [`MAX_WAKE_BATCH`]; a solicited-only CQ counts once per wake,
 //! however many handler calls its completions take, since its unsolicited
 //! completions were not meant to wake the loop; 1 before
@@ -131,6 +134,16 @@ pub(super) struct Learn {
     /// slept (`slept` and `blocked`: not a zero-timeout wait) is what
     /// [`Model::wake_batch`] learns from.
     pub handed: u64,
+    /// A wake's batch being counted: `handed` just before the wake's cycle.
+    /// Learned at the first empty poll after it, so completions a CQ's
+    /// budget left for the next cycles count too.
+    pub batch_from: Option<u64>,
+    /// The idle time since `idle_start` spans a return to the app (a
+    /// `Wait::For` that ran out while polling): the app's time is not
+    /// loop idle time, so the idle duration it ends is not a sample (the
+    /// spin still runs on from `idle_start`, or a loop called with a short
+    /// wait would never get to sleep).
+    pub idle_outside: bool,
     /// Event cycles (each sleeps at most once) begun so far, from 1: a
     /// solicited-only CQ counts once in each
     /// ([`super::entries::Entry::learn_counted`]), however many handler
@@ -139,6 +152,25 @@ pub(super) struct Learn {
 }
 
 impl Learn {
+    /// Completions came at `now`: ends the idle time (a sample unless it
+    /// spanned a return to the app).
+    pub(super) fn end_idle(&mut self, now: std::time::Instant) {
+        if let Some(s) = self.idle_start.take() {
+            if !std::mem::take(&mut self.idle_outside) {
+                self.model.idle(ns(now.saturating_duration_since(s)));
+            }
+        }
+        self.idle_outside = false;
+    }
+
+    /// The loop's first empty poll after completions: a wake's batch being
+    /// counted ends here.
+    pub(super) fn end_batch(&mut self) {
+        if let Some(from) = self.batch_from.take() {
+            self.model.wake_batch(self.handed.wrapping_sub(from));
+        }
+    }
+
     /// A loop's learning state, its model pricing latency at `weight`.
     pub(super) fn with_weight(weight: u32) -> Learn {
         Learn { model: Model::with_weight(weight), event_cycles: 1, ..Learn::default() }
@@ -232,13 +264,14 @@ impl Model {
 
     /// The plan to follow now: the last search's, its spin within the
     /// priced `W` as priced now (it may have fallen since the search, with
-    /// the wake batch or the measured costs).
+    /// the wake batch or the measured costs), and a raised spin (one
+    /// priced `W`) following the priced `W` both ways.
     pub(super) fn plan(&self) -> Plan {
         if self.len < MIN_SAMPLES {
-            self.competitive()
-        } else {
-            Plan { spin: self.plan.spin.min(self.priced_wake_cost()), ..self.plan }
+            return self.competitive();
         }
+        let priced = self.priced_wake_cost();
+        Plan { spin: if self.raised { priced } else { self.plan.spin.min(priced) }, ..self.plan }
     }
 
     /// `W` as the plans price it: `W` times the latency weight and the
@@ -264,7 +297,7 @@ impl Model {
         self.fresh += 1;
         // A raised spin that did not catch this one (a stream ended, say)
         // is not paid again for the next REFRESH idle times: re-plan now.
-        let missed = self.raised && ns > self.plan.spin;
+        let missed = self.raised && ns > self.plan().spin;
         if self.len >= MIN_SAMPLES && (self.fresh >= REFRESH || missed) {
             self.fresh = 0;
             (self.plan, self.raised) = self.search();
@@ -649,6 +682,23 @@ mod tests {
         let mut slow = Model::with_weight(1000);
         slow.lateness_sample(MAX_COST_SAMPLE);
         assert_eq!(slow.plan().spin, MAX_COST_SAMPLE + slow.overhead);
+    }
+
+    #[test]
+    fn a_raised_spin_follows_the_priced_wake_up_between_searches() {
+        // a stream: raised to one priced wake (40 us)
+        let mut m = model(30_000, 10_000);
+        feed(&mut m, (0..SAMPLES as u64).map(|i| 500 + i * 100));
+        assert_eq!(m.plan().spin, 40_000);
+        // the wake cost rises before the next search: the raised spin is
+        // one priced wake as priced now (before: 40 us until the search)
+        for _ in 0..20 {
+            m.lateness_sample(200_000);
+        }
+        let priced = m.priced_wake_cost();
+        assert!(priced > 150_000, "{priced}");
+        feed(&mut m, (0..(REFRESH as u64 - 1)).map(|i| 500 + i * 100));
+        assert_eq!(m.plan().spin, priced);
     }
 
     #[test]

@@ -27,7 +27,9 @@ pub enum Mode {
     /// the next arrival is due and spinning from then (periodic traffic).
     /// A wake is priced by the completions it delays (the average over the
     /// recent wakes from the loop's own sleeps of the completions handed to
-    /// handlers after them; a solicited-only CQ counts once per wake,
+    /// handlers from each until the loop's next empty poll, in as many
+    /// cycles as the CQs' budgets take; a solicited-only CQ counts once per
+    /// wake,
     /// however many handler calls its completions take; a loop driven with
     /// [`crate::Wait::None`] or a zero timeout never sleeps itself and
     /// learns none,

@@ -209,7 +209,9 @@ pub struct LoopStats {
     pub learn_wake_cost_ns: u64,
     /// Learning mode: the completions a wake delays, as the plan prices
     /// them (the average over the recent wakes from the loop's own sleeps
-    /// of the completions handed to handlers after them; a solicited-only
+    /// of the completions handed to handlers from each until the loop's
+    /// next empty poll, in as many cycles as the CQs' budgets take; a
+    /// solicited-only
     /// CQ counts once per wake, however many handler calls its completions
     /// take; a loop driven with [`crate::Wait::None`] or a zero timeout
     /// learns none), in
