@@ -333,8 +333,8 @@ struct rdmasafe_cq_loop_options {
    * seconds, but a loop whose recent gaps are all short spins up to that
    * bound after its last completion (e.g. 10 ms at weight 1000 with a
    * 25 us wake). A window around periodic arrivals polls as long as
-   * their recent spread. Other
-   * modes ignore it, but it must be 0 or in range in every mode.
+   * their recent spread. Other modes ignore it, but it must be 0 or in
+   * range in every mode.
    */
   int learn_latency_weight;
 };
@@ -541,11 +541,10 @@ struct rdmasafe_cq_loop_stats {
    * average, over the recent wakes from the loop's own sleeps, of the
    * completions handed to callbacks from each until the loop's next
    * empty poll, in as many cycles as the CQs' budgets take (a
-   * solicited-only CQ
-   * counts once per wake, however many callback calls its completions
-   * take; a loop driven with a zero timeout, embedded in the app's own
-   * epoll, never sleeps itself and learns none). The plan prices a wake `learn_wake_cost_ns`
-   * times this times `learn_latency_weight`, at most 10 ms (the wake
+   * solicited-only CQ counts once per wake, however many callback calls
+   * its completions take; a loop driven with a zero timeout, embedded in
+   * the app's own epoll, never sleeps itself and learns none). The plan
+   * prices a wake `learn_wake_cost_ns` times this times `learn_latency_weight`, at most 10 ms (the wake
    * cost itself if that is more).
    */
   uint64_t learn_wake_batch_milli;

@@ -9,8 +9,7 @@
 //! the loop is not loop idle time: the idle clock starts at the first empty
 //! poll the loop makes itself, and an idle time during which a
 //! `Wait::For` ran out and the call returned to the app still polling is
-//! no sample). `lateness`: how much later than asked a
-//! timed sleep returns (the scheduler's wake-up latency). `overhead`: the
+//! no sample). `lateness`: how much later than asked a timed sleep returns (the scheduler's wake-up latency). `overhead`: the
 //! CPU a sleep costs around it (re-arm, the wake's `read()` and ack). The
 //! block + wake cost `W` is lateness + overhead: what an event wake adds to
 //! a completion's latency, and about what a sleep costs in CPU.
@@ -51,15 +50,15 @@
 //! ping-pong, periodic and random single arrivals are priced as without
 //! it). A loop embedded in an app's own epoll (driven with
 //! [`crate::Wait::None`]) or polled with a zero timeout does not sleep
-//! itself and keeps `b` as it is (so does a wait a due deadline cut to 0). The
-//! 10 ms bound above holds for `k * b * W`.
+//! itself and keeps `b` as it is (so does a wait a due deadline cut to 0).
+//! The 10 ms bound above holds for `k * b * W`.
 //!
 //! The plan with the least total over the samples wins, among those whose
 //! spin is at most the priced `W` (the bound above): over dense samples
 //! just above `W`, catching them all can be cheaper still, but that would
 //! let the spin grow past what the options promise (a 23 ms spin at a
-//! 10 ms priced wake was seen). Periodic arrivals
-//! get a window around the next one (sleep, then poll); random ones get a
+//! 10 ms priced wake was seen). Periodic arrivals get a window around the
+//! next one (sleep, then poll); random ones get a
 //! spin of about `W` or none; a stream (idle durations of a few
 //! microseconds) gets a spin that covers them. The samples are only the
 //! recent past, and the next gap exceeds all of them about once in
@@ -155,12 +154,10 @@ impl Learn {
     /// Completions came at `now`: ends the idle time (a sample unless it
     /// spanned a return to the app).
     pub(super) fn end_idle(&mut self, now: std::time::Instant) {
-        if let Some(s) = self.idle_start.take() {
-            if !std::mem::take(&mut self.idle_outside) {
-                self.model.idle(ns(now.saturating_duration_since(s)));
-            }
+        let outside = std::mem::take(&mut self.idle_outside);
+        if let (Some(s), false) = (self.idle_start.take(), outside) {
+            self.model.idle(ns(now.saturating_duration_since(s)));
         }
-        self.idle_outside = false;
     }
 
     /// The loop's first empty poll after completions: a wake's batch being

@@ -29,11 +29,9 @@ pub enum Mode {
     /// recent wakes from the loop's own sleeps of the completions handed to
     /// handlers from each until the loop's next empty poll, in as many
     /// cycles as the CQs' budgets take; a solicited-only CQ counts once per
-    /// wake,
-    /// however many handler calls its completions take; a loop driven with
-    /// [`crate::Wait::None`] or a zero timeout never sleeps itself and
-    /// learns none,
-    /// [`crate::cq::LoopStats::learn_wake_batch_milli`]). When the plan
+    /// wake, however many handler calls its completions take; a loop driven
+    /// with [`crate::Wait::None`] or a zero timeout never sleeps itself and
+    /// learns none, [`crate::cq::LoopStats::learn_wake_batch_milli`]). When the plan
     /// spins through every recent gap and sets no timer, it spins for one
     /// priced wake after the first empty poll: a stream's rare longer gap
     /// is spun through, not slept through, and a ping-pong whose round

@@ -211,11 +211,9 @@ pub struct LoopStats {
     /// them (the average over the recent wakes from the loop's own sleeps
     /// of the completions handed to handlers from each until the loop's
     /// next empty poll, in as many cycles as the CQs' budgets take; a
-    /// solicited-only
-    /// CQ counts once per wake, however many handler calls its completions
-    /// take; a loop driven with [`crate::Wait::None`] or a zero timeout
-    /// learns none), in
-    /// thousandths (1000: one; 0 before the
+    /// solicited-only CQ counts once per wake, however many handler calls
+    /// its completions take; a loop driven with [`crate::Wait::None`] or a
+    /// zero timeout learns none), in thousandths (1000: one; 0 before the
     /// first plan). The plan prices a wake `learn_wake_cost_ns` times this
     /// times the latency weight, at most 10 ms (the wake cost itself if
     /// that is more).
