@@ -142,7 +142,9 @@
  * for one priced wake after the first empty poll: a stream's rare longer
  * gap is spun through, not slept through, and a ping-pong whose round
  * trips are all shorter than a wake spins one wake. No plan spins longer
- * than one priced wake after the last completion.
+ * than one priced wake after the last completion. The loop's own
+ * completions (keepalive probes, drain markers) are no arrivals: an idle
+ * connection's keepalive teaches it nothing.
  */
 #define RDMASAFE_MODE_LEARNING 3
 
@@ -961,7 +963,8 @@ int rdmasafe_cq_loop_run(struct rdmasafe_cq_loop *cq_loop);
  * for that thread's whole request: the drain hands the loop over after its
  * current cycle and waits for this call instead.
  *
- * Returns the number of completions delivered (>= 0), -EINTR (a signal
+ * Returns the number of completions delivered to callbacks (>= 0; the
+ * loop's own keepalive probes and drain markers are not counted), -EINTR (a signal
  * interrupted the wait), -EINVAL (unknown loop, `timeout_ms < -1`),
  * -EBUSY (another thread runs it), -EDEADLK (from a callback), or a
  * negative errno.

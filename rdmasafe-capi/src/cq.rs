@@ -36,7 +36,9 @@ pub const RDMASAFE_MODE_ADAPTIVE: c_int = 2;
 /// for one priced wake after the first empty poll: a stream's rare longer
 /// gap is spun through, not slept through, and a ping-pong whose round
 /// trips are all shorter than a wake spins one wake. No plan spins longer
-/// than one priced wake after the last completion.
+/// than one priced wake after the last completion. The loop's own
+/// completions (keepalive probes, drain markers) are no arrivals: an idle
+/// connection's keepalive teaches it nothing.
 pub const RDMASAFE_MODE_LEARNING: c_int = 3;
 
 /// Returned (positive) by a change requested from inside one of the loop's
@@ -659,7 +661,8 @@ pub extern "C" fn rdmasafe_cq_loop_run(cq_loop: *mut rdmasafe_cq_loop) -> c_int 
 /// for that thread's whole request: the drain hands the loop over after its
 /// current cycle and waits for this call instead.
 ///
-/// Returns the number of completions delivered (>= 0), -EINTR (a signal
+/// Returns the number of completions delivered to callbacks (>= 0; the
+/// loop's own keepalive probes and drain markers are not counted), -EINTR (a signal
 /// interrupted the wait), -EINVAL (unknown loop, `timeout_ms < -1`),
 /// -EBUSY (another thread runs it), -EDEADLK (from a callback), or a
 /// negative errno.

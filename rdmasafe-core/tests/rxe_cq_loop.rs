@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::rc::{rc_pair, RcPair, SLOT};
 use rdmasafe_core::cm::{EventChannel, PortSpace};
-use rdmasafe_core::cq::{CqLoop, LoopOptions, LoopStats, Mode, DRAIN_RECV_WR_ID, DRAIN_SEND_WR_ID};
+use rdmasafe_core::cq::{CqLoop, Keepalive, LoopOptions, LoopStats, Mode, DRAIN_RECV_WR_ID, DRAIN_SEND_WR_ID};
 use rdmasafe_core::verbs::{empty_wc, CompChannel, Cq, DeviceContext};
 use rdmasafe_core::verbs::{WcOpcode, WcStatus};
 use rdmasafe_core::Wait;
@@ -812,6 +812,63 @@ fn an_embedded_learning_loop_learns_no_wake_batch() {
         let s = learning_wake_after_8(bed.addr, false, 0, 16, wait);
         assert_eq!(s.learn_wake_batch_milli, 1000, "{wait:?}");
     }
+}
+
+/// A learning loop's own keepalive probes are no arrivals: an idle
+/// connection with a keepalive (20 ms period) teaches the loop nothing, so
+/// it sleeps until each probe's event and sets no timer to poll around
+/// the probes. Before, each probe's completion ended an idle time of about
+/// one period, and at weight 1000 the loop learned a window at the period
+/// and took a timer wake before every probe (an adversarial test saw 57
+/// in 2 s). `process_once` does not count the probes as delivered either.
+#[test]
+fn an_idle_learning_loop_learns_nothing_from_its_keepalive_probes() {
+    let bed = common::bed();
+    let _dog = common::watchdog("learning + keepalive", Duration::from_secs(180));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let (p, lp, got) = learning_server_weighted(bed.addr, &chan, 1000);
+    let qp = p.server.lock().unwrap().id.raw_qp().unwrap();
+    let cfg = Keepalive { period: Duration::from_millis(20), bound: Duration::from_secs(60), wr_id: 9999 };
+    // SAFETY: the QP lives (in `p`) longer than the loop.
+    unsafe { lp.add_keepalive(qp, cfg, Box::new(|_, _| {})) }.unwrap();
+    // 90 probes, many more than the loop needs to plan from its idle
+    // times (8), driven by run_for, process_once and process_ready alike.
+    let mut delivered = 0;
+    while lp.stats().keepalive_probes_ok < 30 {
+        lp.run_for(Duration::from_millis(100)).unwrap();
+    }
+    while lp.stats().keepalive_probes_ok < 60 {
+        delivered += lp.process_once(Wait::For(Duration::from_millis(100))).unwrap();
+    }
+    // And by process_ready, as an app's epoll would (edge-triggered).
+    while lp.stats().keepalive_probes_ok < 90 {
+        let mut pfd = libc::pollfd { fd: std::os::fd::AsRawFd::as_raw_fd(&*lp), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one pollfd, alive for the call.
+        unsafe { libc::poll(&mut pfd, 1, 100) };
+        loop {
+            let pr = lp.process_ready().unwrap();
+            delivered += pr.delivered;
+            if !pr.more {
+                break;
+            }
+        }
+    }
+    let s = lp.stats();
+    println!(
+        "idle learning loop with a keepalive: {} probes ok, {} timer wakes, window {}..{} ns, spin {} ns, {} sleeps",
+        s.keepalive_probes_ok,
+        s.learn_timer_wakes,
+        s.learn_window_from_ns,
+        s.learn_window_to_ns,
+        s.learn_spin_ns,
+        s.sleeps
+    );
+    assert!(got.lock().unwrap().is_empty() && s.completions == 0, "no message was sent");
+    assert_eq!(delivered, 0, "process_once / process_ready counted the loop's own probes as delivered");
+    assert_eq!((s.learn_window_from_ns, s.learn_window_to_ns), (0, 0), "a window learned from the probes");
+    assert_eq!(s.learn_timer_wakes, 0, "timer wakes to poll for the loop's own probes");
+    assert_eq!(s.keepalive_dead, 0);
 }
 
 extern "C" fn on_usr1(_: libc::c_int) {}

@@ -61,6 +61,10 @@ pub(crate) struct Core {
     pub(super) read_first: ReadFirst,
     /// Learning mode: its model and plan state.
     pub(super) learn: super::learn::Learn,
+    /// The loop's own completions (keepalive probes, drain markers) taken
+    /// from CQs so far (wrapping): a cycle's count of completions taken,
+    /// less these, is what it delivered to handlers.
+    pub(super) own_taken: u64,
 }
 
 /// Whether event mode reads the channel before it sleeps. Reading first
@@ -178,6 +182,7 @@ impl Core {
             shut: false,
             read_first: ReadFirst::new(),
             learn: super::learn::Learn::with_weight(opts.learn_latency_weight),
+            own_taken: 0,
         })
     }
 
@@ -467,7 +472,15 @@ impl Core {
                 kept += 1;
             }
         }
+        self.own_taken = self.own_taken.wrapping_add((n - kept) as u64);
         kept
+    }
+
+    /// Of `n` completions taken since `own_taken` was `own0`, those
+    /// delivered to handlers (the loop's own left out).
+    #[inline]
+    pub(super) fn delivered(&self, own0: u64, n: usize) -> usize {
+        n.saturating_sub(self.own_taken.wrapping_sub(own0) as usize)
     }
 
     #[inline(always)]

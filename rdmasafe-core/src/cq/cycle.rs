@@ -347,10 +347,13 @@ impl Core {
     /// completions, the wake's lateness, the overhead of the sleep.
     #[inline(never)]
     pub(super) fn learning_cycle(&mut self, ctl: &LoopControl, wait: Wait, honor_stop: bool) -> Result<usize> {
+        // The loop's own completions (keepalive probes, drain markers) the
+        // spin took before it decided to sleep.
+        let mut spun = 0;
         if self.polling_since.is_some() {
-            let n = self.learning_spin(ctl, wait, honor_stop)?;
-            if n > 0 || self.polling_since.is_some() {
-                return Ok(n);
+            spun = self.learning_spin(ctl, wait, honor_stop)?;
+            if self.polling_since.is_some() {
+                return Ok(spun);
             }
             self.end_polling(ctl)?;
             self.plan_sleep();
@@ -358,12 +361,18 @@ impl Core {
         }
         let handed = self.learn.handed;
         self.learn.event_cycles = self.learn.event_cycles.wrapping_add(1);
+        let own0 = self.own_taken;
         let r = self.event_cycle(ctl, wait, honor_stop);
         // Taken whatever happened: a sleep that ended in an error (EINTR)
         // must not leave a decision or a timer wake for a later sleep to
         // measure against.
         let (slept, decided, fired) = (self.learn.slept.take(), self.learn.decided.take(), self.learn.fired.take());
         let n = r?;
+        // Only completions handed to handlers are arrivals: the loop's own
+        // came on its own schedule (a keepalive's period), and as arrivals
+        // they would teach the loop a window around each probe.
+        let arrived = self.delivered(own0, n) > 0;
+        let n = n + spun;
         let l = &mut self.learn;
         if let (Some(t), Some((t1, _))) = (decided, slept) {
             // The work around a sleep: what it took to get from the decision
@@ -371,7 +380,7 @@ impl Core {
             // after the wake (read, ack).
             l.model.overhead_sample(ns(t1.saturating_duration_since(t)).saturating_mul(2));
         }
-        if n > 0 {
+        if arrived {
             if slept.is_some() && l.blocked {
                 // The completions handed to handlers from the sleep to the
                 // next empty poll each waited for the wake (the loop's own
@@ -416,7 +425,7 @@ impl Core {
             self.publish_plan(&ctl.0);
             if window.is_some() {
                 self.polling_since = Some(t2);
-                return Ok(0);
+                return Ok(n);
             }
         } else if matches!(wait, Wait::For(_)) {
             // The caller's time ran out (or a command came): the call may
@@ -426,7 +435,7 @@ impl Core {
             self.learn.idle_outside = false;
         }
         self.rearm_fired_empty();
-        Ok(0)
+        Ok(n)
     }
 
     /// The plan and wake cost, for the stats (a few relaxed stores per
@@ -448,26 +457,33 @@ impl Core {
     /// once per [`CLOCK_EVERY`] empty passes (a clock read is a system call
     /// on some VMs: reading it on every pass would slow the polling down),
     /// and when completions come after an idle time; not while completions
-    /// keep coming.
+    /// keep coming. The loop's own completions (keepalive probes, drain
+    /// markers) are taken, counted in the result, and otherwise ignored: the
+    /// idle time goes on.
     fn learning_spin(&mut self, ctl: &LoopControl, wait: Wait, honor_stop: bool) -> Result<usize> {
         let sh = &*ctl.0;
         let mut deadline = None;
+        let mut own = 0;
         loop {
             self.begin_cycle();
+            let own0 = self.own_taken;
             let mut n = self.poll_all(ctl, honor_stop)?;
             n += self.tick(ctl, honor_stop)?;
             if n > 0 {
-                if self.learn.idle_start.is_some() {
-                    let now = Instant::now();
-                    self.learn.end_idle(now);
-                    self.polling_since = Some(now);
-                }
-                self.learn.spin_until = self.learn.model.plan().spin;
                 self.record_wakeup(sh, n);
-                return Ok(n);
+                if self.delivered(own0, n) > 0 {
+                    if self.learn.idle_start.is_some() {
+                        let now = Instant::now();
+                        self.learn.end_idle(now);
+                        self.polling_since = Some(now);
+                    }
+                    self.learn.spin_until = self.learn.model.plan().spin;
+                    return Ok(own + n);
+                }
+                own += n;
             }
             if (honor_stop && sh.stop.load(Relaxed)) || sh.cmds_pending.load(Relaxed) {
-                return Ok(0);
+                return Ok(own);
             }
             self.learn.passes = self.learn.passes.wrapping_add(1);
             if self.learn.idle_start.is_some() && self.learn.passes % CLOCK_EVERY != 0 && wait != Wait::None {
@@ -483,7 +499,7 @@ impl Core {
             if ns(now.saturating_duration_since(idle)) >= self.learn.spin_until {
                 self.polling_since = None;
                 self.learn.decided = Some(now);
-                return Ok(0);
+                return Ok(own);
             }
             match wait {
                 Wait::None => return Ok(0),
@@ -493,7 +509,7 @@ impl Core {
                         // Back to the app, still polling: the time until its
                         // next call is not loop idle time.
                         self.learn.idle_outside = true;
-                        return Ok(0);
+                        return Ok(own);
                     }
                 }
                 Wait::Forever => {}

@@ -313,8 +313,9 @@ impl CqLoop {
     }
 
     /// One cycle: waits per `wait` (bounded by the loop's next deadline),
-    /// then delivers what arrived; returns the completions delivered (0 on
-    /// timeout). EINTR when a signal interrupted the wait. For embedding in
+    /// then delivers what arrived; returns the completions delivered to
+    /// handlers (0 on timeout; the loop's own keepalive probes and drain
+    /// markers are not counted). EINTR when a signal interrupted the wait. For embedding in
     /// the app's own epoll: watch [`CqLoop::as_raw_fd`] (readable whenever
     /// the loop has work: a CQ event, a CQ just added, a stop, a due
     /// deadline, an adaptive spin or a CQ over its budget in progress) and
@@ -337,7 +338,8 @@ impl CqLoop {
                 core.finish_stop_after(&ctl.0, embedded);
                 Ok(0)
             } else {
-                let r = core.cycle(ctl, wait, true);
+                let own0 = core.own_taken;
+                let r = core.cycle(ctl, wait, true).map(|n| core.delivered(own0, n));
                 if ctl.0.stop.load(SeqCst) {
                     core.finish_stop_after(&ctl.0, embedded);
                 } else if core.has_work_now(&ctl.0) {
@@ -374,10 +376,11 @@ impl CqLoop {
                 core.finish_stop_after(sh, true);
                 Ok(Progress { delivered: 0, stopped: true, more: false })
             } else {
+                let own0 = core.own_taken;
                 match core.cycle(ctl, Wait::None, true) {
                     Err(e) if e.errno() != libc::EINTR => Err(e),
                     r => {
-                        let delivered = *r.as_ref().unwrap_or(&0);
+                        let delivered = core.delivered(own0, *r.as_ref().unwrap_or(&0));
                         if sh.stop.load(SeqCst) {
                             core.finish_stop_after(sh, true);
                             Ok(Progress { delivered, stopped: true, more: false })

@@ -37,7 +37,9 @@ pub enum Mode {
     /// is spun through, not slept through, and a ping-pong whose round
     /// trips are all shorter than a wake spins one wake. No plan spins
     /// longer than one priced wake (as priced now) after the last
-    /// completion.
+    /// completion. The loop's own completions (keepalive probes, drain
+    /// markers) are no arrivals: they end no idle gap and count in no wake,
+    /// so an idle connection's keepalive teaches the loop nothing.
     /// The CQs stay armed while it sleeps on a timer, so an early completion
     /// still wakes it. Reads the clock at the first empty poll after
     /// completions, once per 4 empty polling passes after that (every pass
