@@ -550,6 +550,15 @@ struct rdmasafe_cq_loop_stats {
    * cost itself if that is more).
    */
   uint64_t learn_wake_batch_milli;
+  /**
+   * Learning mode: idle times learned from so far (each from the loop's
+   * first empty poll after completions to the next completion handed to
+   * a callback; the loop's own keepalive probes and drain markers end
+   * none, and an idle time that spans a return to the app from
+   * `rdmasafe_cq_loop_run_once` with a timeout other than 0 is none).
+   * The plan comes from the last 32.
+   */
+  uint64_t learn_idle_samples;
 };
 
 /**

@@ -243,6 +243,13 @@ pub struct rdmasafe_cq_loop_stats {
     /// prices a wake `learn_wake_cost_ns` times this times `learn_latency_weight`, at most 10 ms (the wake
     /// cost itself if that is more).
     pub learn_wake_batch_milli: u64,
+    /// Learning mode: idle times learned from so far (each from the loop's
+    /// first empty poll after completions to the next completion handed to
+    /// a callback; the loop's own keepalive probes and drain markers end
+    /// none, and an idle time that spans a return to the app from
+    /// `rdmasafe_cq_loop_run_once` with a timeout other than 0 is none).
+    /// The plan comes from the last 32.
+    pub learn_idle_samples: u64,
 }
 
 /// A CQ loop (opaque; the handle is looked up on every call).
@@ -840,6 +847,7 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_get_stats(
                 learn_window_to_ns: s.learn_window_to_ns,
                 learn_wake_cost_ns: s.learn_wake_cost_ns,
                 learn_wake_batch_milli: s.learn_wake_batch_milli,
+                learn_idle_samples: s.learn_idle_samples,
             };
             // SAFETY: out checked non-NULL; writable for its stated size (caller).
             match unsafe { crate::abi::write_out(out, &v) } {

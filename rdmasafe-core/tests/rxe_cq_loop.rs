@@ -538,6 +538,17 @@ fn learning_server_weighted(
     (p, lp, got)
 }
 
+/// Sends `seq` to a [`learning_server`] (into its receive `seq % 4`) and
+/// waits for the send's completion on the client's CQ (not on the loop).
+fn send_seq_to_learning_server(p: &RcPair, seq: u64) {
+    p.send((seq % 4) as usize * SLOT, &seq.to_le_bytes(), 8, seq);
+    let mut wcs = [empty_wc()];
+    while p.client_cq.poll(&mut wcs).unwrap() == 0 {
+        std::thread::yield_now();
+    }
+    assert_eq!(wcs[0].status(), WcStatus::SUCCESS, "send {seq}");
+}
+
 /// The CPU time (user + system) of one running thread, seconds: the
 /// loop's own, not the process's (the other tests of this binary run
 /// beside it and spend CPU of their own).
@@ -570,13 +581,8 @@ fn learning_mode_delivers_periodic_messages_then_sleeps() {
         std::thread::spawn(move || lp.run())
     };
     const N: u64 = 60;
-    let mut wcs = [empty_wc()];
     for seq in 0..N {
-        p.send((seq % 4) as usize * SLOT, &seq.to_le_bytes(), 8, seq);
-        while p.client_cq.poll(&mut wcs).unwrap() == 0 {
-            std::thread::yield_now();
-        }
-        assert_eq!(wcs[0].status(), WcStatus::SUCCESS, "send {seq}");
+        send_seq_to_learning_server(&p, seq);
         std::thread::sleep(Duration::from_millis(2));
     }
     while got.lock().unwrap().len() < N as usize {
@@ -814,6 +820,20 @@ fn an_embedded_learning_loop_learns_no_wake_batch() {
     }
 }
 
+/// [`learning_server_weighted`] at weight 1000, with a keepalive on the
+/// server's QP that probes it after every 20 ms of idleness.
+fn learning_server_with_keepalive(
+    addr: std::net::IpAddr,
+    chan: &CompChannel,
+) -> (Arc<RcPair>, Arc<CqLoop>, Arc<Mutex<Vec<u64>>>) {
+    let (p, lp, got) = learning_server_weighted(addr, chan, 1000);
+    let qp = p.server.lock().unwrap().id.raw_qp().unwrap();
+    let cfg = Keepalive { period: Duration::from_millis(20), bound: Duration::from_secs(60), wr_id: 9999 };
+    // SAFETY: the QP lives (in `p`) longer than the loop.
+    unsafe { lp.add_keepalive(qp, cfg, Box::new(|_, _| {})) }.unwrap();
+    (p, lp, got)
+}
+
 /// A learning loop's own keepalive probes are no arrivals: an idle
 /// connection with a keepalive (20 ms period) teaches the loop nothing, so
 /// it sleeps until each probe's event and sets no timer to poll around
@@ -827,11 +847,7 @@ fn an_idle_learning_loop_learns_nothing_from_its_keepalive_probes() {
     let _dog = common::watchdog("learning + keepalive", Duration::from_secs(180));
     let (ctx, _keep) = device(bed.addr);
     let chan = CompChannel::new(&ctx).unwrap();
-    let (p, lp, got) = learning_server_weighted(bed.addr, &chan, 1000);
-    let qp = p.server.lock().unwrap().id.raw_qp().unwrap();
-    let cfg = Keepalive { period: Duration::from_millis(20), bound: Duration::from_secs(60), wr_id: 9999 };
-    // SAFETY: the QP lives (in `p`) longer than the loop.
-    unsafe { lp.add_keepalive(qp, cfg, Box::new(|_, _| {})) }.unwrap();
+    let (_p, lp, got) = learning_server_with_keepalive(bed.addr, &chan);
     // 90 probes, many more than the loop needs to plan from its idle
     // times (8), driven by run_for, process_once and process_ready alike.
     let mut delivered = 0;
@@ -868,7 +884,61 @@ fn an_idle_learning_loop_learns_nothing_from_its_keepalive_probes() {
     assert_eq!(delivered, 0, "process_once / process_ready counted the loop's own probes as delivered");
     assert_eq!((s.learn_window_from_ns, s.learn_window_to_ns), (0, 0), "a window learned from the probes");
     assert_eq!(s.learn_timer_wakes, 0, "timer wakes to poll for the loop's own probes");
+    assert_eq!(s.learn_idle_samples, 0, "idle times ended by the loop's own probes");
     assert_eq!(s.keepalive_dead, 0);
+}
+
+/// Nor do the probes cut the app's idle times: messages 60 ms apart on a
+/// connection whose keepalive probes it after every 20 ms of idleness
+/// (two probes in each gap), the loop driven by `run_for` in 1 s calls:
+/// every gap between two messages is one idle time learned, except those
+/// in progress when a `run_for` call returned to the app (the test's time
+/// between calls is not the loop's idle time) and the first message's (no
+/// idle time before it). Before, a wake by a probe within a call with a
+/// timeout dropped the idle time in progress: with a probe in every gap the
+/// loop learned from none. Counts, not timings: each message ends at most
+/// one idle time, and only a return to the app drops one.
+#[test]
+fn keepalive_probes_do_not_cut_the_apps_idle_times() {
+    let bed = common::bed();
+    let _dog = common::watchdog("learning + keepalive + messages", Duration::from_secs(240));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let (p, lp, got) = learning_server_with_keepalive(bed.addr, &chan);
+    const N: u64 = 40;
+    let sender = {
+        let p = p.clone();
+        std::thread::spawn(move || {
+            for seq in 0..N {
+                send_seq_to_learning_server(&p, seq);
+                std::thread::sleep(Duration::from_millis(60));
+            }
+        })
+    };
+    let mut returns = 0;
+    while got.lock().unwrap().len() < N as usize {
+        lp.run_for(Duration::from_secs(1)).unwrap();
+        returns += 1;
+    }
+    sender.join().unwrap();
+    let s = lp.stats();
+    println!(
+        "messages every 60 ms, keepalive 20 ms: {} idle times learned of {N} messages, {returns} run_for calls, \
+         {} probes ok, window {}..{} us, {} timer wakes",
+        s.learn_idle_samples,
+        s.keepalive_probes_ok,
+        s.learn_window_from_ns / 1000,
+        s.learn_window_to_ns / 1000,
+        s.learn_timer_wakes
+    );
+    assert_eq!(*got.lock().unwrap(), (0..N).collect::<Vec<_>>(), "each message once, in order");
+    assert!(s.keepalive_probes_ok >= N / 2, "too few probes in the gaps for the test: {}", s.keepalive_probes_ok);
+    assert!(s.learn_idle_samples < N, "more idle times than messages: the probes ended some");
+    assert!(
+        s.learn_idle_samples + 1 + returns >= N,
+        "{} idle times of {N} messages with {returns} returns to the app: the probes cut the others",
+        s.learn_idle_samples
+    );
 }
 
 extern "C" fn on_usr1(_: libc::c_int) {}

@@ -309,6 +309,7 @@ static void loop_report(struct app *a, struct jline *j)
 	j_u64(j, "learn_window_to_ns", s.learn_window_to_ns);
 	j_u64(j, "learn_wake_cost_ns", s.learn_wake_cost_ns);
 	j_u64(j, "learn_wake_batch_milli", s.learn_wake_batch_milli);
+	j_u64(j, "learn_idle_samples", s.learn_idle_samples);
 }
 
 static void loop_teardown(struct app *a)

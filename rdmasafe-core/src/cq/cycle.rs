@@ -399,7 +399,9 @@ impl Core {
                 Some((t1, t2)) => t2.checked_sub(Duration::from_nanos(l.model.lateness())).unwrap_or(t2).max(t1),
                 None => Instant::now(),
             };
-            l.end_idle(now);
+            if l.end_idle(now) {
+                ctl.0.counters.learn_idle_samples.bump(1);
+            }
             l.wake_at = None;
             l.calibrating = false;
             l.spin_until = l.model.plan().spin;
@@ -427,13 +429,10 @@ impl Core {
                 self.polling_since = Some(t2);
                 return Ok(n);
             }
-        } else if matches!(wait, Wait::For(_)) {
-            // The caller's time ran out (or a command came): the call may
-            // return to the app, whose time until the next call is not loop
-            // idle time. The next idle duration starts afresh.
-            self.learn.idle_start = None;
-            self.learn.idle_outside = false;
         }
+        // Nothing arrived (the caller's time ran out, a command came, or
+        // only the loop's own completions): the idle time goes on. If the
+        // call returns to the app now, the call marks it (`leave_to_app`).
         self.rearm_fired_empty();
         Ok(n)
     }
@@ -474,7 +473,9 @@ impl Core {
                 if self.delivered(own0, n) > 0 {
                     if self.learn.idle_start.is_some() {
                         let now = Instant::now();
-                        self.learn.end_idle(now);
+                        if self.learn.end_idle(now) {
+                            sh.counters.learn_idle_samples.bump(1);
+                        }
                         self.polling_since = Some(now);
                     }
                     self.learn.spin_until = self.learn.model.plan().spin;
@@ -502,19 +503,33 @@ impl Core {
                 return Ok(own);
             }
             match wait {
-                Wait::None => return Ok(0),
+                Wait::None => return Ok(own),
                 Wait::For(d) => {
                     let d = *deadline.get_or_insert_with(|| sys::deadline_after(now, d));
                     if now >= d {
-                        // Back to the app, still polling: the time until its
-                        // next call is not loop idle time.
-                        self.learn.idle_outside = true;
+                        // Still polling: the next call spins on from the
+                        // idle start (see `leave_to_app`).
                         return Ok(own);
                     }
                 }
                 Wait::Forever => {}
             }
             std::hint::spin_loop();
+        }
+    }
+
+    /// The loop returns to the app (`process_once` with a wait, the end of
+    /// `run_for`, a caller's drive): an idle time in progress then spans
+    /// the app's own time until it calls again, which is no loop idle time,
+    /// so it will be no sample (learning mode). The idle start, and the
+    /// plan's spin and timer measured from it, are kept: resetting it would
+    /// keep a loop called with short waits from ever sleeping, and would
+    /// stretch a window the timer wakes the loop for. An app that embeds
+    /// the loop (`Wait::None`: it calls when the loop's fd is readable) is
+    /// not away: its idle times are the loop's.
+    pub(super) fn leave_to_app(&mut self) {
+        if self.learn.idle_start.is_some() {
+            self.learn.idle_outside = true;
         }
     }
 
@@ -552,6 +567,7 @@ impl Core {
                 }
             }
         }
+        self.leave_to_app();
         // An app that embeds the loop waits on its fd, which this drive's
         // sleeps may have drained: if the loop has work (an adaptive loop
         // still polling, with CQs that fired left unarmed) or a stop came

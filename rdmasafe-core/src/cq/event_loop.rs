@@ -306,6 +306,7 @@ impl CqLoop {
                 }
             };
             core.flush_all(&ctl.0);
+            core.leave_to_app();
             r
         };
         self.leave(held);
@@ -340,6 +341,9 @@ impl CqLoop {
             } else {
                 let own0 = core.own_taken;
                 let r = core.cycle(ctl, wait, true).map(|n| core.delivered(own0, n));
+                if !embedded {
+                    core.leave_to_app();
+                }
                 if ctl.0.stop.load(SeqCst) {
                     core.finish_stop_after(&ctl.0, embedded);
                 } else if core.has_work_now(&ctl.0) {

@@ -137,10 +137,10 @@ pub(super) struct Learn {
     /// Learned at the first empty poll after it, so completions a CQ's
     /// budget left for the next cycles count too.
     pub batch_from: Option<u64>,
-    /// The idle time since `idle_start` spans a return to the app (a
-    /// `Wait::For` that ran out while polling): the app's time is not
-    /// loop idle time, so the idle duration it ends is not a sample (the
-    /// spin still runs on from `idle_start`, or a loop called with a short
+    /// The idle time since `idle_start` spans a return to the app
+    /// (`Core::leave_to_app`): the app's time is not loop idle time, so
+    /// the idle duration it ends is not a sample (the spin and the plan's
+    /// timer still run from `idle_start`, or a loop called with a short
     /// wait would never get to sleep).
     pub idle_outside: bool,
     /// Event cycles (each sleeps at most once) begun so far, from 1: a
@@ -152,12 +152,14 @@ pub(super) struct Learn {
 
 impl Learn {
     /// Completions came at `now`: ends the idle time (a sample unless it
-    /// spanned a return to the app).
-    pub(super) fn end_idle(&mut self, now: std::time::Instant) {
+    /// spanned a return to the app). Returns whether it was one.
+    pub(super) fn end_idle(&mut self, now: std::time::Instant) -> bool {
         let outside = std::mem::take(&mut self.idle_outside);
         if let (Some(s), false) = (self.idle_start.take(), outside) {
             self.model.idle(ns(now.saturating_duration_since(s)));
+            return true;
         }
+        false
     }
 
     /// The loop's first empty poll after completions: a wake's batch being

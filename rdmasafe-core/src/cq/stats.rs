@@ -78,6 +78,7 @@ pub(crate) struct Counters {
     pub(crate) learn_window_to_ns: AtomicU64,
     pub(crate) learn_wake_cost_ns: AtomicU64,
     pub(crate) learn_wake_batch_milli: AtomicU64,
+    pub(crate) learn_idle_samples: AtomicU64,
     pub(crate) per_wakeup: Histogram,
     pub(crate) cycle_us: Histogram,
 }
@@ -118,6 +119,7 @@ impl Counters {
             learn_window_to_ns: self.learn_window_to_ns.load(Relaxed),
             learn_wake_cost_ns: self.learn_wake_cost_ns.load(Relaxed),
             learn_wake_batch_milli: self.learn_wake_batch_milli.load(Relaxed),
+            learn_idle_samples: self.learn_idle_samples.load(Relaxed),
             completions_per_wakeup: self.per_wakeup.snapshot(),
             cycle_time_us: self.cycle_us.snapshot(),
         }
@@ -218,6 +220,13 @@ pub struct LoopStats {
     /// times the latency weight, at most 10 ms (the wake cost itself if
     /// that is more).
     pub learn_wake_batch_milli: u64,
+    /// Learning mode: idle times learned from so far (each from the loop's
+    /// first empty poll after completions to the next completion handed
+    /// to a handler; the loop's own keepalive probes and drain markers end
+    /// none, and an idle time that spans a return to the app, from
+    /// `process_once` with a wait or the end of `run_for`, is none). The
+    /// plan comes from the last 32.
+    pub learn_idle_samples: u64,
     /// Histogram of completions delivered per wakeup (power-of-two
     /// buckets, see [`BUCKETS`]).
     pub completions_per_wakeup: [u64; BUCKETS],
