@@ -959,8 +959,12 @@ int rdmasafe_cq_loop_destroy_cq(struct rdmasafe_cq_loop *cq_loop, struct ibv_cq 
 int rdmasafe_cq_loop_run(struct rdmasafe_cq_loop *cq_loop);
 
 /**
- * One cycle: waits at most `timeout_ms` (-1 forever, 0 not at all; also
- * bounded by the loop's next deadline), then delivers what arrived. For
+ * Waits at most `timeout_ms` (-1 forever, 0 not at all) until completions
+ * are delivered to callbacks: cycles until a callback got completions,
+ * the time runs out, a stop, or an error; the loop's own work on the way
+ * (a keepalive probe, a timer, a CQ just added) does not end the call, so
+ * 0 means the time ran out (or a stop). With 0: one cycle, which may
+ * deliver nothing. For
  * driving the loop from the app's own epoll: watch `rdmasafe_cq_loop_fd`
  * and call this with 0 whenever it is readable, no priming call needed
  * (see there). A stop requested meanwhile ends the call at once with

@@ -353,8 +353,9 @@ fn misuse_gives_errors() {
 }
 
 /// With outstanding work reported and no event within the watchdog time,
-/// the loop polls anyway (and counts it); without outstanding work it just
-/// sleeps.
+/// the loop polls anyway (and counts it), once per quiet watchdog time,
+/// within one `process_once` (its polls deliver nothing, so the call waits
+/// its whole time); without outstanding work it just sleeps.
 #[test]
 fn watchdog_polls_when_work_is_outstanding() {
     let bed = common::bed();
@@ -367,10 +368,14 @@ fn watchdog_polls_when_work_is_outstanding() {
     lp.process_once(Wait::For(Duration::from_millis(100))).unwrap();
     assert_eq!(lp.stats().watchdog_polls, 0, "no outstanding work: no watchdog poll");
     lp.control().set_outstanding(3);
-    for _ in 0..3 {
-        lp.process_once(Wait::For(Duration::from_secs(30))).unwrap();
-    }
-    assert_eq!(lp.stats().watchdog_polls, 3, "each quiet wait ended in a watchdog poll");
+    let t0 = std::time::Instant::now();
+    assert_eq!(lp.process_once(Wait::For(Duration::from_millis(200))).unwrap(), 0);
+    let took = t0.elapsed();
+    let polls = lp.stats().watchdog_polls;
+    assert!(took >= Duration::from_millis(200), "returned after {took:?} of its 200 ms");
+    // each poll after 20 ms without an event (or a poll)
+    let most = (took.as_millis() / 20) as u64;
+    assert!((1..=most).contains(&polls), "{polls} watchdog polls in {took:?} (1..={most})");
 }
 
 /// Embedding: the app's own epoll watches the loop's fd and calls
@@ -854,8 +859,13 @@ fn an_idle_learning_loop_learns_nothing_from_its_keepalive_probes() {
     while lp.stats().keepalive_probes_ok < 30 {
         lp.run_for(Duration::from_millis(100)).unwrap();
     }
+    // process_once returns 0 only when its time ran out: a probe's wake
+    // does not end the call (before, it returned after the next probe).
     while lp.stats().keepalive_probes_ok < 60 {
+        let t0 = std::time::Instant::now();
         delivered += lp.process_once(Wait::For(Duration::from_millis(100))).unwrap();
+        let took = t0.elapsed();
+        assert!(took >= Duration::from_millis(100), "process_once returned after {took:?} of its 100 ms");
     }
     // And by process_ready, as an app's epoll would (edge-triggered).
     while lp.stats().keepalive_probes_ok < 90 {
@@ -890,55 +900,73 @@ fn an_idle_learning_loop_learns_nothing_from_its_keepalive_probes() {
 
 /// Nor do the probes cut the app's idle times: messages 60 ms apart on a
 /// connection whose keepalive probes it after every 20 ms of idleness
-/// (two probes in each gap), the loop driven by `run_for` in 1 s calls:
+/// (two probes in each gap), the loop driven by `run_for` in 1 s calls,
+/// by `process_once(Wait::Forever)` or by `process_once` with a 5 s wait:
 /// every gap between two messages is one idle time learned, except those
-/// in progress when a `run_for` call returned to the app (the test's time
-/// between calls is not the loop's idle time) and the first message's (no
-/// idle time before it). Before, a wake by a probe within a call with a
-/// timeout dropped the idle time in progress: with a probe in every gap the
-/// loop learned from none. Counts, not timings: each message ends at most
-/// one idle time, and only a return to the app drops one.
+/// in progress when a call returned to the app without a message (the
+/// test's time between calls is not the loop's idle time) and the first
+/// message's (no idle time before it). `process_once` returns only with a
+/// message here: neither a probe, nor a timer, nor the loop's own wake-up
+/// ends the call. Before, a wake by a probe within a call with a timeout
+/// dropped the idle time in progress (with a probe in every gap, none was
+/// learned), and then every `process_once` that returned 0 for the loop's
+/// own reasons did (none was learned either, keepalive or not). Counts,
+/// not timings: each message ends at most one idle time, and only a
+/// return to the app without one drops one.
 #[test]
 fn keepalive_probes_do_not_cut_the_apps_idle_times() {
     let bed = common::bed();
-    let _dog = common::watchdog("learning + keepalive + messages", Duration::from_secs(240));
+    let _dog = common::watchdog("learning + keepalive + messages", Duration::from_secs(300));
     let (ctx, _keep) = device(bed.addr);
-    let chan = CompChannel::new(&ctx).unwrap();
-    let (p, lp, got) = learning_server_with_keepalive(bed.addr, &chan);
-    const N: u64 = 40;
-    let sender = {
-        let p = p.clone();
-        std::thread::spawn(move || {
-            for seq in 0..N {
-                send_seq_to_learning_server(&p, seq);
-                std::thread::sleep(Duration::from_millis(60));
-            }
-        })
-    };
-    let mut returns = 0;
-    while got.lock().unwrap().len() < N as usize {
-        lp.run_for(Duration::from_secs(1)).unwrap();
-        returns += 1;
+    for driver in ["run_for(1 s)", "process_once(Forever)", "process_once(5 s)"] {
+        let chan = CompChannel::new(&ctx).unwrap();
+        let (p, lp, got) = learning_server_with_keepalive(bed.addr, &chan);
+        const N: u64 = 40;
+        let sender = {
+            let p = p.clone();
+            std::thread::spawn(move || {
+                for seq in 0..N {
+                    send_seq_to_learning_server(&p, seq);
+                    std::thread::sleep(Duration::from_millis(60));
+                }
+            })
+        };
+        // Returns to the app without a message.
+        let mut empty = 0;
+        while got.lock().unwrap().len() < N as usize {
+            let n = match driver {
+                "run_for(1 s)" => {
+                    lp.run_for(Duration::from_secs(1)).unwrap();
+                    0
+                }
+                "process_once(Forever)" => lp.process_once(Wait::Forever).unwrap(),
+                _ => lp.process_once(Wait::For(Duration::from_secs(5))).unwrap(),
+            };
+            empty += (n == 0) as u64;
+        }
+        sender.join().unwrap();
+        let s = lp.stats();
+        println!(
+            "{driver}: messages every 60 ms, keepalive 20 ms: {} idle times learned of {N} messages, {empty} returns \
+             without one, {} probes ok, window {}..{} us, {} timer wakes",
+            s.learn_idle_samples,
+            s.keepalive_probes_ok,
+            s.learn_window_from_ns / 1000,
+            s.learn_window_to_ns / 1000,
+            s.learn_timer_wakes
+        );
+        assert_eq!(*got.lock().unwrap(), (0..N).collect::<Vec<_>>(), "{driver}: each message once, in order");
+        assert!(s.keepalive_probes_ok >= N / 2, "{driver}: too few probes in the gaps: {}", s.keepalive_probes_ok);
+        if driver.starts_with("process_once") {
+            assert_eq!(empty, 0, "{driver}: returned 0 with its time not run out");
+        }
+        assert!(s.learn_idle_samples < N, "{driver}: more idle times than messages: the probes ended some");
+        assert!(
+            s.learn_idle_samples + 1 + empty >= N,
+            "{driver}: {} idle times of {N} messages with {empty} returns without one: the others were cut",
+            s.learn_idle_samples
+        );
     }
-    sender.join().unwrap();
-    let s = lp.stats();
-    println!(
-        "messages every 60 ms, keepalive 20 ms: {} idle times learned of {N} messages, {returns} run_for calls, \
-         {} probes ok, window {}..{} us, {} timer wakes",
-        s.learn_idle_samples,
-        s.keepalive_probes_ok,
-        s.learn_window_from_ns / 1000,
-        s.learn_window_to_ns / 1000,
-        s.learn_timer_wakes
-    );
-    assert_eq!(*got.lock().unwrap(), (0..N).collect::<Vec<_>>(), "each message once, in order");
-    assert!(s.keepalive_probes_ok >= N / 2, "too few probes in the gaps for the test: {}", s.keepalive_probes_ok);
-    assert!(s.learn_idle_samples < N, "more idle times than messages: the probes ended some");
-    assert!(
-        s.learn_idle_samples + 1 + returns >= N,
-        "{} idle times of {N} messages with {returns} returns to the app: the probes cut the others",
-        s.learn_idle_samples
-    );
 }
 
 extern "C" fn on_usr1(_: libc::c_int) {}

@@ -518,6 +518,37 @@ impl Core {
         }
     }
 
+    /// `process_once`'s cycles: until a handler got completions (returns
+    /// how many), `wait` runs out or a stop (0), or an error. The loop's
+    /// own work (a keepalive probe, a timer wake, a CQ just added, a
+    /// wake-up) ends no call: an app calling again at once would otherwise
+    /// see 0 for a timeout that did not happen, and learning mode would
+    /// take each such return for the app's time. `Wait::None`: one cycle.
+    /// The clock is read only under `Wait::For`: at the start and after a
+    /// cycle that delivered nothing.
+    pub(super) fn deliver_within(&mut self, ctl: &LoopControl, wait: Wait) -> Result<usize> {
+        let deadline = match wait {
+            Wait::For(d) => Some(sys::deadline_after(Instant::now(), d)),
+            _ => None,
+        };
+        let mut w = wait;
+        loop {
+            let own0 = self.own_taken;
+            let n = self.cycle(ctl, w, true)?;
+            let n = self.delivered(own0, n);
+            if n > 0 || wait == Wait::None || ctl.0.stop.load(SeqCst) {
+                return Ok(n);
+            }
+            if let Some(d) = deadline {
+                let now = Instant::now();
+                if now >= d {
+                    return Ok(0);
+                }
+                w = Wait::For(d - now);
+            }
+        }
+    }
+
     /// The loop returns to the app (`process_once` with a wait, the end of
     /// `run_for`, a caller's drive): an idle time in progress then spans
     /// the app's own time until it calls again, which is no loop idle time,

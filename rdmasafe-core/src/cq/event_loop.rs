@@ -313,10 +313,14 @@ impl CqLoop {
         r
     }
 
-    /// One cycle: waits per `wait` (bounded by the loop's next deadline),
-    /// then delivers what arrived; returns the completions delivered to
-    /// handlers (0 on timeout; the loop's own keepalive probes and drain
-    /// markers are not counted). EINTR when a signal interrupted the wait. For embedding in
+    /// Waits per `wait` until completions are delivered to handlers, then
+    /// returns how many (the loop's own keepalive probes and drain markers
+    /// are not counted). Cycles until a handler got completions, the wait
+    /// runs out (returns 0), a stop (0), or an error: the loop's own work
+    /// on the way (a keepalive probe, a timer, a CQ just added) does not
+    /// end the call. EINTR when a signal interrupted the wait. With
+    /// `Wait::None`: one cycle, which never waits (it may deliver nothing).
+    /// For embedding in
     /// the app's own epoll: watch [`CqLoop::as_raw_fd`] (readable whenever
     /// the loop has work: a CQ event, a CQ just added, a stop, a due
     /// deadline, an adaptive spin or a CQ over its budget in progress) and
@@ -339,8 +343,7 @@ impl CqLoop {
                 core.finish_stop_after(&ctl.0, embedded);
                 Ok(0)
             } else {
-                let own0 = core.own_taken;
-                let r = core.cycle(ctl, wait, true).map(|n| core.delivered(own0, n));
+                let r = core.deliver_within(ctl, wait);
                 if !embedded {
                     core.leave_to_app();
                 }

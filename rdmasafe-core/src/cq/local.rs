@@ -233,7 +233,7 @@ impl LocalCqLoop {
         self.inner.run_for(timeout)
     }
 
-    /// One cycle (see [`CqLoop::process_once`]).
+    /// Waits until completions are delivered (see [`CqLoop::process_once`]).
     pub fn process_once(&self, wait: Wait) -> Result<usize> {
         self.inner.process_once(wait)
     }
