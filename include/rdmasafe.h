@@ -555,7 +555,8 @@ struct rdmasafe_cq_loop_stats {
    * first empty poll after completions to the next completion handed to
    * a callback; the loop's own keepalive probes and drain markers end
    * none, and an idle time that spans a return to the app from
-   * `rdmasafe_cq_loop_run_once` with a timeout other than 0 is none).
+   * `rdmasafe_cq_loop_run_once` with a timeout other than 0, not one
+   * that returns -EINTR, is none).
    * The plan comes from the last 32.
    */
   uint64_t learn_idle_samples;

@@ -901,11 +901,13 @@ fn an_idle_learning_loop_learns_nothing_from_its_keepalive_probes() {
 /// Nor do the probes cut the app's idle times: messages 60 ms apart on a
 /// connection whose keepalive probes it after every 20 ms of idleness
 /// (two probes in each gap), the loop driven by `run_for` in 1 s calls,
-/// by `process_once(Wait::Forever)` or by `process_once` with a 5 s wait:
-/// every gap between two messages is one idle time learned, except those
-/// in progress when a call returned to the app without a message (the
-/// test's time between calls is not the loop's idle time) and the first
-/// message's (no idle time before it). `process_once` returns only with a
+/// by `process_once(Wait::Forever)` (also with a SIGUSR1 every 10 ms, its
+/// EINTR retried at once), by `process_once` with a 5 s wait, or by a
+/// reactor's back-to-back `process_once` with a zero wait: every gap
+/// between two messages is one idle time learned, except those in progress
+/// when a call with a wait returned to the app without a message (the
+/// test's time between calls is not the loop's idle time; an EINTR is no
+/// such return) and the first message's (no idle time before it). `process_once` returns only with a
 /// message here: neither a probe, nor a timer, nor the loop's own wake-up
 /// ends the call. Before, a wake by a probe within a call with a timeout
 /// dropped the idle time in progress (with a probe in every gap, none was
@@ -918,7 +920,17 @@ fn keepalive_probes_do_not_cut_the_apps_idle_times() {
     let bed = common::bed();
     let _dog = common::watchdog("learning + keepalive + messages", Duration::from_secs(300));
     let (ctx, _keep) = device(bed.addr);
-    for driver in ["run_for(1 s)", "process_once(Forever)", "process_once(5 s)"] {
+    install_usr1();
+    // SAFETY: pthread_self has no preconditions.
+    let me = unsafe { libc::pthread_self() } as usize;
+    let drivers = [
+        "run_for(1 s)",
+        "process_once(Forever)",
+        "process_once(Forever) + signals",
+        "process_once(5 s)",
+        "process_once(0)",
+    ];
+    for driver in drivers {
         let chan = CompChannel::new(&ctx).unwrap();
         let (p, lp, got) = learning_server_with_keepalive(bed.addr, &chan);
         const N: u64 = 40;
@@ -931,24 +943,45 @@ fn keepalive_probes_do_not_cut_the_apps_idle_times() {
                 }
             })
         };
-        // Returns to the app without a message.
-        let mut empty = 0;
-        while got.lock().unwrap().len() < N as usize {
-            let n = match driver {
-                "run_for(1 s)" => {
-                    lp.run_for(Duration::from_secs(1)).unwrap();
-                    0
+        let signals = driver.ends_with("signals").then(|| {
+            let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let s2 = stop.clone();
+            let t = std::thread::spawn(move || {
+                let mut sent = 0u64;
+                while !s2.load(SeqCst) {
+                    std::thread::sleep(Duration::from_millis(10));
+                    // SAFETY: the test's thread lives until this one is joined.
+                    unsafe { libc::pthread_kill(me as libc::pthread_t, libc::SIGUSR1) };
+                    sent += 1;
                 }
-                "process_once(Forever)" => lp.process_once(Wait::Forever).unwrap(),
-                _ => lp.process_once(Wait::For(Duration::from_secs(5))).unwrap(),
+                sent
+            });
+            (stop, t)
+        });
+        // Returns to the app without a message (with a wait), and EINTRs.
+        let (mut empty, mut eintr) = (0, 0);
+        while got.lock().unwrap().len() < N as usize {
+            let r = match driver {
+                "run_for(1 s)" => lp.run_for(Duration::from_secs(1)).map(|_| 0),
+                "process_once(5 s)" => lp.process_once(Wait::For(Duration::from_secs(5))),
+                "process_once(0)" => lp.process_once(Wait::For(Duration::ZERO)),
+                _ => lp.process_once(Wait::Forever),
             };
-            empty += (n == 0) as u64;
+            match r {
+                Ok(n) => empty += (n == 0 && driver != "process_once(0)") as u64,
+                Err(e) if e.errno() == libc::EINTR => eintr += 1,
+                Err(e) => panic!("{driver}: {e}"),
+            }
         }
+        let sent = signals.map(|(stop, t)| {
+            stop.store(true, SeqCst);
+            t.join().unwrap()
+        });
         sender.join().unwrap();
         let s = lp.stats();
         println!(
             "{driver}: messages every 60 ms, keepalive 20 ms: {} idle times learned of {N} messages, {empty} returns \
-             without one, {} probes ok, window {}..{} us, {} timer wakes",
+             without one, {eintr} EINTR ({sent:?} signals), {} probes ok, window {}..{} us, {} timer wakes",
             s.learn_idle_samples,
             s.keepalive_probes_ok,
             s.learn_window_from_ns / 1000,
@@ -960,6 +993,9 @@ fn keepalive_probes_do_not_cut_the_apps_idle_times() {
         if driver.starts_with("process_once") {
             assert_eq!(empty, 0, "{driver}: returned 0 with its time not run out");
         }
+        if let Some(sent) = sent {
+            assert!(eintr > 0 && sent >= eintr, "{driver}: {eintr} EINTR of {sent} signals");
+        }
         assert!(s.learn_idle_samples < N, "{driver}: more idle times than messages: the probes ended some");
         assert!(
             s.learn_idle_samples + 1 + empty >= N,
@@ -970,6 +1006,17 @@ fn keepalive_probes_do_not_cut_the_apps_idle_times() {
 }
 
 extern "C" fn on_usr1(_: libc::c_int) {}
+
+/// Installs [`on_usr1`] for SIGUSR1 (a handler that does nothing, so a
+/// signal only interrupts a blocking call: EINTR), process-wide.
+fn install_usr1() {
+    // SAFETY: a handler that does nothing; sigaction reads the struct.
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_usr1 as *const () as usize;
+        assert_eq!(libc::sigaction(libc::SIGUSR1, &sa, std::ptr::null_mut()), 0);
+    }
+}
 
 /// Signals that interrupt the learning loop's sleeps (EINTR, which `run`
 /// shrugs off) are not taken for slow wake-ups. Before, the decision to
@@ -985,13 +1032,7 @@ extern "C" fn on_usr1(_: libc::c_int) {}
 fn signals_during_learning_sleeps_are_not_wake_costs() {
     let bed = common::bed();
     let _dog = common::watchdog("learning + signals", Duration::from_secs(300));
-    // SAFETY: a handler that does nothing, installed before any thread
-    // that could receive the signal exists.
-    unsafe {
-        let mut sa: libc::sigaction = std::mem::zeroed();
-        sa.sa_sigaction = on_usr1 as *const () as usize;
-        assert_eq!(libc::sigaction(libc::SIGUSR1, &sa, std::ptr::null_mut()), 0);
-    }
+    install_usr1();
     let (ctx, _keep) = device(bed.addr);
     let chan = CompChannel::new(&ctx).unwrap();
     let (p, lp, got) = learning_server(bed.addr, &chan);

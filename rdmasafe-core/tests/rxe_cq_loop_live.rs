@@ -475,9 +475,11 @@ fn completions_behind_a_keepalive_probe_are_not_stranded() {
     let cfg = Keepalive { period: Duration::from_millis(1500), bound: Duration::from_secs(60), wr_id: 7777 };
     // SAFETY: the QP lives (in `p`) longer than the loop.
     unsafe { lp.add_keepalive(qp, cfg, Box::new(|_, _| {})) }.unwrap();
-    // Wait for the first probe (the QP is idle), then post right behind it.
+    // Wait for the first probe (the QP is idle), then post right behind it
+    // (calls that never wait: one with a wait returns only when its time
+    // runs out, and the sends must go in while the probe is on its way).
     wait_for("a probe is posted", || {
-        lp.process_once(Wait::For(Duration::from_millis(100))).unwrap();
+        lp.process_once(Wait::None).unwrap();
         lp.stats().keepalive_probes >= 1
     });
     for i in 0..20u64 {
@@ -1269,4 +1271,60 @@ fn after_a_stop_the_embedded_loop_still_wakes_the_app() {
         assert_eq!(got, (first..first + 3).collect::<Vec<_>>(), "{mode:?}");
         drop(lp);
     }
+}
+
+/// Two threads that call `process_once` while a third drives the loop for
+/// a blocking drain (nobody runs it; the drive's handler takes 500 ms):
+/// one of them runs the loop, the other is refused with EBUSY at once, as
+/// when a thread runs it. Before, both saw the state taken and nobody
+/// running, both queued for it, and the second waited through the first's
+/// whole call (2 s here, forever with `Wait::Forever`) and then ran.
+#[test]
+fn a_second_runner_behind_a_drive_is_refused_not_queued() {
+    let bed = common::bed();
+    let _dog = common::watchdog("runners behind a drive", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = Arc::new(rc_pair(bed.addr, &chan, false, 8));
+    let lp = Arc::new(CqLoop::new(&chan, LoopOptions::default()).unwrap());
+    let entered = Arc::new(AtomicBool::new(false));
+    let e2 = entered.clone();
+    lp.add_cq(&p.server_cq, move |_, _| {
+        if !e2.swap(true, SeqCst) {
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    })
+    .unwrap();
+    p.recv(0, SLOT as u32, 1);
+    p.send(0, b"x", 1, 1);
+    // The drive: a blocking drain from a thread, nobody running the loop.
+    let drain = {
+        let (ctl, p) = (lp.control(), p.clone());
+        std::thread::spawn(move || {
+            let qp = p.server.lock().unwrap().id.raw_qp().unwrap();
+            // SAFETY: the QP lives in `p` until after the drain returns.
+            unsafe { ctl.drain_qp(qp, false, Duration::from_secs(30)) }.map(|_| ())
+        })
+    };
+    while !entered.load(SeqCst) {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let go = Arc::new(std::sync::Barrier::new(2));
+    let runners: Vec<_> = (0..2)
+        .map(|_| {
+            let (lp, go) = (lp.clone(), go.clone());
+            std::thread::spawn(move || {
+                go.wait();
+                let t0 = Instant::now();
+                let r = lp.process_once(Wait::For(Duration::from_secs(2)));
+                (r.map_err(|e| e.errno()), t0.elapsed())
+            })
+        })
+        .collect();
+    let results: Vec<_> = runners.into_iter().map(|t| t.join().unwrap()).collect();
+    drain.join().unwrap().expect("the drain finished (run by the runner)");
+    println!("two runners behind a drive: {results:?}");
+    let refused = results.iter().filter(|(r, _)| *r == Err(libc::EBUSY)).count();
+    let ran = results.iter().filter(|(r, _)| r.is_ok()).count();
+    assert_eq!((refused, ran), (1, 1), "one runs, the other is refused: {results:?}");
 }

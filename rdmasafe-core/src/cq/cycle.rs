@@ -259,8 +259,10 @@ impl Core {
                 self.record_wakeup(sh, n);
                 return Ok(n);
             }
-            // (A thread waiting to run the loop ends a foreign drive's spin.)
-            if (honor_stop && sh.stop.load(Relaxed)) || sh.cmds_pending.load(Relaxed) || sh.wanted.load(Relaxed) > 0 {
+            // (A thread waiting to run the loop ends a foreign drive's spin,
+            // `honor_stop == false`; a runner never waits for a runner.)
+            let handover = !honor_stop && sh.wanted.load(Relaxed) > 0;
+            if (honor_stop && sh.stop.load(Relaxed)) || sh.cmds_pending.load(Relaxed) || handover {
                 return Ok(0);
             }
             if timed {
@@ -556,8 +558,9 @@ impl Core {
     /// plan's spin and timer measured from it, are kept: resetting it would
     /// keep a loop called with short waits from ever sleeping, and would
     /// stretch a window the timer wakes the loop for. An app that embeds
-    /// the loop (`Wait::None`: it calls when the loop's fd is readable) is
-    /// not away: its idle times are the loop's.
+    /// the loop (`Wait::None`: it calls when the loop's fd is readable) or
+    /// calls it back to back (a zero `Wait::For`) is not away: its idle
+    /// times are the loop's; nor is one that calls again after an EINTR.
     pub(super) fn leave_to_app(&mut self) {
         if self.learn.idle_start.is_some() {
             self.learn.idle_outside = true;
@@ -598,7 +601,10 @@ impl Core {
                 }
             }
         }
-        self.leave_to_app();
+        // Back to the caller, unless a runner takes the loop over at once.
+        if ctl.0.wanted.load(SeqCst) == 0 {
+            self.leave_to_app();
+        }
         // An app that embeds the loop waits on its fd, which this drive's
         // sleeps may have drained: if the loop has work (an adaptive loop
         // still polling, with CQs that fired left unarmed) or a stop came

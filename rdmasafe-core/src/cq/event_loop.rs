@@ -194,13 +194,22 @@ impl CqLoop {
         if sh.held_here() {
             return Err(Error::new("rdmasafe_cq_loop_run: from inside one of its handlers", libc::EDEADLK));
         }
+        // Claimed before the state: a second runner is refused at once, and
+        // never waits for the first (whose call may last as long as its
+        // wait), also when it comes while the first takes the state.
+        if sh.running.swap(true, SeqCst) {
+            return Err(Error::new("rdmasafe_cq_loop_run: another thread runs the loop", libc::EBUSY));
+        }
+        // Paired with try_close (both SeqCst): either it sees `running`, or
+        // this sees `closing`.
+        if sh.closing.load(SeqCst) {
+            sh.running.store(false, SeqCst);
+            return Err(Error::new("rdmasafe_cq_loop_run: the loop is being destroyed", libc::EINVAL));
+        }
         let g = match sh.core.try_lock() {
             Ok(g) => g,
             Err(TryLockError::Poisoned(p)) => p.into_inner(),
             Err(TryLockError::WouldBlock) => {
-                if sh.running.load(SeqCst) {
-                    return Err(Error::new("rdmasafe_cq_loop_run: another thread runs the loop", libc::EBUSY));
-                }
                 // A brief apply, or a blocking change driving the loop
                 // (a drain): that one lets go after its current cycle
                 // (woken from its sleep for it) and waits for us instead.
@@ -211,20 +220,6 @@ impl CqLoop {
                 g
             }
         };
-        // Refused with the state in hand: let go through Held all the same
-        // (queued changes applied, waiters woken: a drain that handed the
-        // loop over to this call waits for it).
-        if sh.running.swap(true, SeqCst) {
-            drop(Held::new(sh, g, self.control()));
-            return Err(Error::new("rdmasafe_cq_loop_run: another thread runs the loop", libc::EBUSY));
-        }
-        // Paired with try_close (both SeqCst): either it sees `running`, or
-        // this sees `closing`.
-        if sh.closing.load(SeqCst) {
-            sh.running.store(false, SeqCst);
-            drop(Held::new(sh, g, self.control()));
-            return Err(Error::new("rdmasafe_cq_loop_run: the loop is being destroyed", libc::EINVAL));
-        }
         Ok(Held::new(sh, g, self.control()).into_runner())
     }
 
@@ -319,7 +314,8 @@ impl CqLoop {
     /// runs out (returns 0), a stop (0), or an error: the loop's own work
     /// on the way (a keepalive probe, a timer, a CQ just added) does not
     /// end the call. EINTR when a signal interrupted the wait. With
-    /// `Wait::None`: one cycle, which never waits (it may deliver nothing).
+    /// `Wait::None` (or a zero `Wait::For`): one cycle, which never waits
+    /// (it may deliver nothing).
     /// For embedding in
     /// the app's own epoll: watch [`CqLoop::as_raw_fd`] (readable whenever
     /// the loop has work: a CQ event, a CQ just added, a stop, a due
@@ -336,7 +332,8 @@ impl CqLoop {
     /// wait, the next call arms them before it waits.)
     pub fn process_once(&self, wait: Wait) -> Result<usize> {
         let mut held = self.enter()?;
-        let embedded = wait == Wait::None;
+        // Called when the fd is readable, or back to back (a reactor).
+        let embedded = wait == Wait::None || wait == Wait::For(Duration::ZERO);
         let r = {
             let (core, ctl) = held.parts();
             if ctl.0.stop.load(SeqCst) {
@@ -344,7 +341,8 @@ impl CqLoop {
                 Ok(0)
             } else {
                 let r = core.deliver_within(ctl, wait);
-                if !embedded {
+                // A signal's EINTR: the app calls again at once, as a rule.
+                if !embedded && !matches!(&r, Err(e) if e.errno() == libc::EINTR) {
                     core.leave_to_app();
                 }
                 if ctl.0.stop.load(SeqCst) {

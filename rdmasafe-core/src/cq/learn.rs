@@ -5,11 +5,12 @@
 //! for a [`Plan`].
 //!
 //! **What is measured.** `idle`: from the first empty poll after
-//! completions to the next completion found (time the app spends outside
-//! the loop is not loop idle time: the idle clock starts at the first empty
-//! poll the loop makes itself, and an idle time during which a
-//! `Wait::For` ran out and the call returned to the app still polling is
-//! no sample). `lateness`: how much later than asked a timed sleep returns (the scheduler's wake-up latency). `overhead`: the
+//! completions to the next completion handed to a handler (the loop's own
+//! keepalive probes and drain markers end none; time the app spends
+//! outside the loop is not loop idle time: the idle clock starts at the
+//! first empty poll the loop makes itself, and an idle time that spans a
+//! return to the app, from `process_once` with a wait, the end of
+//! `run_for` or of a caller's drive, is no sample). `lateness`: how much later than asked a timed sleep returns (the scheduler's wake-up latency). `overhead`: the
 //! CPU a sleep costs around it (re-arm, the wake's `read()` and ack). The
 //! block + wake cost `W` is lateness + overhead: what an event wake adds to
 //! a completion's latency, and about what a sleep costs in CPU.

@@ -224,8 +224,8 @@ pub struct LoopStats {
     /// first empty poll after completions to the next completion handed
     /// to a handler; the loop's own keepalive probes and drain markers end
     /// none, and an idle time that spans a return to the app, from
-    /// `process_once` with a wait or the end of `run_for`, is none). The
-    /// plan comes from the last 32.
+    /// `process_once` with a wait other than zero (not an EINTR) or the end
+    /// of `run_for`, is none). The plan comes from the last 32.
     pub learn_idle_samples: u64,
     /// Histogram of completions delivered per wakeup (power-of-two
     /// buckets, see [`BUCKETS`]).
