@@ -1175,7 +1175,7 @@ int rdmasafe_cq_loop_remove_keepalive(struct rdmasafe_cq_loop *cq_loop, struct i
  * loop.
  *
  * Returns 0, -EINVAL (unknown or already destroyed loop), -EBUSY (another
- * thread runs it: stop it first), -EDEADLK (from one of its callbacks, or
+ * thread runs it, or is about to: stop it first), -EDEADLK (from one of its callbacks, or
  * from a log callback while this thread is inside another call on this
  * loop: nothing is destroyed).
  */

@@ -1087,7 +1087,7 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_remove_keepalive(cq_loop: *mut rdmasaf
 /// loop.
 ///
 /// Returns 0, -EINVAL (unknown or already destroyed loop), -EBUSY (another
-/// thread runs it: stop it first), -EDEADLK (from one of its callbacks, or
+/// thread runs it, or is about to: stop it first), -EDEADLK (from one of its callbacks, or
 /// from a log callback while this thread is inside another call on this
 /// loop: nothing is destroyed).
 #[no_mangle]

@@ -127,11 +127,11 @@ pub(crate) struct Shared {
     pub(crate) opts: LoopOptions,
     /// False once the `CqLoop` is dropped: changes fail with EINVAL.
     pub(crate) alive: AtomicBool,
-    /// Set by `CqLoop::try_close`: no run may start any more.
-    pub(crate) closing: AtomicBool,
     pub(crate) core: Mutex<Core>,
-    /// Someone is in `run` / `process_once` (as opposed to a brief apply).
-    pub(crate) running: AtomicBool,
+    /// Someone runs the loop (`run`, `process_once`, ...: as opposed to a
+    /// brief apply or a drive), or it is closed (`CqLoop::try_close`: no
+    /// run may start any more).
+    pub(crate) run_state: super::run_state::RunState,
     /// Threads waiting in `enter` for the state while a blocking change
     /// drives the loop: that drive hands the loop over after its current
     /// cycle (they run it; the change waits for them).
@@ -195,9 +195,9 @@ impl Shared {
             chan,
             opts,
             alive: AtomicBool::new(true),
-            closing: AtomicBool::new(false),
+
             core: Mutex::new(core),
-            running: AtomicBool::new(false),
+            run_state: super::run_state::RunState::new(),
             wanted: AtomicU32::new(0),
             owner: AtomicU64::new(0),
             driver: AtomicU64::new(0),
@@ -313,7 +313,7 @@ impl Drop for Held<'_> {
     fn drop(&mut self) {
         let sh = self.sh;
         if self.runner {
-            sh.running.store(false, SeqCst);
+            sh.run_state.release();
         }
         loop {
             if let Some(mut g) = self.guard.take() {
@@ -369,9 +369,12 @@ impl LoopControl {
         self.0.in_handler.load(Acquire)
     }
 
-    /// True while a thread runs the loop (`run` / `process_once`).
+    /// True while a thread runs the loop (`run`, `run_for`,
+    /// `process_once`, `process_ready`, `flush_acks`), or waits for its
+    /// state to run it (while a blocking change from another thread hands
+    /// it over).
     pub fn is_running(&self) -> bool {
-        self.0.running.load(SeqCst)
+        self.0.run_state.is_running()
     }
 
     /// True if the calling thread is the one driving the loop right now

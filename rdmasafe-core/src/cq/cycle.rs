@@ -485,7 +485,9 @@ impl Core {
                 }
                 own += n;
             }
-            if (honor_stop && sh.stop.load(Relaxed)) || sh.cmds_pending.load(Relaxed) {
+            // (A thread waiting to run the loop ends a foreign drive's spin.)
+            let handover = !honor_stop && sh.wanted.load(Relaxed) > 0;
+            if (honor_stop && sh.stop.load(Relaxed)) || sh.cmds_pending.load(Relaxed) || handover {
                 return Ok(own);
             }
             self.learn.passes = self.learn.passes.wrapping_add(1);

@@ -40,6 +40,7 @@ use super::control::{Held, LoopControl, Shared};
 use super::core::Core;
 use super::handle::LiveChannel;
 use super::options::{CqOptions, LoopOptions};
+use super::run_state::Refused;
 use super::stats::LoopStats;
 use super::{registry, Handler};
 use crate::sys::{self, ibv_comp_channel, ibv_cq};
@@ -196,15 +197,16 @@ impl CqLoop {
         }
         // Claimed before the state: a second runner is refused at once, and
         // never waits for the first (whose call may last as long as its
-        // wait), also when it comes while the first takes the state.
-        if sh.running.swap(true, SeqCst) {
-            return Err(Error::new("rdmasafe_cq_loop_run: another thread runs the loop", libc::EBUSY));
-        }
-        // Paired with try_close (both SeqCst): either it sees `running`, or
-        // this sees `closing`.
-        if sh.closing.load(SeqCst) {
-            sh.running.store(false, SeqCst);
-            return Err(Error::new("rdmasafe_cq_loop_run: the loop is being destroyed", libc::EINVAL));
+        // wait), also when it comes while the first takes the state. One
+        // state word with try_close: of a run and a close at once, one wins.
+        match sh.run_state.claim() {
+            Ok(()) => {}
+            Err(Refused::Running) => {
+                return Err(Error::new("rdmasafe_cq_loop_run: another thread runs the loop", libc::EBUSY))
+            }
+            Err(Refused::Closed) => {
+                return Err(Error::new("rdmasafe_cq_loop_run: the loop is being destroyed", libc::EINVAL))
+            }
         }
         let g = match sh.core.try_lock() {
             Ok(g) => g,
@@ -223,28 +225,32 @@ impl CqLoop {
         Ok(Held::new(sh, g, self.control()).into_runner())
     }
 
-    /// True while a thread runs the loop (`run` / `process_once`).
+    /// True while a thread runs the loop (`run`, `run_for`,
+    /// `process_once`, `process_ready`, `flush_acks`), or waits for its
+    /// state to run it (while a blocking change from another thread hands
+    /// it over).
     pub fn is_running(&self) -> bool {
-        self.sh.running.load(SeqCst)
+        self.sh.run_state.is_running()
     }
 
     /// Marks the loop as going away: from now on `run` and `process_once`
-    /// fail (EINVAL). EBUSY (and nothing changes) while a thread runs it,
-    /// EDEADLK from inside one of its handlers. For an owner that must
+    /// fail (EINVAL). EBUSY (and nothing changes) while a thread runs it or
+    /// waits for its state to run it ([`CqLoop::is_running`]), EDEADLK from
+    /// inside one of its handlers. Of a run that starts and this, at once,
+    /// one wins. For an owner that must
     /// know nobody runs the loop before it drops it (the C API's destroy).
     pub fn try_close(&self) -> Result<()> {
         let sh = &*self.sh;
         if sh.held_here() {
             return Err(Error::new("rdmasafe_cq_loop_destroy: from inside one of its handlers", libc::EDEADLK));
         }
-        if sh.closing.swap(true, SeqCst) {
-            return Err(Error::new("rdmasafe_cq_loop_destroy: destroyed already", libc::EINVAL));
+        match sh.run_state.close() {
+            Ok(()) => Ok(()),
+            Err(Refused::Running) => {
+                Err(Error::new("rdmasafe_cq_loop_destroy: another thread runs the loop", libc::EBUSY))
+            }
+            Err(Refused::Closed) => Err(Error::new("rdmasafe_cq_loop_destroy: destroyed already", libc::EINVAL)),
         }
-        if sh.running.load(SeqCst) {
-            sh.closing.store(false, SeqCst);
-            return Err(Error::new("rdmasafe_cq_loop_destroy: another thread runs the loop", libc::EBUSY));
-        }
-        Ok(())
     }
 
     fn leave(&self, held: Held<'_>) {
@@ -425,6 +431,8 @@ impl CqLoop {
         let mut held = self.enter()?;
         let (core, ctl) = held.parts();
         core.flush_all(&ctl.0);
+        // It may have taken the loop over from a drive: back to the app now.
+        core.leave_to_app();
         self.leave(held);
         Ok(())
     }

@@ -16,7 +16,8 @@
 //! events, draining into handlers), `cycle` (the cycle per mode), `timers`
 //! (deadlines), `fast` (event mode's common wakeup in one frame),
 //! `event_loop` (the public [`CqLoop`]), `keepalive`,
-//! `drain`, `thread`, `registry`, `stats`, `async_events`.
+//! `drain`, `thread`, `registry`, `run_state` (who runs the loop, or
+//! whether it is closed), `stats`, `async_events`.
 
 mod async_events;
 mod control;
@@ -32,6 +33,7 @@ mod learn;
 mod local;
 mod options;
 mod registry;
+mod run_state;
 mod stats;
 mod thread;
 mod timers;
