@@ -29,6 +29,6 @@ RUSTDOCFLAGS="-D warnings" cargo doc --locked --no-deps -q --all-features -p rdm
 step "doc tests"
 cargo test --locked --workspace --doc
 cargo test --locked -p rdmasafe-core --doc --all-features
-step "loom: every interleaving of the work queue's sleep/wake protocol"
+step "loom: every interleaving of the work queue's sleep/wake protocol and of a run against a close"
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --locked --release -p rdmasafe-core --lib loom_tests
 step "all tests passed"

@@ -195,7 +195,6 @@ impl Shared {
             chan,
             opts,
             alive: AtomicBool::new(true),
-
             core: Mutex::new(core),
             run_state: super::run_state::RunState::new(),
             wanted: AtomicU32::new(0),
@@ -286,8 +285,8 @@ pub(crate) struct Held<'a> {
     sh: &'a Shared,
     guard: Option<MutexGuard<'a, Core>>,
     ctl: LoopControl,
-    /// Held for `run` / `process_once`: `running` is cleared on release,
-    /// also when a handler's panic unwinds through the loop.
+    /// Held by a runner (`CqLoop::enter`): the run state goes back to idle
+    /// on release, also when a handler's panic unwinds through the loop.
     runner: bool,
 }
 

@@ -603,10 +603,10 @@ impl Core {
                 }
             }
         }
-        // Back to the caller, unless a runner takes the loop over at once.
-        if ctl.0.wanted.load(SeqCst) == 0 {
-            self.leave_to_app();
-        }
+        // Back to the caller (also when a runner takes the loop over: it
+        // may be one that does not cycle, `flush_acks`, and a lost sample
+        // costs less than one with the app's time in it).
+        self.leave_to_app();
         // An app that embeds the loop waits on its fd, which this drive's
         // sleeps may have drained: if the loop has work (an adaptive loop
         // still polling, with CQs that fired left unarmed) or a stop came

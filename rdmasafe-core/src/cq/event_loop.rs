@@ -233,8 +233,8 @@ impl CqLoop {
         self.sh.run_state.is_running()
     }
 
-    /// Marks the loop as going away: from now on `run` and `process_once`
-    /// fail (EINVAL). EBUSY (and nothing changes) while a thread runs it or
+    /// Marks the loop as going away: from now on `run`, `run_for`,
+    /// `process_once`, `process_ready` and `flush_acks` fail (EINVAL). EBUSY (and nothing changes) while a thread runs it or
     /// waits for its state to run it ([`CqLoop::is_running`]), EDEADLK from
     /// inside one of its handlers. Of a run that starts and this, at once,
     /// one wins. For an owner that must
@@ -254,7 +254,7 @@ impl CqLoop {
     }
 
     fn leave(&self, held: Held<'_>) {
-        drop(held); // clears `running`
+        drop(held); // the run state back to idle
     }
 
     /// Runs cycles until [`LoopControl::stop`]; then flushes every pending
@@ -431,8 +431,6 @@ impl CqLoop {
         let mut held = self.enter()?;
         let (core, ctl) = held.parts();
         core.flush_all(&ctl.0);
-        // It may have taken the loop over from a drive: back to the app now.
-        core.leave_to_app();
         self.leave(held);
         Ok(())
     }

@@ -39,9 +39,10 @@ impl RunState {
         }
     }
 
-    /// The run ends (running -> idle).
+    /// The run ends (running -> idle; only a claim's holder calls it).
     pub(crate) fn release(&self) {
-        self.0.store(IDLE, SeqCst);
+        let was = self.0.compare_exchange(RUNNING, IDLE, SeqCst, SeqCst);
+        debug_assert_eq!(was, Ok(RUNNING), "released without a claim");
     }
 
     /// Closed for good (idle -> closed); refused while a thread runs it.
@@ -61,7 +62,7 @@ impl RunState {
 
 #[cfg(all(test, loom))]
 mod loom_tests {
-    use super::RunState;
+    use super::{Refused, RunState};
     use loom::sync::Arc;
 
     /// A run that starts while the loop is closed (the C API's destroy on
@@ -81,6 +82,11 @@ mod loom_tests {
             let c = s.close();
             let r = t.join().unwrap();
             assert!(r.is_ok() || c.is_ok(), "both failed: run {r:?}, close {c:?}");
+            // Closed for good: neither a run nor a second close after it.
+            if c.is_ok() {
+                assert_eq!(s.claim(), Err(Refused::Closed));
+                assert_eq!(s.close(), Err(Refused::Closed));
+            }
         });
     }
 }
