@@ -907,9 +907,9 @@ fn an_idle_learning_loop_learns_nothing_from_its_keepalive_probes() {
 /// between two messages is one idle time learned, except those in progress
 /// when a call with a wait returned to the app without a message (the
 /// test's time between calls is not the loop's idle time; an EINTR is no
-/// such return) and the first message's (no idle time before it). `process_once` returns only with a
-/// message here: neither a probe, nor a timer, nor the loop's own wake-up
-/// ends the call. Before, a wake by a probe within a call with a timeout
+/// such return) and the first message's (no idle time before it).
+/// `process_once` returns only with a message here: neither a probe, nor a
+/// timer, nor the loop's own wake-up ends the call. Before, a wake by a probe within a call with a timeout
 /// dropped the idle time in progress (with a probe in every gap, none was
 /// learned), and then every `process_once` that returned 0 for the loop's
 /// own reasons did (none was learned either, keepalive or not). Counts,

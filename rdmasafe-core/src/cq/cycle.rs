@@ -401,9 +401,7 @@ impl Core {
                 Some((t1, t2)) => t2.checked_sub(Duration::from_nanos(l.model.lateness())).unwrap_or(t2).max(t1),
                 None => Instant::now(),
             };
-            if l.end_idle(now) {
-                ctl.0.counters.learn_idle_samples.bump(1);
-            }
+            Self::end_idle(l, &ctl.0, now);
             l.wake_at = None;
             l.calibrating = false;
             l.spin_until = l.model.plan().spin;
@@ -475,9 +473,7 @@ impl Core {
                 if self.delivered(own0, n) > 0 {
                     if self.learn.idle_start.is_some() {
                         let now = Instant::now();
-                        if self.learn.end_idle(now) {
-                            sh.counters.learn_idle_samples.bump(1);
-                        }
+                        Self::end_idle(&mut self.learn, sh, now);
                         self.polling_since = Some(now);
                     }
                     self.learn.spin_until = self.learn.model.plan().spin;
@@ -519,6 +515,14 @@ impl Core {
                 Wait::Forever => {}
             }
             std::hint::spin_loop();
+        }
+    }
+
+    /// Completions came at `now`: ends the idle time, counting it in the
+    /// stats if it was a sample (see `Learn::end_idle`).
+    fn end_idle(l: &mut super::learn::Learn, sh: &Shared, now: Instant) {
+        if l.end_idle(now) {
+            sh.counters.learn_idle_samples.bump(1);
         }
     }
 

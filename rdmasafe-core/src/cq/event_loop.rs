@@ -234,11 +234,12 @@ impl CqLoop {
     }
 
     /// Marks the loop as going away: from now on `run`, `run_for`,
-    /// `process_once`, `process_ready` and `flush_acks` fail (EINVAL). EBUSY (and nothing changes) while a thread runs it or
-    /// waits for its state to run it ([`CqLoop::is_running`]), EDEADLK from
-    /// inside one of its handlers. Of a run that starts and this, at once,
-    /// one wins. For an owner that must
-    /// know nobody runs the loop before it drops it (the C API's destroy).
+    /// `process_once`, `process_ready` and `flush_acks` fail (EINVAL).
+    /// EBUSY (and nothing changes) while a thread runs it or waits for its
+    /// state to run it ([`CqLoop::is_running`]), EDEADLK from inside one of
+    /// its handlers. Of a run that starts and this, at once, one wins. For
+    /// an owner that must know nobody runs the loop before it drops it (the
+    /// C API's destroy).
     pub fn try_close(&self) -> Result<()> {
         let sh = &*self.sh;
         if sh.held_here() {
@@ -387,11 +388,10 @@ impl CqLoop {
                 core.finish_stop_after(sh, true);
                 Ok(Progress { delivered: 0, stopped: true, more: false })
             } else {
-                let own0 = core.own_taken;
-                match core.cycle(ctl, Wait::None, true) {
+                match core.deliver_within(ctl, Wait::None) {
                     Err(e) if e.errno() != libc::EINTR => Err(e),
                     r => {
-                        let delivered = core.delivered(own0, *r.as_ref().unwrap_or(&0));
+                        let delivered = *r.as_ref().unwrap_or(&0);
                         if sh.stop.load(SeqCst) {
                             core.finish_stop_after(sh, true);
                             Ok(Progress { delivered, stopped: true, more: false })
