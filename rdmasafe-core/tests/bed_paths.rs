@@ -8,13 +8,13 @@
 //! this. The binary runs on the host (its name does not start with `rxe_`)
 //! and boots its guests itself.
 
+mod common;
+
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
+use common::host::{repo, run, stdout};
 
 /// A folder under /tmp (not $TMPDIR: /tmp is what the guest masks), with
 /// spaces in its name, removed at the end.
@@ -47,21 +47,6 @@ fn populate(t: &Path) -> (PathBuf, String) {
     fs::write(work.join("data file.txt"), &text).unwrap();
     fs::copy("/bin/cat", work.join("tools dir/my cat")).unwrap();
     (work, text)
-}
-
-fn run(what: &str, cmd: &mut Command) -> Output {
-    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: cannot run {cmd:?}: {e}"));
-    println!(
-        "==== {what}: {}\n--- stdout\n{}--- stderr\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
 /// One guest, the job's working directory and binary under /tmp.
@@ -138,7 +123,7 @@ fn vm_run2_from_a_tmp_folder_with_spaces() {
         ]),
     );
     let s = stdout(&out);
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = common::host::stderr(&out);
     for g in ['a', 'b'] {
         let lines: String =
             s.lines().filter_map(|l| l.strip_prefix(&format!("[{g}] "))).map(|l| format!("{l}\n")).collect();

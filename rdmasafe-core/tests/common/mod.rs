@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod cm;
+pub mod host;
 pub mod many;
 pub mod proof;
 pub mod rc;
