@@ -129,7 +129,8 @@
 
 /**
  * Adaptive mode: poll while busy and for `adaptive_spin_us` after the
- * last completion, then arm and sleep.
+ * last completion handed to a callback, then arm and sleep. The loop's own
+ * completions (keepalive probes, drain markers) start or renew no spin.
  */
 #define RDMASAFE_MODE_ADAPTIVE 2
 
@@ -304,7 +305,7 @@ struct rdmasafe_cq_loop_options {
   int ack_batch;
   /**
    * Adaptive mode: microseconds of polling after the last completion
-   * (default 50). Must be >= 0 in every mode (-EINVAL otherwise).
+   * handed to a callback (default 50). Must be >= 0 in every mode (-EINVAL otherwise).
    */
   int adaptive_spin_us;
   /**

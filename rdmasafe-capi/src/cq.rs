@@ -26,7 +26,8 @@ pub const RDMASAFE_MODE_EVENT: c_int = 0;
 /// Busy-poll mode: poll continuously, never arm or sleep.
 pub const RDMASAFE_MODE_BUSY_POLL: c_int = 1;
 /// Adaptive mode: poll while busy and for `adaptive_spin_us` after the
-/// last completion, then arm and sleep.
+/// last completion handed to a callback, then arm and sleep. The loop's own
+/// completions (keepalive probes, drain markers) start or renew no spin.
 pub const RDMASAFE_MODE_ADAPTIVE: c_int = 2;
 /// Learning adaptive mode: measures its own sleep-to-wake cost and the idle
 /// gaps before completions arrive, and picks from them when to sleep and
@@ -98,7 +99,7 @@ pub struct rdmasafe_cq_loop_options {
     /// CQ events counted per CQ before one ack call, 1..65536 (default 16).
     pub ack_batch: c_int,
     /// Adaptive mode: microseconds of polling after the last completion
-    /// (default 50). Must be >= 0 in every mode (-EINVAL otherwise).
+    /// handed to a callback (default 50). Must be >= 0 in every mode (-EINVAL otherwise).
     pub adaptive_spin_us: c_int,
     /// Watchdog: poll anyway after this many ms without an event while
     /// outstanding work is reported (0: off).

@@ -523,8 +523,16 @@ fn learning_server_weighted(
     chan: &CompChannel,
     weight: u32,
 ) -> (Arc<RcPair>, Arc<CqLoop>, Arc<Mutex<Vec<u64>>>) {
+    server_with(addr, chan, LoopOptions { mode: Mode::Learning, learn_latency_weight: weight, ..Default::default() })
+}
+
+/// [`learning_server_weighted`]'s server with a loop of any options.
+fn server_with(
+    addr: std::net::IpAddr,
+    chan: &CompChannel,
+    opts: LoopOptions,
+) -> (Arc<RcPair>, Arc<CqLoop>, Arc<Mutex<Vec<u64>>>) {
     let p = Arc::new(rc_pair(addr, chan, false, 8));
-    let opts = LoopOptions { mode: Mode::Learning, learn_latency_weight: weight, ..Default::default() };
     let lp = Arc::new(CqLoop::new(chan, opts).unwrap());
     let got = Arc::new(Mutex::new(Vec::new()));
     let (g, pp) = (got.clone(), p.clone());
@@ -831,12 +839,53 @@ fn learning_server_with_keepalive(
     addr: std::net::IpAddr,
     chan: &CompChannel,
 ) -> (Arc<RcPair>, Arc<CqLoop>, Arc<Mutex<Vec<u64>>>) {
-    let (p, lp, got) = learning_server_weighted(addr, chan, 1000);
+    with_keepalive(learning_server_weighted(addr, chan, 1000))
+}
+
+/// Adds a keepalive (20 ms period) on the server's QP.
+fn with_keepalive(
+    (p, lp, got): (Arc<RcPair>, Arc<CqLoop>, Arc<Mutex<Vec<u64>>>),
+) -> (Arc<RcPair>, Arc<CqLoop>, Arc<Mutex<Vec<u64>>>) {
     let qp = p.server.lock().unwrap().id.raw_qp().unwrap();
     let cfg = Keepalive { period: Duration::from_millis(20), bound: Duration::from_secs(60), wr_id: 9999 };
     // SAFETY: the QP lives (in `p`) longer than the loop.
     unsafe { lp.add_keepalive(qp, cfg, Box::new(|_, _| {})) }.unwrap();
     (p, lp, got)
+}
+
+/// Fixed-spin adaptive mode spins after completions handed to handlers,
+/// not after the loop's own: an idle connection with a keepalive (20 ms
+/// period) and a spin ten times longer (200 ms) sleeps between its probes.
+/// Before, each probe's completion started a 200 ms spin that the next
+/// probe renewed, so the loop never slept (stop 27's note named it: 50 us
+/// of spin per probe at the default spin).
+#[test]
+fn an_idle_adaptive_loop_does_not_spin_for_its_keepalive_probes() {
+    let bed = common::bed();
+    let _dog = common::watchdog("adaptive + keepalive", Duration::from_secs(180));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let opts = LoopOptions { mode: Mode::Adaptive { spin: Duration::from_millis(200) }, ..Default::default() };
+    let (_p, lp, got) = with_keepalive(server_with(bed.addr, &chan, opts));
+    while lp.stats().keepalive_probes_ok < 20 {
+        lp.run_for(Duration::from_millis(100)).unwrap();
+    }
+    let s = lp.stats();
+    println!(
+        "idle adaptive loop (spin 200 ms) with a 20 ms keepalive: {} probes ok, {} sleeps, {} wakeups",
+        s.keepalive_probes_ok, s.sleeps, s.wakeups
+    );
+    assert!(got.lock().unwrap().is_empty() && s.completions == 0, "no message was sent");
+    // Each probe's completion wakes the loop from a sleep, and it sleeps
+    // again at once (a probe that completes before the loop sleeps may be
+    // taken without one: hence half).
+    assert!(
+        s.sleeps >= s.keepalive_probes_ok / 2,
+        "the loop spun for its own probes: {} sleeps for {} probes",
+        s.sleeps,
+        s.keepalive_probes_ok
+    );
+    assert_eq!(s.keepalive_dead, 0);
 }
 
 /// A learning loop's own keepalive probes are no arrivals: an idle

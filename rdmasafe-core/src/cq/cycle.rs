@@ -225,10 +225,11 @@ impl Core {
         if wait == Wait::None {
             // One pass, no clock.
             self.begin_cycle();
+            let own0 = self.own_taken;
             let mut n = self.poll_all(ctl, honor_stop)?;
             n += self.tick(ctl, honor_stop)?;
             if n > 0 {
-                if spin.is_some() {
+                if spin.is_some() && self.delivered(own0, n) > 0 {
                     self.polling_since = self.last_stamp.or_else(|| Some(Instant::now()));
                 }
                 self.record_wakeup(sh, n);
@@ -250,10 +251,14 @@ impl Core {
         let idle_from = self.polling_since.or(start);
         loop {
             self.begin_cycle();
+            let own0 = self.own_taken;
             let mut n = self.poll_all(ctl, honor_stop)?;
             n += self.tick(ctl, honor_stop)?;
             if n > 0 {
-                if spin.is_some() {
+                // (The spin runs from the last completion handed to a
+                // handler: the loop's own, a keepalive probe's or a drain
+                // marker's, do not renew it.)
+                if spin.is_some() && self.delivered(own0, n) > 0 {
                     self.polling_since = self.last_stamp.or(start);
                 }
                 self.record_wakeup(sh, n);
@@ -296,10 +301,13 @@ impl Core {
             }
             self.end_polling(ctl)?;
         }
+        let own0 = self.own_taken;
         let n = self.event_cycle(ctl, wait, honor_stop)?;
-        if n > 0 {
-            // Woken (or new CQs had completions): poll from now on; CQs
-            // that fired stay unarmed until the next sleep arms them.
+        if self.delivered(own0, n) > 0 {
+            // Woken for completions handed to handlers (or new CQs had
+            // some): poll from now on; CQs that fired stay unarmed until
+            // the next sleep arms them. A wake that took only the loop's
+            // own (a keepalive probe, a drain marker) starts no spin.
             self.polling_since = self.last_stamp.or_else(|| Some(Instant::now()));
         } else {
             self.rearm_fired_empty();

@@ -14,10 +14,13 @@ pub enum Mode {
     /// Poll every CQ continuously; never arm, never sleep. Lowest latency,
     /// one core; each cycle polls every CQ (O(CQs served)).
     BusyPoll,
-    /// Poll every CQ while busy and for `spin` after the last completion,
-    /// then arm and sleep until the next event (polling phase: O(CQs)).
+    /// Poll every CQ while busy and for `spin` after the last completion
+    /// handed to a handler, then arm and sleep until the next event
+    /// (polling phase: O(CQs)). The loop's own completions (keepalive
+    /// probes, drain markers) start or renew no spin.
     Adaptive {
-        /// How long to keep polling after the last completion.
+        /// How long to keep polling after the last completion handed to a
+        /// handler.
         spin: Duration,
     },
     /// Adaptive mode that learns when to spin: it measures its own
