@@ -523,14 +523,17 @@ fn learning_server_weighted(
     chan: &CompChannel,
     weight: u32,
 ) -> (Arc<RcPair>, Arc<CqLoop>, Arc<Mutex<Vec<u64>>>) {
-    server_with(addr, chan, LoopOptions { mode: Mode::Learning, learn_latency_weight: weight, ..Default::default() })
+    let opts = LoopOptions { mode: Mode::Learning, learn_latency_weight: weight, ..Default::default() };
+    server_with(addr, chan, opts, None)
 }
 
-/// [`learning_server_weighted`]'s server with a loop of any options.
+/// [`learning_server_weighted`]'s server with a loop of any options, and
+/// its CQ's budget if one is given.
 fn server_with(
     addr: std::net::IpAddr,
     chan: &CompChannel,
     opts: LoopOptions,
+    budget: Option<usize>,
 ) -> (Arc<RcPair>, Arc<CqLoop>, Arc<Mutex<Vec<u64>>>) {
     let p = Arc::new(rc_pair(addr, chan, false, 8));
     let lp = Arc::new(CqLoop::new(chan, opts).unwrap());
@@ -539,7 +542,11 @@ fn server_with(
     for k in 0..4u64 {
         p.recv(k as usize * SLOT, SLOT as u32, k);
     }
-    lp.add_cq(&p.server_cq, move |wcs, _| {
+    let mut cq_opts = lp.default_cq_options();
+    if let Some(b) = budget {
+        cq_opts.budget = b;
+    }
+    lp.add_cq_with(&p.server_cq, cq_opts, move |wcs, _| {
         for wc in wcs {
             assert_eq!(wc.status(), WcStatus::SUCCESS);
             let k = wc.wr_id();
@@ -839,15 +846,16 @@ fn learning_server_with_keepalive(
     addr: std::net::IpAddr,
     chan: &CompChannel,
 ) -> (Arc<RcPair>, Arc<CqLoop>, Arc<Mutex<Vec<u64>>>) {
-    with_keepalive(learning_server_weighted(addr, chan, 1000))
+    with_keepalive(learning_server_weighted(addr, chan, 1000), Duration::from_millis(20))
 }
 
-/// Adds a keepalive (20 ms period) on the server's QP.
+/// Adds a keepalive with this period on the server's QP.
 fn with_keepalive(
     (p, lp, got): (Arc<RcPair>, Arc<CqLoop>, Arc<Mutex<Vec<u64>>>),
+    period: Duration,
 ) -> (Arc<RcPair>, Arc<CqLoop>, Arc<Mutex<Vec<u64>>>) {
     let qp = p.server.lock().unwrap().id.raw_qp().unwrap();
-    let cfg = Keepalive { period: Duration::from_millis(20), bound: Duration::from_secs(60), wr_id: 9999 };
+    let cfg = Keepalive { period, bound: Duration::from_secs(60), wr_id: 9999 };
     // SAFETY: the QP lives (in `p`) longer than the loop.
     unsafe { lp.add_keepalive(qp, cfg, Box::new(|_, _| {})) }.unwrap();
     (p, lp, got)
@@ -855,10 +863,11 @@ fn with_keepalive(
 
 /// Fixed-spin adaptive mode spins after completions handed to handlers,
 /// not after the loop's own: an idle connection with a keepalive (20 ms
-/// period) and a spin ten times longer (200 ms) sleeps between its probes.
-/// Before, each probe's completion started a 200 ms spin that the next
-/// probe renewed, so the loop never slept (stop 27's note named it: 50 us
-/// of spin per probe at the default spin).
+/// period) and a spin ten times longer (200 ms) sleeps between its probes,
+/// before a message and after the spin the message started. Before, each
+/// probe's completion started a 200 ms spin (and one during a spin renewed
+/// it), so the loop never slept (stop 27's note named it: 50 us of spin per
+/// probe at the default spin).
 #[test]
 fn an_idle_adaptive_loop_does_not_spin_for_its_keepalive_probes() {
     let bed = common::bed();
@@ -866,26 +875,78 @@ fn an_idle_adaptive_loop_does_not_spin_for_its_keepalive_probes() {
     let (ctx, _keep) = device(bed.addr);
     let chan = CompChannel::new(&ctx).unwrap();
     let opts = LoopOptions { mode: Mode::Adaptive { spin: Duration::from_millis(200) }, ..Default::default() };
-    let (_p, lp, got) = with_keepalive(server_with(bed.addr, &chan, opts));
-    while lp.stats().keepalive_probes_ok < 20 {
-        lp.run_for(Duration::from_millis(100)).unwrap();
-    }
-    let s = lp.stats();
-    println!(
-        "idle adaptive loop (spin 200 ms) with a 20 ms keepalive: {} probes ok, {} sleeps, {} wakeups",
-        s.keepalive_probes_ok, s.sleeps, s.wakeups
-    );
-    assert!(got.lock().unwrap().is_empty() && s.completions == 0, "no message was sent");
+    let (p, lp, got) = with_keepalive(server_with(bed.addr, &chan, opts, None), Duration::from_millis(20));
     // Each probe's completion wakes the loop from a sleep, and it sleeps
     // again at once (a probe that completes before the loop sleeps may be
     // taken without one: hence half).
-    assert!(
-        s.sleeps >= s.keepalive_probes_ok / 2,
-        "the loop spun for its own probes: {} sleeps for {} probes",
-        s.sleeps,
-        s.keepalive_probes_ok
-    );
-    assert_eq!(s.keepalive_dead, 0);
+    let mut from = lp.stats();
+    for phase in ["idle", "after one message"] {
+        if phase != "idle" {
+            // The message starts a spin (200 ms: ten probes come in it);
+            // the probes must not renew it.
+            send_seq_to_learning_server(&p, 0);
+            while got.lock().unwrap().is_empty() {
+                lp.run_for(Duration::from_millis(100)).unwrap();
+            }
+            from = lp.stats();
+        }
+        while lp.stats().keepalive_probes_ok < from.keepalive_probes_ok + 20 {
+            lp.run_for(Duration::from_millis(100)).unwrap();
+        }
+        let s = lp.stats();
+        let (probes, sleeps) = (s.keepalive_probes_ok - from.keepalive_probes_ok, s.sleeps - from.sleeps);
+        println!("adaptive loop (spin 200 ms), 20 ms keepalive, {phase}: {probes} probes ok, {sleeps} sleeps");
+        assert!(sleeps >= probes / 2, "{phase}: the loop spun for its own probes: {sleeps} sleeps for {probes} probes");
+    }
+    assert_eq!(*got.lock().unwrap(), [0], "the one message, once");
+    assert_eq!(lp.stats().keepalive_dead, 0);
+}
+
+/// An adaptive loop (fixed spin or learning) arms every CQ before it
+/// sleeps, also one whose drain took exactly its budget of the loop's own
+/// completions (which start no spin) and so stayed on the ready list: with
+/// a budget of 1, each keepalive probe left its CQ unarmed until the next
+/// probe's timer (review of 56951bb), so a message that came meanwhile
+/// raised no event and waited for that timer. Here the message comes while
+/// the loop sleeps between two probes (1 s apart): it must wake the loop
+/// through its CQ's event.
+#[test]
+fn a_cq_filled_to_its_budget_by_the_loops_own_completions_is_armed_before_a_sleep() {
+    let bed = common::bed();
+    let _dog = common::watchdog("budget + keepalive", Duration::from_secs(180));
+    let (ctx, _keep) = device(bed.addr);
+    for mode in [Mode::Adaptive { spin: Duration::from_micros(50) }, Mode::Learning] {
+        let chan = CompChannel::new(&ctx).unwrap();
+        let opts = LoopOptions { mode, ..Default::default() };
+        let (p, lp, got) = with_keepalive(server_with(bed.addr, &chan, opts, Some(1)), Duration::from_secs(1));
+        let runner = {
+            let lp = lp.clone();
+            std::thread::spawn(move || lp.run())
+        };
+        for seq in 0..3 {
+            // Right after a probe's completion, well before the next one.
+            let probes = lp.stats().keepalive_probes_ok;
+            while lp.stats().keepalive_probes_ok == probes {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+            let events = lp.stats().cq_events;
+            send_seq_to_learning_server(&p, seq);
+            while got.lock().unwrap().len() <= seq as usize {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let s = lp.stats();
+            println!(
+                "{mode:?}, budget 1, message {seq}: {} CQ events since it was sent, {} probes ok",
+                s.cq_events - events,
+                s.keepalive_probes_ok
+            );
+            assert!(s.cq_events > events, "{mode:?}: message {seq} came without an event: its CQ slept unarmed");
+        }
+        lp.control().stop();
+        runner.join().unwrap().unwrap();
+        assert_eq!(*got.lock().unwrap(), [0, 1, 2]);
+    }
 }
 
 /// A learning loop's own keepalive probes are no arrivals: an idle

@@ -342,11 +342,13 @@ impl Core {
     /// After a sleep that delivered nothing (adaptive modes, which do not
     /// re-arm a CQ that fired, expecting to poll it): a CQ whose event came
     /// for completions something else took (a keepalive's or the
-    /// watchdog's drain) would stay unarmed while the loop sleeps. Arm such
-    /// CQs again (O(CQs), only when one is unarmed: every CQ is armed
-    /// while an adaptive loop sleeps).
+    /// watchdog's drain), or only the loop's own (which start no spin),
+    /// would stay unarmed while the loop sleeps, also one left on the
+    /// ready list by its budget (the ready list is drained without
+    /// re-arming). Arm such CQs again (O(CQs), only when one is unarmed:
+    /// every CQ is armed while an adaptive loop sleeps).
     fn rearm_fired_empty(&mut self) {
-        if self.polling_since.is_none() && self.armed + self.ready.len() < self.entries.len() {
+        if self.polling_since.is_none() && self.armed < self.entries.len() {
             self.push_all_disarmed();
         }
     }
