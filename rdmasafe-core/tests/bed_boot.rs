@@ -126,37 +126,47 @@ fn a_pair_whose_guest_never_comes_up_is_a_bed_failure_and_runs_no_job() {
 }
 
 /// A guest whose job script fails before its link is up (a bed error:
-/// here an `ip` first on the PATH that fails in guest a only) ends the pair
-/// at once, with that error, while the other guest waits at the barrier.
-/// Before, the host took it for a boot that never came up, booted it again
-/// until its boots ran out, and never showed the error (review of
-/// 5be67b9).
+/// here an `ip` first on the PATH that fails in one guest only) ends the
+/// pair at once, with that error, while the other guest waits at the
+/// barrier. Before, the host took it for a boot that never came up, booted
+/// it again until its boots ran out, and never showed the error (review of
+/// 5be67b9); and guest b's error was not shown when a was stopped for it
+/// (review of 1b8589c).
 #[test]
 fn a_guest_whose_setup_fails_ends_the_pair_with_its_error() {
     // A folder the guests see (the target folder is shared with them).
     let bin = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("bed-boot-failing-ip");
     std::fs::create_dir_all(&bin).unwrap();
     let ip = bin.join("ip");
-    let script = "#!/bin/sh\n[ \"$RDMASAFE_GUEST\" = a ] || exec /usr/bin/ip \"$@\"\n\
+    let script = "#!/bin/sh\n[ \"$RDMASAFE_GUEST\" = \"$BED_BOOT_FAILING_GUEST\" ] || exec /usr/bin/ip \"$@\"\n\
                   echo 'ip: failing on purpose (bed_boot)' >&2\nexit 1\n";
     std::fs::write(&ip, script).unwrap();
     std::fs::set_permissions(&ip, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
-    let mut cmd = Command::new(repo().join("tests/bed/vm-run2"));
-    boots(&mut cmd, 0, 0, 3, BOOT_TIMEOUT).env("PATH", path).args([
-        "--timeout",
-        "600",
-        "--a",
-        "echo a ran",
-        "--b",
-        "echo b ran",
-    ]);
-    let out = run("vm-run2, a failing ip first on the PATH", &mut cmd);
-    let (o, e) = (stdout(&out), stderr(&out));
-    assert!(e.contains("[a] ip: failing on purpose"), "guest a used the failing ip");
-    assert!(e.contains("guest a: bed setup: ip link del dummy0"), "the bed error is shown");
-    assert!(e.contains("[bed2] status a=125 b=aborted"), "b, waiting for a, was stopped");
-    assert!(!e.contains("did not bring its link up"), "a failed setup is no hung boot");
-    assert!(!o.contains(" ran"), "no job ran: {o:?}");
-    assert_eq!(out.status.code(), Some(125), "a bed failure");
+    for (failing, other) in [("a", "b"), ("b", "a")] {
+        let mut cmd = Command::new(repo().join("tests/bed/vm-run2"));
+        boots(&mut cmd, 0, 0, 3, BOOT_TIMEOUT).env("PATH", &path).env("BED_BOOT_FAILING_GUEST", failing).args([
+            "--timeout",
+            "600",
+            "--a",
+            "echo a ran",
+            "--b",
+            "echo b ran",
+        ]);
+        let out = run(&format!("vm-run2, an ip that fails in guest {failing}"), &mut cmd);
+        let (o, e) = (stdout(&out), stderr(&out));
+        assert!(e.contains(&format!("[{failing}] ip: failing on purpose")), "guest {failing} used the failing ip");
+        assert!(
+            e.contains(&format!("guest {failing}: bed setup: ip link del dummy0")),
+            "guest {failing}'s bed error is shown"
+        );
+        let status = e.lines().find(|l| l.starts_with("[bed2] status ")).expect("a status line");
+        assert!(
+            status.contains(&format!("{failing}=125")) && status.contains(&format!("{other}=aborted")),
+            "{other}, waiting for {failing}, was stopped: {status}"
+        );
+        assert!(!e.contains("did not bring its link up"), "a failed setup is no hung boot");
+        assert!(!o.contains(" ran"), "no job ran: {o:?}");
+        assert_eq!(out.status.code(), Some(125), "a bed failure");
+    }
 }
