@@ -160,6 +160,15 @@ impl Core {
                 n += self.work_list(ctl, List::Fired, rearm, honor_stop)?;
             }
             n += self.work_ready(ctl, honor_stop)?;
+            if n == 0 && self.opts.mode != Mode::Event && self.armed < self.entries.len() {
+                // Nothing found, and the loop may sleep below, in this
+                // cycle: a mode that polls does not re-arm what fired, so
+                // a CQ whose event came for completions an earlier drain
+                // took (the loop's own, which start no polling) is
+                // unarmed now. Arm and drain every such CQ first.
+                self.push_all_disarmed();
+                n += self.work_list(ctl, List::Unarmed, true, honor_stop)?;
+            }
         }
         if n > 0 {
             n += self.tick(ctl, honor_stop)?;
