@@ -12,7 +12,7 @@ mod common;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::cm::{expect, listen, params, resolved};
 use common::rc::{rc_pair, SLOT};
@@ -47,6 +47,19 @@ static SLEEPS: AtomicU64 = AtomicU64::new(0);
 static SLEEPS_AT_HANDBACK: AtomicU64 = AtomicU64::new(u64::MAX);
 /// Set (with a reason) if a wrapper saw what the test did not plan for.
 static UNPLANNED: Mutex<Option<String>> = Mutex::new(None);
+/// The loop's control, its `cq_events` when the CQ was last armed, and
+/// the first sleep seen with the CQ unarmed: an event read since its last
+/// arm (the loop's only CQ: every event is its), none pending.
+static CTL: Mutex<Option<rdmasafe_core::cq::LoopControl>> = Mutex::new(None);
+static EVENTS_AT_ARM: AtomicU64 = AtomicU64::new(u64::MAX);
+static UNARMED_SLEEP: Mutex<Option<String>> = Mutex::new(None);
+fn cq_events() -> u64 {
+    CTL.lock().unwrap().as_ref().unwrap().stats().cq_events
+}
+
+/// Gives up (the test then fails naming `what`) after this long in one of
+/// the wrappers' waits.
+const STEP_LIMIT: Duration = Duration::from_secs(60);
 
 #[repr(u32)]
 #[derive(Clone, Copy, PartialEq, Debug)]
@@ -117,7 +130,12 @@ fn post_and_take(k: usize, cq: *mut ibv_cq) -> Option<Wc> {
         return None;
     }
     let mut wc = empty_wc();
+    let t0 = Instant::now();
     loop {
+        if t0.elapsed() > STEP_LIMIT {
+            unplanned(format!("probe {k}'s completion did not come"));
+            return None;
+        }
         // SAFETY: one ibv_wc to fill (Wc is repr(transparent) over it).
         match unsafe { (real.2)(cq, 1, (&mut wc as *mut Wc).cast()) } {
             1 => break,
@@ -143,7 +161,11 @@ unsafe extern "C" fn req_notify_cq(cq: *mut ibv_cq, solicited: i32) -> i32 {
         }
     }
     // SAFETY: the provider's own function, with the caller's arguments.
-    unsafe { (REAL.get().unwrap().1)(cq, solicited) }
+    let r = unsafe { (REAL.get().unwrap().1)(cq, solicited) };
+    if r == 0 && cq as usize == CQ.load(SeqCst) {
+        EVENTS_AT_ARM.store(cq_events(), SeqCst);
+    }
+    r
 }
 
 unsafe extern "C" fn poll_cq(cq: *mut ibv_cq, n: i32, wcs: *mut ibv_wc) -> i32 {
@@ -160,8 +182,14 @@ unsafe extern "C" fn poll_cq(cq: *mut ibv_cq, n: i32, wcs: *mut ibv_wc) -> i32 {
                     // is there (without reading it: it is the loop's), so
                     // the loop's next read finds it.
                     let mut pfd = libc::pollfd { fd: CHAN_FD.load(SeqCst) as i32, events: libc::POLLIN, revents: 0 };
+                    let t0 = Instant::now();
                     // SAFETY: one pollfd, alive for the call.
-                    while unsafe { libc::poll(&mut pfd, 1, 10) } == 0 {}
+                    while unsafe { libc::poll(&mut pfd, 1, 10) } != 1 {
+                        if t0.elapsed() > STEP_LIMIT {
+                            unplanned("probe 1's event did not reach the channel".into());
+                            break;
+                        }
+                    }
                     SLEEPS_AT_HANDBACK.store(SLEEPS.load(SeqCst), SeqCst);
                     set_step(Step::Done);
                 }
@@ -217,9 +245,10 @@ fn second_qp_on(addr: std::net::IpAddr, cq: &Cq) -> (impl Sized, std::ptr::NonNu
 /// every CQ is armed and drained once more before such a sleep: the
 /// message comes with its event. The learning mode takes the same path,
 /// but its sleep there may carry a timer of its own (a calibration of the
-/// wake-up) that ends it and re-arms the CQ before the message lands: so
-/// before the fix that case failed only sometimes (2 of 6 runs); the
-/// adaptive case failed every time.
+/// wake-up) that ends it and re-arms the CQ before the message lands, so
+/// the message alone shows the fault only sometimes there; the before-
+/// sleep hook checks the state itself: no sleep may begin with an event
+/// read for the CQ since its last arm and none pending.
 #[test]
 fn a_fairness_read_of_an_event_for_completions_already_taken_leaves_no_cq_unarmed_in_a_sleep() {
     let bed = common::bed();
@@ -232,9 +261,11 @@ fn a_fairness_read_of_an_event_for_completions_already_taken_leaves_no_cq_unarme
 /// Puts the wrappers in `ctx`'s table (once per context).
 fn install(ctx: &rdmasafe_core::verbs::DeviceContext) {
     // SAFETY: the context lives for the test; its table is written before
-    // the loop runs and while no other thread uses the context (this is
-    // the binary's only test), and the wrappers call the functions that
-    // were there (the provider's: the same in every context).
+    // the loop runs and while no other thread uses the context (this must
+    // stay the binary's only test: a second one running beside it would
+    // make these writes a data race with its verbs calls), and the
+    // wrappers call the functions that were there (the provider's: the
+    // same in every context).
     unsafe {
         let ops = &mut (*ctx.raw()).ops;
         if ops.post_send.map(|f| f as usize) == Some(post_send as PostSend as usize) {
@@ -242,7 +273,9 @@ fn install(ctx: &rdmasafe_core::verbs::DeviceContext) {
         }
         let real = (ops.post_send.unwrap(), ops.req_notify_cq.unwrap(), ops.poll_cq.unwrap());
         let had = REAL.get_or_init(|| real);
-        assert!(had.0 as usize == real.0 as usize && had.2 as usize == real.2 as usize, "one provider");
+        let same =
+            (had.0 as usize, had.1 as usize, had.2 as usize) == (real.0 as usize, real.1 as usize, real.2 as usize);
+        assert!(same, "one provider");
         ops.post_send = Some(post_send);
         ops.req_notify_cq = Some(req_notify_cq);
         ops.poll_cq = Some(poll_cq);
@@ -281,8 +314,22 @@ fn fairness_read_case(addr: std::net::IpAddr, mode: Mode) {
         }
     })
     .unwrap();
-    lp.set_before_sleep_hook(Some(Box::new(|| {
-        SLEEPS.fetch_add(1, SeqCst);
+    *CTL.lock().unwrap() = Some(lp.control());
+    EVENTS_AT_ARM.store(u64::MAX, SeqCst);
+    *UNARMED_SLEEP.lock().unwrap() = None;
+    let chan_fd = chan.as_raw_fd();
+    lp.set_before_sleep_hook(Some(Box::new(move || {
+        let k = SLEEPS.fetch_add(1, SeqCst);
+        let (ev, at) = (cq_events(), EVENTS_AT_ARM.load(SeqCst));
+        let mut pfd = libc::pollfd { fd: chan_fd, events: libc::POLLIN, revents: 0 };
+        // SAFETY: one pollfd, alive for the call.
+        let pending = unsafe { libc::poll(&mut pfd, 1, 0) } > 0;
+        if at != u64::MAX && ev > at && !pending {
+            UNARMED_SLEEP
+                .lock()
+                .unwrap()
+                .get_or_insert(format!("sleep {k}: {ev} events read, {at} when last armed, none pending"));
+        }
     })));
 
     // The wrappers, for the server's QPs and CQ only.
@@ -330,6 +377,8 @@ fn fairness_read_case(addr: std::net::IpAddr, mode: Mode) {
     // 3. The loop has taken both probes and gone to sleep.
     wait_for("a sleep after them", &|| SLEEPS.load(SeqCst) > SLEEPS_AT_HANDBACK.load(SeqCst));
     let events = lp.stats().cq_events;
+    // Message 0's event and the second probe's (read by the fairness read).
+    assert_eq!(events, 2, "{mode:?}: the events before message 1");
     // 4. A message while it sleeps.
     send(1);
     wait_for("message 1", &|| got.lock().unwrap().len() == 2);
@@ -342,6 +391,9 @@ fn fairness_read_case(addr: std::net::IpAddr, mode: Mode) {
          keepalive probes ok: {}",
         s.keepalive_probes_ok
     );
+    let unarmed = UNARMED_SLEEP.lock().unwrap().clone();
+    println!("{mode:?}: unarmed sleep: {unarmed:?}");
+    assert!(unarmed.is_none(), "{mode:?}: slept with its CQ unarmed: {unarmed:?}");
     assert_eq!(got.iter().map(|g| g.0).collect::<Vec<_>>(), vec![0, 1]);
     assert!(s.keepalive_probes_ok >= 2, "{mode:?}: both probes were taken as the loop's own");
     assert!(
