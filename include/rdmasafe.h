@@ -951,7 +951,9 @@ int rdmasafe_cq_loop_destroy_cq(struct rdmasafe_cq_loop *cq_loop, struct ibv_cq 
 /**
  * Runs the loop on the calling thread until `rdmasafe_cq_loop_stop`, then
  * acks everything outstanding and returns 0. A stopped loop can be run
- * again. Blocks. Signals do not end it (a profiler's SIGPROF is harmless);
+ * again, or driven from the app's epoll from then on: the return leaves
+ * `rdmasafe_cq_loop_fd` readable when the loop has work left (the CQs
+ * the stop left to arm again). Blocks. Signals do not end it (a profiler's SIGPROF is harmless);
  * a signal handler may call `rdmasafe_cq_loop_stop`.
  *
  * Returns 0, -EINVAL (unknown or destroyed loop), -EBUSY (another thread
@@ -990,7 +992,8 @@ int rdmasafe_cq_loop_run_once(struct rdmasafe_cq_loop *cq_loop, int timeout_ms);
  * The loop's own epoll fd, for the app's poll/epoll: readable whenever
  * the loop has work (a CQ event; a CQ just added; a stop; a due
  * keepalive, watchdog or drain deadline; an adaptive loop still polling;
- * a CQ left over its budget). Call `rdmasafe_cq_loop_run_once(l, 0)`
+ * a CQ left over its budget; after a call that ended early, with an
+ * error, the CQs to arm again). Call `rdmasafe_cq_loop_run_once(l, 0)`
  * when it is. Not the completion channel's fd. Thread-safe.
  *
  * Returns the fd (>= 0) or -EINVAL.

@@ -1328,3 +1328,130 @@ fn a_second_runner_behind_a_drive_is_refused_not_queued() {
     let ran = results.iter().filter(|(r, _)| r.is_ok()).count();
     assert_eq!((refused, ran), (1, 1), "one runs, the other is refused: {results:?}");
 }
+
+fn readable_within(fd: i32, ms: i32) -> bool {
+    let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    // SAFETY: one pollfd, alive for the call.
+    unsafe { libc::poll(&mut pfd, 1, ms) == 1 }
+}
+
+/// Modes that poll drain what fired without re-arming it (the spin after
+/// it polls). When a handler panicked after such a drain (B's, after A's in
+/// the same wake), the spin never started, and A stayed unarmed and on no
+/// list: the next call slept with it unarmed, and a message to A raised no
+/// event (that call's 20 s ran out, 0 delivered). Now a cycle that ends
+/// early (a panic, an error) leaves every CQ to be armed and drained by
+/// the next, which delivers the message with its event. Event mode, which
+/// re-arms before it drains, is the control.
+#[test]
+fn a_panic_after_a_cq_was_drained_unarmed_leaves_no_cq_unarmed_in_a_sleep() {
+    let bed = common::bed();
+    let _dog = common::watchdog("panic after an unarmed drain", Duration::from_secs(240));
+    for mode in [Mode::Event, Mode::Adaptive { spin: Duration::from_micros(50) }, Mode::Learning] {
+        let (ctx, _keep) = device(bed.addr);
+        let chan = CompChannel::new(&ctx).unwrap();
+        let a = rc_pair(bed.addr, &chan, false, 16);
+        let b = rc_pair(bed.addr, &chan, false, 16);
+        let lp = Arc::new(CqLoop::new(&chan, LoopOptions { mode, ..Default::default() }).unwrap());
+        // A's messages: (wr_id, cq_events when its handler ran).
+        let got: Arc<Mutex<Vec<(u64, u64)>>> = Arc::default();
+        let g = got.clone();
+        lp.add_cq(&a.server_cq, move |wcs, ctl| {
+            g.lock().unwrap().extend(wcs.iter().map(|w| (w.wr_id(), ctl.stats().cq_events)));
+        })
+        .unwrap();
+        let once = AtomicBool::new(false);
+        lp.add_cq(&b.server_cq, move |_, _| {
+            if !once.swap(true, SeqCst) {
+                panic!("B's handler fails once");
+            }
+        })
+        .unwrap();
+        let sleeps = Arc::new(AtomicUsize::new(0));
+        let s = sleeps.clone();
+        lp.set_before_sleep_hook(Some(Box::new(move || {
+            s.fetch_add(1, SeqCst);
+        })));
+        // Idle: both CQs armed. Then A's event first in the channel, B's
+        // behind it: one wake reads both.
+        lp.process_once(Wait::None).unwrap();
+        prefill(&a, 0, 1);
+        wait_for("A's event", || readable_within(chan.as_raw_fd(), 0));
+        prefill(&b, 100, 1);
+        std::thread::sleep(Duration::from_millis(20));
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            while got.lock().unwrap().is_empty() {
+                lp.process_once(Wait::For(Duration::from_millis(100))).unwrap();
+            }
+        }));
+        assert!(r.is_err(), "{mode:?}: B's panic reaches whoever runs the loop");
+        assert_eq!(*got.lock().unwrap(), [(0, 2)], "{mode:?}: A's message, both events read before its handler ran");
+        // The app goes on: a call that sleeps, and a message to A meanwhile.
+        let s0 = sleeps.load(SeqCst);
+        let call = {
+            let lp = lp.clone();
+            std::thread::spawn(move || lp.process_once(Wait::For(Duration::from_secs(20))).unwrap())
+        };
+        wait_for("a sleep", || sleeps.load(SeqCst) > s0);
+        let events = lp.stats().cq_events;
+        prefill(&a, 1, 1);
+        let n = call.join().unwrap();
+        let got = got.lock().unwrap().clone();
+        println!("{mode:?}: the call after the panic delivered {n}; A's messages {got:?}; cq_events before the message {events}");
+        assert_eq!(n, 1, "{mode:?}: the message to A was not delivered while the call slept: A slept unarmed");
+        assert!(got[1].1 > events, "{mode:?}: the message to A came without its event");
+    }
+}
+
+/// `run_for` that ran out while an adaptive spin polled, and `run` ended
+/// by a stop, return with work left (the spin; CQs to arm again). An app
+/// that goes on by waiting on the loop's fd ("readable whenever the loop
+/// has work", no priming call) was never woken: the fd stayed quiet with
+/// a message waiting in a CQ nobody had armed. Now both leave the fd
+/// readable when the loop has work, as `process_once` does.
+#[test]
+fn a_run_that_returns_with_work_left_leaves_the_fd_readable() {
+    let bed = common::bed();
+    let _dog = common::watchdog("fd after run", Duration::from_secs(240));
+    for how in ["run_for", "run + stop"] {
+        let (ctx, _keep) = device(bed.addr);
+        let chan = CompChannel::new(&ctx).unwrap();
+        let p = Arc::new(rc_pair(bed.addr, &chan, false, 16));
+        let opts = LoopOptions { mode: Mode::Adaptive { spin: Duration::from_secs(5) }, ..Default::default() };
+        let lp = Arc::new(CqLoop::new(&chan, opts).unwrap());
+        let got = Arc::new(AtomicUsize::new(0));
+        let g = got.clone();
+        lp.add_cq(&p.server_cq, move |wcs, _| {
+            g.fetch_add(wcs.len(), SeqCst);
+        })
+        .unwrap();
+        lp.process_once(Wait::None).unwrap();
+        prefill(&p, 0, 1);
+        if how == "run_for" {
+            while got.load(SeqCst) == 0 {
+                lp.run_for(Duration::from_millis(50)).unwrap();
+            }
+            // Ends in the 5 s spin the message started.
+            lp.run_for(Duration::from_millis(20)).unwrap();
+        } else {
+            let runner = {
+                let lp = lp.clone();
+                std::thread::spawn(move || lp.run())
+            };
+            wait_for("message 0", || got.load(SeqCst) == 1);
+            lp.control().stop();
+            runner.join().unwrap().unwrap();
+        }
+        let fd = lp.as_raw_fd();
+        assert_eq!(lp.next_timeout(), Some(Duration::ZERO), "{how}: the loop has work left");
+        assert!(readable_within(fd, 0), "{how}: the loop has work, and its fd is not readable");
+        // The app embeds the loop from now on; a message comes.
+        prefill(&p, 1, 1);
+        wait_for("message 1 through the fd", || {
+            if readable_within(fd, 100) {
+                lp.process_once(Wait::None).unwrap();
+            }
+            got.load(SeqCst) == 2
+        });
+    }
+}

@@ -317,6 +317,13 @@ impl Drop for Held<'_> {
         loop {
             if let Some(mut g) = self.guard.take() {
                 g.apply_cmds(&self.ctl);
+                if g.unsettled {
+                    // A cycle ended early (an error, a handler's panic):
+                    // the next one arms and drains every CQ, and an app
+                    // that waits on the loop's fd must be woken for it.
+                    g.settle();
+                    sh.wake();
+                }
                 sh.owner.store(0, SeqCst);
                 drop(g);
             }

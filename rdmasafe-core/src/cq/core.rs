@@ -42,6 +42,8 @@ pub(crate) struct Core {
     pub(super) wcs: Vec<Wc>,
     /// Adaptive mode: `Some(time of last activity)` while polling.
     pub(super) polling_since: Option<Instant>,
+    /// A cycle began and has not returned `Ok` (see `Core::settle`).
+    pub(crate) unsettled: bool,
     pub(super) keepalives: Keepalives,
     pub(super) drains: Drains,
     pub(super) hook: Option<Box<dyn FnMut() + Send>>,
@@ -170,6 +172,7 @@ impl Core {
             armed: 0,
             wcs: (0..opts.poll_batch).map(|_| Wc::zeroed()).collect(),
             polling_since: None,
+            unsettled: false,
             keepalives: Keepalives::default(),
             drains: Drains::default(),
             hook: None,

@@ -124,11 +124,41 @@ impl Core {
         if honor_stop && ctl.0.stop.load(SeqCst) {
             return Ok(0);
         }
-        match self.opts.mode {
+        if self.unsettled {
+            self.settle();
+        }
+        self.unsettled = true;
+        let r = match self.opts.mode {
             Mode::Event => self.event_cycle(ctl, wait, honor_stop),
             Mode::BusyPoll => self.poll_cycle(ctl, wait, None, honor_stop),
             Mode::Adaptive { spin } => self.adaptive_cycle(ctl, wait, spin, honor_stop),
             Mode::Learning => self.learning_cycle(ctl, wait, honor_stop),
+        };
+        match &r {
+            // A signal ends only the sleep, which comes after the cycle's
+            // work (every CQ armed): nothing was left undone.
+            Ok(_) => self.unsettled = false,
+            Err(e) if e.errno() == libc::EINTR => self.unsettled = false,
+            Err(_) => {}
+        }
+        r
+    }
+
+    /// After a cycle that ended early (an error, or a handler's panic
+    /// unwinding through it): what it left undone may leave a CQ unarmed
+    /// and on no list (a mode that polls drains what fired without
+    /// re-arming it, and the spin that would poll it never started; a
+    /// watchdog's poll took CQs off the ready list). So every CQ is armed
+    /// and drained again before the loop may sleep: the next cycle does it
+    /// first, and a return to the app leaves the loop's fd readable for it
+    /// (`Held`'s drop). O(CQs), only after such a cycle.
+    #[cold]
+    pub(crate) fn settle(&mut self) {
+        self.unsettled = false;
+        for i in 0..self.entries.slot_count() {
+            if let Some(r) = self.entries.ref_at(i) {
+                self.push_unarmed(r);
+            }
         }
     }
 
@@ -648,8 +678,8 @@ impl Core {
     /// raise).
     pub(super) fn finish_stop_after(&mut self, sh: &Shared, embedded: bool) {
         self.finish_stop(sh);
-        if embedded && self.has_work_now(sh) {
-            sh.wake();
+        if embedded {
+            self.wake_if_work(sh);
         }
     }
 

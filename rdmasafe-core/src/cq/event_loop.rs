@@ -260,7 +260,9 @@ impl CqLoop {
 
     /// Runs cycles until [`LoopControl::stop`]; then flushes every pending
     /// ack and returns. The stop request is consumed: the loop can run
-    /// again. Signals do not end it (a profiler's SIGPROF is harmless); a
+    /// again, or be driven from the app's epoll from then on (the return
+    /// leaves [`CqLoop::as_raw_fd`] readable when the loop has work left:
+    /// the CQs the stop left to arm again). Signals do not end it (a profiler's SIGPROF is harmless); a
     /// signal handler may call stop. EBUSY if another thread runs the loop,
     /// EDEADLK from inside one of its handlers.
     pub fn run(&self) -> Result<()> {
@@ -277,6 +279,9 @@ impl CqLoop {
                 }
             }
             core.finish_stop(&ctl.0);
+            // The stop left every CQ to be armed by the next call: an app
+            // that goes on by waiting on the loop's fd is woken for it.
+            core.wake_if_work(&ctl.0);
             r
         };
         self.leave(held);
@@ -286,7 +291,9 @@ impl CqLoop {
     /// Like [`CqLoop::run`], for at most `timeout`: returns
     /// [`RunEnd::Stopped`] after a stop (consumed, as `run` does) or
     /// [`RunEnd::TimedOut`] when the time is up; either way with every
-    /// pending ack flushed. `Duration::MAX` is as good as forever.
+    /// pending ack flushed, and the fd readable if the loop has work left
+    /// (an adaptive spin in progress, CQs to arm again), as `run` leaves
+    /// it. `Duration::MAX` is as good as forever.
     pub fn run_for(&self, timeout: Duration) -> Result<RunEnd> {
         let deadline = sys::deadline_after(Instant::now(), timeout);
         let mut held = self.enter()?;
@@ -309,6 +316,8 @@ impl CqLoop {
             };
             core.flush_all(&ctl.0);
             core.leave_to_app();
+            // Time up in a spin, or a stop: as `run`.
+            core.wake_if_work(&ctl.0);
             r
         };
         self.leave(held);
@@ -326,7 +335,9 @@ impl CqLoop {
     /// For embedding in
     /// the app's own epoll: watch [`CqLoop::as_raw_fd`] (readable whenever
     /// the loop has work: a CQ event, a CQ just added, a stop, a due
-    /// deadline, an adaptive spin or a CQ over its budget in progress) and
+    /// deadline, an adaptive spin or a CQ over its budget in progress; after
+    /// a call that a handler's panic or an error ended, the CQs to arm
+    /// again) and
     /// call `process_once(Wait::None)` when it is readable; no priming call
     /// is needed.
     ///
@@ -354,9 +365,9 @@ impl CqLoop {
                 }
                 if ctl.0.stop.load(SeqCst) {
                     core.finish_stop_after(&ctl.0, embedded);
-                } else if core.has_work_now(&ctl.0) {
+                } else {
                     // Keep the fd readable: the app's epoll must call again.
-                    ctl.0.wake();
+                    core.wake_if_work(&ctl.0);
                 }
                 r
             }

@@ -43,6 +43,14 @@ impl Core {
         }
     }
 
+    /// Leaves the loop's fd readable when it has work now (a return to the
+    /// app: whoever waits on the fd must call again).
+    pub(super) fn wake_if_work(&self, sh: &Shared) {
+        if self.has_work_now(sh) {
+            sh.wake();
+        }
+    }
+
     pub(super) fn has_work_now(&self, sh: &Shared) -> bool {
         !self.unarmed.is_empty()
             || !self.ready.is_empty()
