@@ -478,8 +478,9 @@ impl LoopControl {
     /// zero-length RDMA WRITE (no rkey is checked for zero length; the
     /// peer's application sees nothing). A probe that has not completed
     /// within `cfg.bound` means the peer is dead: rdmasafe moves the QP to
-    /// the error state, so everything outstanding flushes to the handler,
-    /// and calls `on_dead` once. A timer decides, not the retry count, so
+    /// the error state, so everything outstanding flushes to the handler
+    /// (with an event; not on a send CQ armed solicited-only, see
+    /// [`CqOptions::solicited_only`]), and calls `on_dead` once. A timer decides, not the retry count, so
     /// this works whatever `retry_cnt` the QP has (with 7, rxe retries
     /// forever and reports nothing). A probe that fails with an error status
     /// (e.g. retry exceeded) declares the peer dead at once; a full send
