@@ -1,0 +1,106 @@
+//! A keepalive that declares a peer dead moves the QP to the error state,
+//! and the QP's outstanding sends flush. On a send CQ armed solicited-only
+//! rxe raises no event for that flush (see `CqOptions::solicited_only`):
+//! the flushed send waits in the CQ. Draining the QP, as the docs say,
+//! delivers it. The peer is made "dead" by holding the keepalive's probes
+//! back (they never complete): the test puts a wrapper in the device
+//! context's verbs table (`ibv_context.ops.post_send`), so this binary
+//! must keep one test (the table is the process's).
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use common::rc::rc_pair;
+use rdmasafe_core::cm::{EventChannel, PortSpace};
+use rdmasafe_core::cq::{CqLoop, CqOptions, Keepalive, LoopOptions, Mode};
+use rdmasafe_core::sys::{ibv_qp, ibv_send_wr};
+use rdmasafe_core::verbs::{CompChannel, WcStatus};
+
+const PROBE_WR_ID: u64 = 9999;
+const APP_WR_ID: u64 = 42;
+
+type PostSend = unsafe extern "C" fn(*mut ibv_qp, *mut ibv_send_wr, *mut *mut ibv_send_wr) -> i32;
+static REAL: OnceLock<PostSend> = OnceLock::new();
+/// Probes held back (never posted).
+static HELD: AtomicUsize = AtomicUsize::new(0);
+
+unsafe extern "C" fn post_send(qp: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *mut *mut ibv_send_wr) -> i32 {
+    // SAFETY: the caller's WR, valid for the call.
+    if unsafe { (*wr).wr_id } == PROBE_WR_ID {
+        HELD.fetch_add(1, SeqCst);
+        return 0;
+    }
+    // SAFETY: the provider's own function, with the caller's arguments.
+    unsafe { (REAL.get().unwrap())(qp, wr, bad) }
+}
+
+#[test]
+fn a_dead_peers_flushed_send_on_a_solicited_only_cq_is_delivered_by_a_drain() {
+    let bed = common::bed();
+    let _dog = common::watchdog("dead peer, solicited-only send CQ", Duration::from_secs(180));
+    for mode in [Mode::Event, Mode::Adaptive { spin: Duration::from_micros(50) }] {
+        let ch = EventChannel::new().unwrap();
+        let id = ch.create_id(PortSpace::Tcp).unwrap();
+        id.bind_addr((bed.addr, 0).into()).unwrap();
+        let ctx = id.device_context().unwrap();
+        // SAFETY: the context lives for the test; its table is written
+        // before any loop runs, and this is the binary's only test (no
+        // other thread uses the context meanwhile); the wrapper calls the
+        // function that was there (the provider's: the same in every
+        // context).
+        unsafe {
+            let ops = &mut (*ctx.raw()).ops;
+            if ops.post_send.map(|f| f as usize) != Some(post_send as PostSend as usize) {
+                REAL.get_or_init(|| ops.post_send.unwrap());
+                ops.post_send = Some(post_send);
+            }
+        }
+        let chan = CompChannel::new(&ctx).unwrap();
+        let p = Arc::new(rc_pair(bed.addr, &chan, false, 16));
+        let lp = Arc::new(CqLoop::new(&chan, LoopOptions { mode, ..Default::default() }).unwrap());
+        let got: Arc<Mutex<Vec<(u64, WcStatus)>>> = Arc::default();
+        let g = got.clone();
+        lp.add_cq_with(&p.server_cq, CqOptions { solicited_only: true, budget: 0 }, move |wcs, _| {
+            g.lock().unwrap().extend(wcs.iter().map(|w| (w.wr_id(), w.status())));
+        })
+        .unwrap();
+        // A send the client never takes (no receive posted there: RNR,
+        // retried for as long as the QP lives).
+        {
+            let s = p.server.lock().unwrap();
+            s.id.post_send(&s.mr, 0, 8, APP_WR_ID).unwrap();
+        }
+        let dead = Arc::new(AtomicUsize::new(0));
+        let d = dead.clone();
+        let cfg =
+            Keepalive { period: Duration::from_millis(100), bound: Duration::from_millis(200), wr_id: PROBE_WR_ID };
+        // SAFETY: the QP lives (in `p`) longer than the loop.
+        unsafe { lp.add_keepalive(p.server_qp(), cfg, Box::new(move |_, _| _ = d.fetch_add(1, SeqCst))) }.unwrap();
+        let runner = {
+            let lp = lp.clone();
+            std::thread::spawn(move || lp.run())
+        };
+        while dead.load(SeqCst) == 0 {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(HELD.load(SeqCst) >= 1, "{mode:?}: the probe was held back");
+        // The drain, while the loop runs on its thread.
+        // SAFETY: the QP lives (in `p`) until the drain is done; a free
+        // slot on each queue (16 deep, one send outstanding).
+        let drained = unsafe { lp.control().drain_qp(p.server_qp(), false, Duration::from_secs(30)) };
+        let got_now = got.lock().unwrap().clone();
+        lp.control().stop();
+        runner.join().unwrap().unwrap();
+        println!("{mode:?}: on_dead {} time(s); drain {drained:?}; the handler got {got_now:?}", dead.load(SeqCst));
+        drained.unwrap();
+        assert_eq!(dead.load(SeqCst), 1, "{mode:?}: on_dead once");
+        assert_eq!(
+            got_now,
+            [(APP_WR_ID, WcStatus::WR_FLUSH_ERR)],
+            "{mode:?}: the flushed send, once the drain is done"
+        );
+    }
+}
