@@ -643,8 +643,9 @@ unsafe fn destroy_left_cq(cq: *mut ibv_cq) -> c_int {
 /// acks everything outstanding and returns 0. A stopped loop can be run
 /// again, or driven from the app's epoll from then on: the return leaves
 /// `rdmasafe_cq_loop_fd` readable when the loop has work left (the CQs
-/// the stop left to arm again). Blocks. Signals do not end it (a profiler's SIGPROF is harmless);
-/// a signal handler may call `rdmasafe_cq_loop_stop`.
+/// the stop left to arm again). Blocks. Signals do not end it (a
+/// profiler's SIGPROF is harmless); a signal handler may call
+/// `rdmasafe_cq_loop_stop`.
 ///
 /// Returns 0, -EINVAL (unknown or destroyed loop), -EBUSY (another thread
 /// runs it), -EDEADLK (from a callback), or the negative errno of a failed
@@ -1001,8 +1002,9 @@ unsafe impl Send for CDeadPeer {}
 /// an error status other than a flush, the peer is declared dead: the QP
 /// is moved to the error state (outstanding work flushes to the callbacks;
 /// on a send CQ armed `RDMASAFE_NOTIFY_SOLICITED`, only once the QP is
-/// drained: see there) and `on_dead` is called once. A QP not connected yet (a keepalive added
-/// at CONNECT_REQUEST, before `rdma_accept`) is probed once it is in RTS,
+/// drained: see there) and `on_dead` is called once. A QP not connected
+/// yet (a keepalive added at CONNECT_REQUEST, before `rdma_accept`) is
+/// probed once it is in RTS,
 /// and until the QP's first success a probe's bound is at least twice the
 /// QP's ack timeout (the peer's QP may not be ready yet: it drops the
 /// probe, which is sent again after that timeout). A QP moved to the error

@@ -480,8 +480,9 @@ impl LoopControl {
     /// within `cfg.bound` means the peer is dead: rdmasafe moves the QP to
     /// the error state, so everything outstanding flushes to the handler
     /// (with an event; not on a send CQ armed solicited-only, see
-    /// [`CqOptions::solicited_only`]), and calls `on_dead` once. A timer decides, not the retry count, so
-    /// this works whatever `retry_cnt` the QP has (with 7, rxe retries
+    /// [`CqOptions::solicited_only`]), and calls `on_dead` once. A timer
+    /// decides, not the retry count, so this works whatever `retry_cnt` the
+    /// QP has (with 7, rxe retries
     /// forever and reports nothing). A probe that fails with an error status
     /// (e.g. retry exceeded) declares the peer dead at once; a full send
     /// queue (ENOMEM) delays the probe, up to the bound. A QP that is not

@@ -262,8 +262,8 @@ impl CqLoop {
     /// ack and returns. The stop request is consumed: the loop can run
     /// again, or be driven from the app's epoll from then on (the return
     /// leaves [`CqLoop::as_raw_fd`] readable when the loop has work left:
-    /// the CQs the stop left to arm again). Signals do not end it (a profiler's SIGPROF is harmless); a
-    /// signal handler may call stop. EBUSY if another thread runs the loop,
+    /// the CQs the stop left to arm again). Signals do not end it (a
+    /// profiler's SIGPROF is harmless); a signal handler may call stop. EBUSY if another thread runs the loop,
     /// EDEADLK from inside one of its handlers.
     pub fn run(&self) -> Result<()> {
         let mut held = self.enter()?;
