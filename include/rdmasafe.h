@@ -997,8 +997,8 @@ int rdmasafe_cq_loop_run_once(struct rdmasafe_cq_loop *cq_loop, int timeout_ms);
  * The loop's own epoll fd, for the app's poll/epoll: readable whenever
  * the loop has work (a CQ event; a CQ just added; a stop; a due
  * keepalive, watchdog or drain deadline; an adaptive loop still polling;
- * a CQ left over its budget; after a call that ended early, with an
- * error, the CQs to arm again). Call `rdmasafe_cq_loop_run_once(l, 0)`
+ * a CQ left over its budget; after a call that ended with an error other
+ * than -EINTR, the CQs to arm again). Call `rdmasafe_cq_loop_run_once(l, 0)`
  * when it is. Not the completion channel's fd. Thread-safe.
  *
  * Returns the fd (>= 0) or -EINVAL.

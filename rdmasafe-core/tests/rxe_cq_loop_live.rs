@@ -1342,7 +1342,9 @@ fn readable_within(fd: i32, ms: i32) -> bool {
 /// event (that call's 20 s ran out, 0 delivered). Now a cycle that ends
 /// early (a panic, an error) leaves every CQ to be armed and drained by
 /// the next, which delivers the message with its event. Event mode, which
-/// re-arms before it drains, is the control.
+/// re-arms before it drains, is the control; there the test also checks
+/// that the panic left the loop's state free (its mutex had stayed
+/// poisoned: `next_timeout` said 0 for good).
 #[test]
 fn a_panic_after_a_cq_was_drained_unarmed_leaves_no_cq_unarmed_in_a_sleep() {
     let bed = common::bed();
@@ -1400,6 +1402,14 @@ fn a_panic_after_a_cq_was_drained_unarmed_leaves_no_cq_unarmed_in_a_sleep() {
         println!("{mode:?}: the call after the panic delivered {n}; A's messages {got:?}; cq_events before the message {events}");
         assert_eq!(n, 1, "{mode:?}: the message to A was not delivered while the call slept: A slept unarmed");
         assert!(got[1].1 > events, "{mode:?}: the message to A came without its event");
+        if mode == Mode::Event {
+            // Nothing left to do (no spin, no deadline): the panic left the
+            // loop's state free again (its mutex was poisoned: the loop
+            // said 0 here for good, and a blocking removal with nobody
+            // running the loop waited for good).
+            assert_eq!(lp.next_timeout(), None, "{mode:?}: next_timeout after the panic");
+            lp.remove_cq(&a.server_cq).unwrap();
+        }
     }
 }
 

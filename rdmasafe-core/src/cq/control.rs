@@ -326,6 +326,12 @@ impl Drop for Held<'_> {
                 }
                 sh.owner.store(0, SeqCst);
                 drop(g);
+                // A panic unwinding through the loop (a handler's) poisons
+                // the state's mutex, and the loop is consistent after it
+                // (see `Core::settle`): clear it, or every `try_lock` from
+                // now on (`next_timeout`, a blocking change's driver, a
+                // command's submit) would find the state taken for good.
+                sh.core.clear_poison();
             }
             sh.notify();
             // A command queued after our last look and before the unlock

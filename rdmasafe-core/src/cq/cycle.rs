@@ -149,9 +149,10 @@ impl Core {
     /// and on no list (a mode that polls drains what fired without
     /// re-arming it, and the spin that would poll it never started; a
     /// watchdog's poll took CQs off the ready list). So every CQ is armed
-    /// and drained again before the loop may sleep: the next cycle does it
-    /// first, and a return to the app leaves the loop's fd readable for it
-    /// (`Held`'s drop). O(CQs), only after such a cycle.
+    /// and drained again before the loop may sleep: they go on the unarmed
+    /// list (worked at the next event cycle's start, or when a spin in
+    /// progress ends), and a return to the app leaves the loop's fd
+    /// readable for it (`Held`'s drop). O(CQs), only after such a cycle.
     #[cold]
     pub(crate) fn settle(&mut self) {
         self.unsettled = false;
