@@ -59,10 +59,11 @@ pub const RDMASAFE_NOTIFY_ALL: c_int = 1;
 /// when one comes. Successful send completions raise no event, so a send
 /// CQ armed so is drained only then (and before a keepalive probe on its
 /// QP is judged overdue): size it for the sends in between. Nor, on rxe,
-/// does a send queue's flush (its QP moved to the error state, e.g. by a
-/// keepalive that declared the peer dead): `rdmasafe_cq_loop_drain_qp`
-/// the QP (it looks for its markers without an event) to have the flushed
-/// sends delivered.
+/// does a send queue's flush (its QP moved to the error state): a
+/// keepalive that declares the peer dead drains the QP itself, so that
+/// flush is delivered; after moving a QP to the error state yourself,
+/// `rdmasafe_cq_loop_drain_qp` it (it looks for its markers without an
+/// event) to have the flushed sends delivered.
 pub const RDMASAFE_NOTIFY_SOLICITED: c_int = 2;
 
 /// Called with each batch of work completions of one CQ (error completions
@@ -1000,9 +1001,13 @@ unsafe impl Send for CDeadPeer {}
 /// application sees nothing; a full send queue delays it, up to the
 /// bound). If a probe has not completed within `bound_ms`, or fails with
 /// an error status other than a flush, the peer is declared dead: the QP
-/// is moved to the error state (outstanding work flushes to the callbacks;
-/// on a send CQ armed `RDMASAFE_NOTIFY_SOLICITED`, only once the QP is
-/// drained: see there) and `on_dead` is called once. A QP not connected
+/// is drained as by `rdmasafe_cq_loop_drain_qp`, with nobody waiting (the
+/// error state, and markers the loop also polls for, so outstanding work
+/// flushes to the callbacks even where the flush raises no event, as on a
+/// send CQ armed `RDMASAFE_NOTIFY_SOLICITED`; the receive queue gets a
+/// marker only when its CQ is in this loop and the QP has no SRQ; the
+/// markers' wr_ids then belong to the loop on that QP, as after a drain),
+/// then `on_dead` is called once. A QP not connected
 /// yet (a keepalive added at CONNECT_REQUEST, before `rdma_accept`) is
 /// probed once it is in RTS,
 /// and until the QP's first success a probe's bound is at least twice the

@@ -1,17 +1,19 @@
 //! A keepalive that declares a peer dead moves the QP to the error state,
 //! and the QP's outstanding sends flush. On a send CQ armed solicited-only
 //! rxe raises no event for that flush (see `CqOptions::solicited_only`):
-//! the flushed send waits in the CQ. Draining the QP, as the docs say,
-//! delivers it. The peer is made "dead" by holding the keepalive's probes
-//! back (they never complete): the test puts a wrapper in the device
-//! context's verbs table (`ibv_context.ops.post_send`), so this binary
-//! must keep one test (the table is the process's).
+//! the loop drains the QP itself (a marker it polls for), so the flushed
+//! send reaches the handler without the app doing anything; a drain the app
+//! starts after that still finishes, and delivers nothing twice. The peer
+//! is made "dead" by holding the keepalive's probes back (they never
+//! complete): the test puts a wrapper in the device context's verbs table
+//! (`ibv_context.ops.post_send`), so this binary must keep one test (the
+//! table is the process's).
 
 mod common;
 
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::rc::rc_pair;
 use rdmasafe_core::cm::{EventChannel, PortSpace};
@@ -38,7 +40,7 @@ unsafe extern "C" fn post_send(qp: *mut ibv_qp, wr: *mut ibv_send_wr, bad: *mut 
 }
 
 #[test]
-fn a_dead_peers_flushed_send_on_a_solicited_only_cq_is_delivered_by_a_drain() {
+fn a_dead_peers_flushed_send_on_a_solicited_only_cq_reaches_the_handler() {
     let bed = common::bed();
     let _dog = common::watchdog("dead peer, solicited-only send CQ", Duration::from_secs(180));
     for mode in [Mode::Event, Mode::Adaptive { spin: Duration::from_micros(50) }] {
@@ -87,20 +89,33 @@ fn a_dead_peers_flushed_send_on_a_solicited_only_cq_is_delivered_by_a_drain() {
             std::thread::sleep(Duration::from_millis(5));
         }
         assert!(HELD.load(SeqCst) >= 1, "{mode:?}: the probe was held back");
-        // The drain, while the loop runs on its thread.
+        // The flush, with nothing but the loop running (a bound that turns
+        // "never" into a failure; on rxe it comes within milliseconds).
+        let t0 = Instant::now();
+        while got.lock().unwrap().is_empty() && t0.elapsed() < Duration::from_secs(30) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let before_drain = got.lock().unwrap().clone();
+        // A drain by the app afterwards (the QP is in the error state
+        // already), while the loop runs on its thread.
         // SAFETY: the QP lives (in `p`) until the drain is done; a free
         // slot on each queue (16 deep, one send outstanding).
         let drained = unsafe { lp.control().drain_qp(p.server_qp(), false, Duration::from_secs(30)) };
         let got_now = got.lock().unwrap().clone();
         lp.control().stop();
         runner.join().unwrap().unwrap();
-        println!("{mode:?}: on_dead {} time(s); drain {drained:?}; the handler got {got_now:?}", dead.load(SeqCst));
-        drained.unwrap();
+        println!(
+            "{mode:?}: on_dead {} time(s); the handler got {before_drain:?} before the app's drain, \
+             {got_now:?} after it; drain {drained:?}",
+            dead.load(SeqCst)
+        );
         assert_eq!(dead.load(SeqCst), 1, "{mode:?}: on_dead once");
         assert_eq!(
-            got_now,
+            before_drain,
             [(APP_WR_ID, WcStatus::WR_FLUSH_ERR)],
-            "{mode:?}: the flushed send, once the drain is done"
+            "{mode:?}: the flushed send, with no drain by the app"
         );
+        drained.unwrap();
+        assert_eq!(got_now, before_drain, "{mode:?}: the app's drain delivers nothing twice");
     }
 }

@@ -483,10 +483,14 @@ impl LoopControl {
     /// completion for `cfg.period`, rdmasafe posts a probe: a signaled
     /// zero-length RDMA WRITE (no rkey is checked for zero length; the
     /// peer's application sees nothing). A probe that has not completed
-    /// within `cfg.bound` means the peer is dead: rdmasafe moves the QP to
-    /// the error state, so everything outstanding flushes to the handler
-    /// (with an event; not on a send CQ armed solicited-only, see
-    /// [`CqOptions::solicited_only`]), and calls `on_dead` once. A timer
+    /// within `cfg.bound` means the peer is dead: rdmasafe drains the QP
+    /// (as [`LoopControl::drain_qp`] does, with nobody waiting: the error
+    /// state, and markers the loop also polls for, so everything
+    /// outstanding flushes to the handler even where the flush raises no
+    /// event, as on a send CQ armed [`CqOptions::solicited_only`]; the
+    /// receive queue gets a marker only when its CQ is in this loop and
+    /// the QP has no SRQ; the markers' wr_ids then belong to the loop on
+    /// that QP, as after `drain_qp`), then calls `on_dead` once. A timer
     /// decides, not the retry count, so this works whatever `retry_cnt` the
     /// QP has (with 7, rxe retries
     /// forever and reports nothing). A probe that fails with an error status

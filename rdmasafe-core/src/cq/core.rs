@@ -13,7 +13,7 @@ use super::control::{Cmd, Done, LoopControl, Shared};
 use super::drain::Drains;
 use super::entries::{Entries, Entry, Ref};
 use super::handle::{LiveChannel, LiveCq};
-use super::keepalive::Keepalives;
+use super::keepalive::{Keepalives, DEAD_PEER_DRAIN};
 use super::options::LoopOptions;
 use super::registry;
 use super::stats::Bump;
@@ -266,6 +266,36 @@ impl Core {
                     done.finish(sh, Err(e));
                 }
             }
+        }
+    }
+
+    /// A keepalive declared the peer of `qpn` dead: its QP is drained as
+    /// `drain_qp` would (error state, markers), with nobody waiting. The
+    /// loop then polls the QP's CQs until the markers are back, so the
+    /// flushed work reaches the handlers also where the flush raises no
+    /// event (a send CQ armed solicited-only, on rxe). The receive queue
+    /// gets a marker only when its CQ is in the loop and the QP has no SRQ
+    /// (a marker must never reach a CQ the app polls itself). If the drain
+    /// cannot start (a full queue), the QP still goes to the error state.
+    pub(super) fn drain_dead_peer(&mut self, qpn: u32) {
+        let Some(qp) = self.keepalives.qp(qpn) else { return };
+        let Ok((_, _, recv_cq)) = qp.info() else { return }; // its CmId destroyed it
+        let recv = self.entries.find(recv_cq).is_some() && qp.has_srq() == Ok(false);
+        let deadline = sys::deadline_after(Instant::now(), DEAD_PEER_DRAIN);
+        let done = || -> Done {
+            Done::Call(Box::new(move |r| {
+                if let Err(e) = r {
+                    log::debug!(target: "rdmasafe", "keepalive: the drain of dead peer's QP {qpn}: {e}");
+                }
+            }))
+        };
+        let started = match self.drains.start(qp, !recv, deadline, done()) {
+            Err(_) if recv => self.drains.start(qp, true, deadline, done()),
+            r => r,
+        };
+        if let Err((_, e)) = started {
+            log::debug!(target: "rdmasafe", "keepalive: QP {qpn} of a dead peer not drained ({e}): moved to the error state");
+            let _ = qp.to_error();
         }
     }
 

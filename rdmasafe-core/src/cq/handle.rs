@@ -243,6 +243,13 @@ impl LiveQp {
         })
     }
 
+    /// Whether the QP takes its receives from an SRQ (it then has no
+    /// receive queue of its own to put a drain marker on).
+    pub(crate) fn has_srq(&self) -> Result<bool> {
+        // SAFETY: live QP (checked by `with`); a plain field read.
+        self.with(|q| Ok(!unsafe { (*q).srq }.is_null()))
+    }
+
     /// A signaled zero-length RDMA WRITE (a keepalive probe).
     pub(crate) fn post_probe(&self, wr_id: u64) -> Result<()> {
         // SAFETY: live QP (checked by `with`).

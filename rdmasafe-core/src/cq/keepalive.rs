@@ -147,6 +147,10 @@ enum Attempt {
 /// Most probes of removed keepalives remembered (the oldest forgotten first).
 const MAX_ORPHANS: usize = 1024;
 
+/// How long the loop looks for the markers of a dead peer's QP (see
+/// `Core::drain_dead_peer`); left to come back as orphans after that.
+pub(crate) const DEAD_PEER_DRAIN: Duration = Duration::from_secs(5);
+
 /// How often a probe blocked by a full send queue is retried.
 fn retry_interval(cfg: &Keepalive) -> Duration {
     (cfg.period.min(cfg.bound) / 16).clamp(Duration::from_millis(1), Duration::from_millis(50))
@@ -256,13 +260,12 @@ impl Keepalives {
         self.next
     }
 
-    /// Posts due probes, declares dead the peers whose probe is overdue
-    /// (their QP goes to the error state, so outstanding work flushes), and
-    /// recomputes the next deadline. Returns the probes posted, the newly
-    /// dead peers (QP numbers), and the keepalives dropped because their
-    /// `CmId` destroyed the QP.
-    #[allow(clippy::type_complexity)]
-    pub(crate) fn tick(&mut self, now: Instant) -> (u64, Vec<(u32, *mut sys::ibv_qp)>, Vec<u32>) {
+    /// Posts due probes, declares dead the peers whose probe is overdue,
+    /// and recomputes the next deadline. Returns the probes posted, the
+    /// newly dead peers (QP numbers: the caller moves their QPs to the
+    /// error state, see [`Keepalives::qp`]), and the keepalives dropped
+    /// because their `CmId` destroyed the QP.
+    pub(crate) fn tick(&mut self, now: Instant) -> (u64, Vec<u32>, Vec<u32>) {
         if self.next.is_none_or(|n| now < n) {
             return (0, Vec::new(), Vec::new());
         }
@@ -306,9 +309,8 @@ impl Keepalives {
             };
             if overdue {
                 e.dead = true;
-                let _ = e.qp.to_error();
                 log::warn!(target: "rdmasafe", "keepalive: peer of QP {qpn} declared dead");
-                dead.push((*qpn, e.qp.raw()));
+                dead.push(*qpn);
                 watch_for_drop(e, now, &mut next);
                 continue;
             }
@@ -355,6 +357,11 @@ impl Keepalives {
         cqs.sort_unstable();
         cqs.dedup();
         cqs
+    }
+
+    /// The QP of the keepalive for `qpn`.
+    pub(crate) fn qp(&self, qpn: u32) -> Option<&LiveQp> {
+        self.by_qpn.get(&qpn).map(|e| &e.qp)
     }
 
     /// The callback of a peer declared dead.

@@ -147,10 +147,12 @@ pub struct CqOptions {
     /// keepalive, before a probe is judged overdue. Successful send
     /// completions raise no event: a send CQ armed so is only drained by
     /// those, so size it for the sends between two of them. Nor, on rxe,
-    /// does a send queue's flush (its QP moved to the error state, e.g. by
-    /// a keepalive that declared the peer dead): drain the QP
-    /// ([`super::LoopControl::drain_qp`], which looks for its markers
-    /// without waiting for an event) to have the flushed sends delivered.
+    /// does a send queue's flush (its QP moved to the error state): a
+    /// keepalive that declares the peer dead drains the QP itself, so that
+    /// flush is delivered; after moving a QP to the error state yourself,
+    /// drain it ([`super::LoopControl::drain_qp`], which looks for its
+    /// markers without waiting for an event) to have the flushed sends
+    /// delivered.
     pub solicited_only: bool,
     /// Completions handled per cycle at most (0: no limit). A CQ that still
     /// has completions after its budget is polled again in the next cycle,

@@ -116,8 +116,10 @@ impl Core {
                 let (posted, dead, destroyed) = self.keepalives.tick(now);
                 sh.counters.keepalive_probes.bump(posted);
                 sh.forget_keepalives_of(&destroyed);
-                for (qpn, _qp) in dead {
+                for qpn in dead {
                     sh.counters.keepalive_dead.bump(1);
+                    // Before on_dead, which may destroy the QP.
+                    self.drain_dead_peer(qpn);
                     if let Some(f) = self.keepalives.on_dead(qpn) {
                         f(qpn, ctl);
                         // Its changes take effect now, as a handler's do:
