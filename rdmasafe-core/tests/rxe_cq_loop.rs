@@ -1022,18 +1022,23 @@ fn an_idle_learning_loop_learns_nothing_from_its_keepalive_probes() {
 /// (two probes in each gap), the loop driven by `run_for` in 1 s calls,
 /// by `process_once(Wait::Forever)` (also with a SIGUSR1 every 10 ms, its
 /// EINTR retried at once), by `process_once` with a 5 s wait, or by a
-/// reactor's back-to-back `process_once` with a zero wait: every gap
-/// between two messages is one idle time learned, except those in progress
-/// when a call with a wait returned to the app without a message (the
-/// test's time between calls is not the loop's idle time; an EINTR is no
-/// such return) and the first message's (no idle time before it).
+/// reactor's back-to-back `process_once` with a zero wait: no probe ends
+/// an idle time (fewer idle times learned than messages), and most gaps
+/// between two messages are learned. Not every one: besides the first
+/// message's (no idle time before it) and those in progress when a call
+/// with a wait returned to the app without a message (the test's time
+/// between calls is not the loop's idle time; an EINTR is no such return),
+/// a busy machine may stall the loop until the next message is there
+/// already, with no empty poll (no idle time) in between: a timing, which
+/// the test does not count on (at deccfb5, with two busy loops on the
+/// host, it dropped 3 or 4 of 40 in 1 of 4 runs).
 /// `process_once` returns only with a message here: neither a probe, nor a
-/// timer, nor the loop's own wake-up ends the call. Before, a wake by a probe within a call with a timeout
-/// dropped the idle time in progress (with a probe in every gap, none was
-/// learned), and then every `process_once` that returned 0 for the loop's
-/// own reasons did (none was learned either, keepalive or not). Counts,
-/// not timings: each message ends at most one idle time, and only a
-/// return to the app without one drops one.
+/// timer, nor the loop's own wake-up ends the call. Before, a wake by a
+/// probe within a call with a timeout dropped the idle time in progress
+/// (with a probe in every gap, none was learned), and then every
+/// `process_once` that returned 0 for the loop's own reasons did (none was
+/// learned either, keepalive or not): half the gaps is a bound those fail
+/// by far.
 #[test]
 fn keepalive_probes_do_not_cut_the_apps_idle_times() {
     let bed = common::bed();
@@ -1117,7 +1122,7 @@ fn keepalive_probes_do_not_cut_the_apps_idle_times() {
         }
         assert!(s.learn_idle_samples < N, "{driver}: more idle times than messages: the probes ended some");
         assert!(
-            s.learn_idle_samples + 1 + empty >= N,
+            s.learn_idle_samples + 1 + empty >= N / 2,
             "{driver}: {} idle times of {N} messages with {empty} returns without one: the others were cut",
             s.learn_idle_samples
         );
