@@ -191,15 +191,19 @@ impl Core {
                 n += self.work_list(ctl, List::Fired, rearm, honor_stop)?;
             }
             n += self.work_ready(ctl, honor_stop)?;
-            if n == 0 && self.opts.mode != Mode::Event && self.armed < self.entries.len() {
-                // Nothing found, and the loop may sleep below, in this
-                // cycle: a mode that polls does not re-arm what fired, so
-                // a CQ whose event came for completions an earlier drain
-                // took (the loop's own, which start no polling) is
-                // unarmed now. Arm and drain every such CQ first.
-                self.push_all_disarmed();
-                n += self.work_list(ctl, List::Unarmed, true, honor_stop)?;
-            }
+        }
+        if n == 0 && self.opts.mode != Mode::Event && self.armed < self.entries.len() {
+            // The loop sleeps below, and a mode that polls does not re-arm
+            // what fired (it polls it when completions came): a CQ whose
+            // event came for completions something else took (an earlier
+            // drain, a keepalive's or the watchdog's), or only the loop's
+            // own (which start no polling), is unarmed now and on no list,
+            // in this cycle (the fairness read above) or from the last
+            // one's wake (see `has_work_now`). So a polling mode arms every
+            // CQ, and drains it once more, before it sleeps. (O(CQs), only
+            // when one is unarmed: every CQ is armed while it sleeps.)
+            self.push_all_disarmed();
+            n += self.work_list(ctl, List::Unarmed, true, honor_stop)?;
         }
         if n > 0 {
             n += self.tick(ctl, honor_stop)?;
@@ -349,8 +353,6 @@ impl Core {
             // the next sleep arms them. A wake that took only the loop's
             // own (a keepalive probe, a drain marker) starts no spin.
             self.polling_since = self.last_stamp.or_else(|| Some(Instant::now()));
-        } else {
-            self.rearm_fired_empty();
         }
         Ok(n)
     }
@@ -376,20 +378,6 @@ impl Core {
                     self.push_unarmed(r);
                 }
             }
-        }
-    }
-
-    /// After a sleep that delivered nothing (adaptive modes, which do not
-    /// re-arm a CQ that fired, expecting to poll it): a CQ whose event came
-    /// for completions something else took (a keepalive's or the
-    /// watchdog's drain), or only the loop's own (which start no spin),
-    /// would stay unarmed while the loop sleeps, also one left on the
-    /// ready list by its budget (the ready list is drained without
-    /// re-arming). Arm such CQs again (O(CQs), only when one is unarmed:
-    /// every CQ is armed while an adaptive loop sleeps).
-    fn rearm_fired_empty(&mut self) {
-        if self.polling_since.is_none() && self.armed < self.entries.len() {
-            self.push_all_disarmed();
         }
     }
 
@@ -483,7 +471,6 @@ impl Core {
         // Nothing arrived (the caller's time ran out, a command came, or
         // only the loop's own completions): the idle time goes on. If the
         // call returns to the app now, the call marks it (`leave_to_app`).
-        self.rearm_fired_empty();
         Ok(n)
     }
 
