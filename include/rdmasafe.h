@@ -1146,8 +1146,9 @@ int rdmasafe_cq_loop_drain_qp_async(struct rdmasafe_cq_loop *cq_loop,
  * probing without a dead peer, except a request of the QP that fails with
  * IBV_WC_RETRY_EXC_ERR (the peer unreachable): a dead peer. A timer
  * decides, so this works whatever retry_cnt the QP has. Probe completions
- * are never passed to the CQ callback: pick a `probe_wr_id` the app does
- * not use on this QP. The QP must stay alive until
+ * are never passed to the CQ callback (one still out when the send CQ
+ * leaves the loop is consumed by the loop it joins next, as drain markers
+ * are): pick a `probe_wr_id` the app does not use on this QP. The QP must stay alive until
  * `rdmasafe_cq_loop_remove_keepalive` returns, its send CQ leaves the
  * loop, or the loop is destroyed.
  *
@@ -1168,7 +1169,10 @@ int rdmasafe_cq_loop_add_keepalive(struct rdmasafe_cq_loop *cq_loop,
 
 /**
  * Stops dead-peer detection for `qp`; a probe still outstanding is
- * consumed when it completes. Any thread, or a callback.
+ * consumed when it completes (also after its send CQ left the loop and
+ * joined this or another loop again: probes are kept by CQ address, as
+ * drain markers are, see `rdmasafe_cq_loop_drain_qp`). Any thread, or a
+ * callback.
  *
  * Returns 0 (or RDMASAFE_PENDING from a callback), -EINVAL (NULL, unknown
  * loop), -ENOENT (no keepalive for it).

@@ -13,7 +13,9 @@
 //!   back);
 //! * the markers of a drain that timed out stay the loop's after their CQ
 //!   is removed and added again, to the same loop or another (the loop
-//!   forgot them when the CQ left: they reached the new handler).
+//!   forgot them when the CQ left: they reached the new handler); and so
+//!   do a keepalive's probes still out when their CQ leaves (found by an
+//!   adversarial test of the tokio API).
 //!
 //! (and the cases of the CQ loop below). No timing is asserted: each wait
 //! ends when its condition holds, and a generous watchdog turns a hang into
@@ -703,6 +705,105 @@ fn a_late_marker_stays_the_loops_after_moving_to_another_loop() {
 #[test]
 fn a_late_marker_stays_the_loops_after_its_loop_is_dropped() {
     a_late_marker_stays_the_loops_after(Readd::LoopDropped);
+}
+
+/// How a keepalive's probe is left out when its send CQ leaves the loop.
+#[derive(Debug, Clone, Copy)]
+enum ProbeLeft {
+    /// The keepalive still registered; the CQ removed and added back.
+    CqRemoved,
+    /// The keepalive removed first, then the CQ removed and added back.
+    KeepaliveRemovedFirst,
+    /// The loop dropped with the CQ in it; the CQ added to a new loop.
+    LoopDropped,
+}
+
+/// A keepalive's probe still out when its send CQ leaves the loop stays
+/// the loop's: its completion, polled after the CQ was added back (to the
+/// same loop or a new one), never reaches a handler. The probe is held
+/// out by the peer's QP in the error state (it never acknowledges: the
+/// probe is retransmitted, bound 60 s); then our QP goes to the error state
+/// with the CQ out of every loop, which flushes the probe into it. A send
+/// posted after that completes after the probe (a queue completes in
+/// order): once the handler has it, the probe was polled. Before, the
+/// probe's completion reached the handler (wr_id and all) in each case.
+fn a_probe_out_stays_the_loops_after(how: ProbeLeft) {
+    let _s = serial();
+    let _dog = common::watchdog("a probe out at a CQ's removal", Duration::from_secs(300));
+    const PROBE: u64 = 0xa11e;
+    const LATE_SEND: u64 = 1001;
+    let chan = channel();
+    let pair = rc_pair(common::bed().addr, &chan, false, 16);
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let recorder = || {
+        let g = got.clone();
+        move |wcs: &[rdmasafe_core::verbs::Wc], _: &rdmasafe_core::cq::LoopControl| {
+            g.lock().unwrap().extend(wcs.iter().map(|w| w.wr_id()))
+        }
+    };
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    lp.add_cq(&pair.server_cq, recorder()).unwrap();
+    let cfg = Keepalive { period: Duration::from_millis(20), bound: Duration::from_secs(60), wr_id: PROBE };
+    lp.control().add_keepalive_id(&pair.server.lock().unwrap().id, cfg, Box::new(|_, _| {})).unwrap();
+    assert!(drive_until(&lp, || lp.stats().keepalive_probes_ok >= 2), "probes complete while the peer answers");
+    // The peer stops answering.
+    let client_qp = pair.client.lock().unwrap().id.raw_qp().unwrap();
+    // SAFETY: the client's QP lives in `pair`.
+    unsafe { rdmasafe_core::sys::qp_to_error(client_qp.as_ptr()) }.unwrap();
+    let out = |lp: &CqLoop| {
+        let s = lp.stats();
+        s.keepalive_probes > s.keepalive_probes_ok
+    };
+    assert!(drive_until(&lp, || out(&lp)), "a probe is out (the test's premise)");
+    assert_eq!(lp.stats().keepalive_dead, 0, "not declared dead (bound 60 s)");
+    let server_qp = pair.server_qp();
+    let lp = match how {
+        ProbeLeft::CqRemoved => {
+            lp.remove_cq(&pair.server_cq).unwrap();
+            lp
+        }
+        ProbeLeft::KeepaliveRemovedFirst => {
+            // SAFETY: the server's QP lives in `pair`; a plain field read.
+            lp.remove_keepalive(unsafe { (*server_qp.as_ptr()).qp_num }).unwrap();
+            lp.remove_cq(&pair.server_cq).unwrap();
+            lp
+        }
+        ProbeLeft::LoopDropped => {
+            drop(lp);
+            CqLoop::new(&chan, LoopOptions::default()).unwrap()
+        }
+    };
+    assert!(!got.lock().unwrap().contains(&PROBE), "the probe was still out when the CQ left ({how:?})");
+    // SAFETY: the server's QP lives in `pair`.
+    unsafe { rdmasafe_core::sys::qp_to_error(server_qp.as_ptr()) }.unwrap();
+    {
+        let s = pair.server.lock().unwrap();
+        s.id.post_send(&s.mr, 0, 8, LATE_SEND).unwrap();
+    }
+    lp.add_cq(&pair.server_cq, recorder()).unwrap();
+    assert!(
+        drive_until(&lp, || got.lock().unwrap().contains(&LATE_SEND)),
+        "the send posted after the flush reached the handler: {:?}",
+        got.lock().unwrap()
+    );
+    drop(lp);
+    let got = got.lock().unwrap();
+    assert!(!got.contains(&PROBE), "a keepalive probe reached the handler ({how:?}): {got:?}");
+}
+
+#[test]
+fn a_probe_out_stays_the_loops_after_its_cq_is_removed_and_added_back() {
+    a_probe_out_stays_the_loops_after(ProbeLeft::CqRemoved);
+}
+
+#[test]
+fn a_probe_out_stays_the_loops_after_its_keepalive_and_cq_are_removed() {
+    a_probe_out_stays_the_loops_after(ProbeLeft::KeepaliveRemovedFirst);
+}
+
+#[test]
+fn a_probe_out_stays_the_loops_after_its_loop_is_dropped() {
+    a_probe_out_stays_the_loops_after(ProbeLeft::LoopDropped);
 }
 
 /// A keepalive added at CONNECT_REQUEST, before `accept` (the QP in INIT:

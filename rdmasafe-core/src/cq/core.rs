@@ -219,10 +219,11 @@ impl Core {
         }
         match cmd {
             Cmd::AddCq { cq, opts, handler } => {
-                // Markers of drains that timed out, still in the CQ when it
-                // left a loop (this or another): this loop's now, before
-                // the CQ is ever polled here.
+                // Markers of drains that timed out, and keepalive probes,
+                // still in the CQ when it left a loop (this or another):
+                // this loop's now, before the CQ is ever polled here.
                 self.drains.adopt(cq.addr());
+                self.keepalives.adopt(cq.addr());
                 let r = self.entries.insert(Entry::new(cq, opts, handler));
                 self.push_unarmed(r);
                 sh.counters.cqs_added.bump(1);
@@ -755,6 +756,7 @@ impl Core {
                 Done::Nothing => {}
             }
         }
+        self.keepalives.park_all();
         self.keepalives = Keepalives::default();
         let _ = sys::set_fd_flags(self.chan.fd(), self.orig_flags);
     }

@@ -110,35 +110,83 @@ struct Parked {
 /// destroyed and never comes back must not grow memory without bound.
 const MAX_PARKED: usize = 1024;
 
+/// A keepalive probe still to come through a CQ that left its loop, parked
+/// like drain markers (see `Keepalives::remove_for_cq`).
+#[derive(Debug, PartialEq)]
+pub(crate) struct ParkedProbe {
+    pub(crate) cq: usize,
+    pub(crate) qp_num: u32,
+    pub(crate) wr_id: u64,
+}
+
+/// The parked markers, and the parked keepalive probes (each at most
+/// [`MAX_PARKED`]).
 #[derive(Default)]
-struct Parking(VecDeque<Parked>);
+struct Parking {
+    markers: VecDeque<Parked>,
+    probes: VecDeque<ParkedProbe>,
+}
+
+/// Appends `p` to `q`, dropping the oldest (returned) when full.
+fn bounded_push<T>(q: &mut VecDeque<T>, p: T) -> Option<T> {
+    let old = if q.len() >= MAX_PARKED { q.pop_front() } else { None };
+    q.push_back(p);
+    old
+}
+
+/// Takes the items of `q` that `mine` picks out, keeping the others' order.
+fn take_where<T>(q: &mut VecDeque<T>, mine: impl Fn(&T) -> bool) -> Vec<T> {
+    if !q.iter().any(&mine) {
+        return Vec::new();
+    }
+    let (out, rest): (Vec<T>, Vec<T>) = std::mem::take(q).into_iter().partition(|p| mine(p));
+    *q = rest.into();
+    out
+}
 
 impl Parking {
     /// Parks `p`; returns the oldest, forgotten to make room.
     fn park(&mut self, p: Parked) -> Option<Parked> {
-        let old = if self.0.len() >= MAX_PARKED { self.0.pop_front() } else { None };
-        self.0.push_back(p);
-        old
+        bounded_push(&mut self.markers, p)
     }
 
     /// Takes out the markers parked for `cq`.
     fn take(&mut self, cq: usize) -> Vec<Parked> {
-        if !self.0.iter().any(|p| p.cq == cq) {
-            return Vec::new();
-        }
-        let (mine, rest): (Vec<Parked>, Vec<Parked>) =
-            std::mem::take(&mut self.0).into_iter().partition(|p| p.cq == cq);
-        self.0 = rest.into();
-        mine
+        take_where(&mut self.markers, |p| p.cq == cq)
     }
 }
 
-/// The process's parked markers (touched when a CQ leaves or joins a loop,
-/// or a loop goes away: not on a hot path). Nothing logs while it is held
-/// (a log callback may call back into rdmasafe).
+/// The process's parked markers and probes (touched when a CQ leaves or
+/// joins a loop, or a loop goes away: not on a hot path). Nothing logs
+/// while it is held (a log callback may call back into rdmasafe).
 fn parking() -> MutexGuard<'static, Parking> {
-    static P: Mutex<Parking> = Mutex::new(Parking(VecDeque::new()));
+    static P: Mutex<Parking> = Mutex::new(Parking { markers: VecDeque::new(), probes: VecDeque::new() });
     P.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Parks keepalive probes still to come through CQs that leave their loop;
+/// the loop each CQ joins next consumes them ([`take_probes`]).
+pub(crate) fn park_probes(items: Vec<ParkedProbe>) {
+    if items.is_empty() {
+        return;
+    }
+    let forgotten: Vec<ParkedProbe> = {
+        let mut p = parking();
+        items.into_iter().filter_map(|i| bounded_push(&mut p.probes, i)).collect()
+    };
+    for old in forgotten {
+        log::debug!(
+            target: "rdmasafe",
+            "keepalive: {MAX_PARKED} probes parked for CQs out of every loop; forgetting the oldest (QP {}, CQ {:#x})",
+            old.qp_num,
+            old.cq
+        );
+    }
+}
+
+/// Takes out the keepalive probes parked for `cq` (it joins a loop).
+pub(crate) fn take_probes(cq: usize) -> Vec<ParkedProbe> {
+    take_where(&mut parking().probes, |p| p.cq == cq)
 }
 
 /// Parks `items`, then (the lock released) says what was forgotten.
@@ -158,14 +206,16 @@ fn park_all(items: impl IntoIterator<Item = Parked>) {
 }
 
 /// Tells rdmasafe that the app destroys `cq` (out of every loop; call it
-/// right before `ibv_destroy_cq`): drain markers still expected through it
-/// go with it,
-/// and a new CQ at the same address must not inherit them (see the module
-/// doc of drains). Rust `Cq`s and `rdmasafe_cq_loop_destroy_cq` do this
-/// themselves; without it a new CQ at the address of a CQ destroyed with
-/// markers in it consumes those two wr_ids of those QP numbers.
+/// right before `ibv_destroy_cq`): drain markers and keepalive probes still
+/// expected through it go with it, and a new CQ at the same address must
+/// not inherit them (see the module doc of drains). Rust `Cq`s and
+/// `rdmasafe_cq_loop_destroy_cq` do this themselves; without it a new CQ at
+/// the address of a CQ destroyed with markers or probes in it consumes
+/// those wr_ids of those QP numbers.
 pub fn cq_destroyed(cq: *mut crate::sys::ibv_cq) {
-    drop(parking().take(cq as usize));
+    let mut p = parking();
+    drop(p.take(cq as usize));
+    drop(take_where(&mut p.probes, |x| x.cq == cq as usize));
 }
 
 impl Drains {
@@ -625,13 +675,13 @@ mod tests {
         for i in 0..MAX_PARKED + 10 {
             p.park(Parked { cq: i, qp_num: 1, qp: 0x9901, send: true, recv: false });
         }
-        assert_eq!(p.0.len(), MAX_PARKED);
+        assert_eq!(p.markers.len(), MAX_PARKED);
         assert!(p.take(5).is_empty(), "one of the oldest: dropped");
         assert_eq!(
             p.take(MAX_PARKED + 9),
             vec![Parked { cq: MAX_PARKED + 9, qp_num: 1, qp: 0x9901, send: true, recv: false }]
         );
-        assert_eq!(p.0.len(), MAX_PARKED - 1);
+        assert_eq!(p.markers.len(), MAX_PARKED - 1);
     }
 
     #[test]

@@ -4,6 +4,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
+use super::drain::{self, ParkedProbe};
 use super::handle::LiveQp;
 use super::options::Keepalive;
 use super::DeadPeer;
@@ -202,20 +203,71 @@ impl Keepalives {
     }
 
     /// Stops detection for every QP whose send CQ is `cq` (the CQ leaves
-    /// the loop: no probe could be seen completing any more).
+    /// the loop: no probe could be seen completing any more). The probes
+    /// still out through it (theirs, and orphans) are parked process-wide
+    /// for the loop the CQ joins next (see [`Keepalives::adopt`]), as drain
+    /// markers are: a probe never reaches a handler.
     pub(crate) fn remove_for_cq(&mut self, cq: usize) -> Vec<u32> {
         let gone: Vec<u32> = self.by_qpn.iter().filter(|(_, e)| e.send_cq == cq).map(|(q, _)| *q).collect();
+        let mut parked = Vec::new();
         for q in &gone {
-            self.by_qpn.remove(q);
+            if let Some(e) = self.by_qpn.remove(q) {
+                if matches!(e.probe, Probe::Sent(_)) {
+                    parked.push(ParkedProbe { cq, qp_num: *q, wr_id: e.cfg.wr_id });
+                }
+            }
         }
-        self.orphans.retain(|&(_, _, c)| c != cq);
+        self.orphans.retain(|&(q, w, c)| {
+            if c == cq {
+                parked.push(ParkedProbe { cq, qp_num: q, wr_id: w });
+            }
+            c != cq
+        });
+        drain::park_probes(parked);
         gone
+    }
+
+    /// The loop goes away: every probe still out is parked for its CQ.
+    pub(crate) fn park_all(&mut self) {
+        let mut parked = Vec::new();
+        for (q, e) in self.by_qpn.drain() {
+            if matches!(e.probe, Probe::Sent(_)) {
+                parked.push(ParkedProbe { cq: e.send_cq, qp_num: q, wr_id: e.cfg.wr_id });
+            }
+        }
+        parked.extend(self.orphans.drain(..).map(|(q, w, c)| ParkedProbe { cq: c, qp_num: q, wr_id: w }));
+        drain::park_probes(parked);
+    }
+
+    /// `cq` joins the loop: the probes parked for it when it left a loop
+    /// (this one or another) are this loop's to consume.
+    pub(crate) fn adopt(&mut self, cq: usize) {
+        for p in drain::take_probes(cq) {
+            if self.orphans.len() >= MAX_ORPHANS {
+                self.orphans.pop_front();
+            }
+            self.orphans.push_back((p.qp_num, p.wr_id, cq));
+        }
     }
 
     /// Notes a completion: activity on its QP, and whether it is a probe
     /// (consumed: it never reaches the app's handler).
     pub(crate) fn note(&mut self, wc: &Wc, now: Instant) -> (bool, bool) {
         let ok = wc.is_success();
+        // An orphan first: a QP's probes complete in the order they were
+        // posted, and an orphan (of a keepalive removed, or one whose CQ
+        // left a loop) was posted before any probe of a keepalive the QP
+        // has now.
+        if !self.orphans.is_empty() {
+            if let Some(i) = self.orphans.iter().position(|&(q, w, _)| q == wc.qp_num() && w == wc.wr_id()) {
+                self.orphans.remove(i);
+                if let (true, Some(e)) = (ok, self.by_qpn.get_mut(&wc.qp_num())) {
+                    e.last_activity = now;
+                    e.connected = true;
+                }
+                return (true, false);
+            }
+        }
         if let Some(e) = self.by_qpn.get_mut(&wc.qp_num()) {
             if ok {
                 e.last_activity = now;
@@ -249,9 +301,6 @@ impl Keepalives {
                 }
                 return (true, ok);
             }
-        } else if let Some(i) = self.orphans.iter().position(|&(q, w, _)| q == wc.qp_num() && w == wc.wr_id()) {
-            self.orphans.remove(i);
-            return (true, false);
         }
         (false, false)
     }
@@ -378,18 +427,42 @@ mod tests {
 
     /// A removed keepalive's probe still out goes with its send CQ when
     /// that leaves the loop (a later QP with its number and an app request
-    /// with that wr_id would have been swallowed).
+    /// with that wr_id would have been swallowed), and comes back with it:
+    /// the loop the CQ joins next consumes it. (The parking is the
+    /// process's: these CQ addresses are this test's alone.)
     #[test]
-    fn orphan_probes_go_with_their_cq() {
+    fn orphan_probes_go_with_their_cq_and_come_back_with_it() {
+        let (cq1, cq2) = (0x7e57_1000, 0x7e57_2000);
         let mut k = Keepalives::default();
-        k.orphans.push_back((7, 0xfeed, 0x1000));
-        k.orphans.push_back((8, 0xfeed, 0x2000));
-        assert!(k.remove_for_cq(0x1000).is_empty());
-        assert_eq!(k.orphans.len(), 1, "QP 7's probe went with CQ 0x1000");
+        k.orphans.push_back((7, 0xfeed, cq1));
+        k.orphans.push_back((8, 0xfeed, cq2));
+        assert!(k.remove_for_cq(cq1).is_empty());
+        assert_eq!(k.orphans.len(), 1, "QP 7's probe went with its CQ");
         let (ours, _) = k.note(&wc(7, 0xfeed), Instant::now());
-        assert!(!ours, "a later QP 7's request reaches the app");
+        assert!(!ours, "with its CQ out of the loop, a QP 7 request reaches the app");
         let (ours, _) = k.note(&wc(8, 0xfeed), Instant::now());
         assert!(ours, "QP 8's orphan probe, its CQ still in the loop, is consumed");
         assert!(k.is_empty());
+        let mut other = Keepalives::default();
+        other.adopt(cq1);
+        let (ours, _) = other.note(&wc(7, 0xfeed), Instant::now());
+        assert!(ours, "the CQ joined another loop: QP 7's probe is that loop's");
+        let (ours, _) = other.note(&wc(7, 0xfeed), Instant::now());
+        assert!(!ours, "only once");
+        k.adopt(cq1);
+        assert!(k.is_empty(), "adopted once");
+    }
+
+    /// A CQ destroyed out of every loop takes its parked probes along: a
+    /// new CQ at its address does not consume them.
+    #[test]
+    fn a_destroyed_cqs_parked_probes_go_with_it() {
+        let cq = 0x7e57_3000;
+        let mut k = Keepalives::default();
+        k.orphans.push_back((9, 0xbeef, cq));
+        k.remove_for_cq(cq);
+        crate::cq::cq_destroyed(cq as *mut crate::sys::ibv_cq);
+        k.adopt(cq);
+        assert!(k.is_empty(), "nothing parked for a destroyed CQ");
     }
 }

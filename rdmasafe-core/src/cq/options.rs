@@ -169,8 +169,10 @@ pub struct Keepalive {
     /// Declare the peer dead when a probe has not completed within this.
     pub bound: Duration,
     /// The wr_id rdmasafe gives its probes. Probe completions are consumed
-    /// by the loop, never handed to the app's handler, so pick a value the
-    /// app does not use on this QP. rdmasafe keeps at most one probe
+    /// by the loop, never handed to the app's handler (also one still out
+    /// when the send CQ leaves the loop: it is consumed by the loop the CQ
+    /// joins next, as drain markers are), so pick a value the app does not
+    /// use on this QP. rdmasafe keeps at most one probe
     /// outstanding: it needs one free send-queue slot (when the queue is
     /// full the probe is retried until the bound, not counted as a death).
     pub wr_id: u64,
