@@ -13,7 +13,9 @@
 //!    rdma-core's globals suppressed (tests/faults/rdma-core.supp; every
 //!    suppression used is one of its entries, told by name, or one of
 //!    valgrind's defaults), the only possibly-lost blocks left are
-//!    rdmasafe's process-wide registries;
+//!    rdmasafe's process-wide registries; then a CONNECT_REQUEST copy held
+//!    past the ack deadline after its new id was rejected and destroyed
+//!    (the ack thread must not read the destroyed id);
 //! 3. `hostkill` (two guests): the peer's host is killed mid-traffic:
 //!    RETRY_EXC_ERR then flushes on the traffic connection; on an idle
 //!    connection with retry_count 7 the keepalive declares the peer dead;
@@ -323,6 +325,7 @@ fn faults_2_valgrind_leaks() {
     c.that(cycles >= 100.0, format!("only {cycles} connect/disconnect cycles"));
     c.that(completions >= 10_000.0, format!("only {completions} completions"));
     c.figure(b, "leaks", "cycles_ms");
+    c.equals(b, "leaks", "rejected_request_acked_at_deadline", 1.0);
     c.clean_end(b, "leaks", None);
     // valgrind's own summary (lines "==PID== ...")
     let out = b.map(|b| b.out.as_str()).unwrap_or("");

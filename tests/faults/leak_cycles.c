@@ -19,7 +19,15 @@
  * rdmasafe_get_event_timeout and rdmasafe_get_events (batch), async events
  * polled with rdmasafe_async_get.
  *
- * Prints "measure cycles=N", "measure completions=N" and the usual check
+ * Then one rejected request held past the ack deadline (see
+ * rejected_request_held): the CONNECT_REQUEST's new id is rejected and
+ * destroyed while the copy is held, which librdmacm allows (it charges the
+ * request to the listen id), and the copy is freed only after the
+ * deadline's ack: the ack thread must not read the destroyed id (valgrind
+ * reported an invalid read in rdmasafe_core::sys::current_event there).
+ *
+ * Prints "measure cycles=N", "measure completions=N",
+ * "measure rejected_request_acked_at_deadline=N" and the usual check
  * lines; exit 0 only if every check passed (under valgrind,
  * --error-exitcode makes memory errors and leaks fail the run).
  */
@@ -287,6 +295,58 @@ out:
 	return ok ? 0 : -1;
 }
 
+/*
+ * A connect request whose new id is rejected and destroyed while its copy
+ * is held, past a 100 ms ack deadline: librdmacm's rdma_destroy_id of the
+ * new id does not wait for the request (it is charged to the listen id),
+ * so the id's memory is freed while the original is still un-acked; then
+ * the ack thread acks the original at the deadline, and the copy is freed.
+ * Under valgrind any read of the destroyed id is an error. Measures how
+ * many originals the deadline acked meanwhile (1).
+ */
+static void rejected_request_held(struct rdma_event_channel *chs, struct rdma_event_channel *chc,
+				  struct sockaddr_storage *dst)
+{
+	struct rdmasafe_cm_counters before = { .size = sizeof before }, now = { .size = sizeof now };
+	struct rdma_cm_id *cli = NULL;
+	struct rdma_cm_event *req, *ev;
+	struct rdma_conn_param p;
+	char hello[PDATA_LEN] = "held request";
+	int old = rdmasafe_cm_set_ack_deadline(100);
+
+	CHECK(old >= 0, "rdmasafe_cm_set_ack_deadline(100) -> %d", old);
+	if (!CHECK(rdma_create_id(chc, &cli, NULL, RDMA_PS_TCP) == 0, "held request: rdma_create_id") ||
+	    resolve(chc, cli, dst, "held request client"))
+		goto out;
+	conn_param(&p, hello, sizeof hello, 6);
+	if (!CHECK(rdma_connect(cli, &p) == 0, "held request: rdma_connect") ||
+	    !(req = get(chs, RDMA_CM_EVENT_CONNECT_REQUEST, "held request server", 0)))
+		goto out;
+	CHECK(rdmasafe_cm_get_counters(&before) == 0, "rdmasafe_cm_get_counters");
+	/* legal with librdmacm while the request is held: it is the listen id's */
+	CHECK(rdma_reject(req->id, NULL, 0) == 0, "held request: rdma_reject");
+	CHECK(rdma_destroy_id(req->id) == 0, "held request: rdma_destroy_id of the new id");
+	if ((ev = get(chc, RDMA_CM_EVENT_REJECTED, "held request client", 0)))
+		rdmasafe_event_free(ev);
+	/* the ack thread acks the held original at the deadline */
+	double until = now_ms() + STEP_MS;
+	do {
+		usleep(20000);
+		CHECK(rdmasafe_cm_get_counters(&now) == 0, "rdmasafe_cm_get_counters");
+	} while (now.acked_at_deadline == before.acked_at_deadline && now_ms() < until);
+	measure("rejected_request_acked_at_deadline", "%" PRIu64, now.acked_at_deadline - before.acked_at_deadline);
+	CHECK(now.acked_at_deadline > before.acked_at_deadline,
+	      "held request: its original acked at the deadline within %d ms", STEP_MS);
+	CHECK(req->event == RDMA_CM_EVENT_CONNECT_REQUEST && !memcmp(req->param.conn.private_data, hello, sizeof hello),
+	      "held request: the copy still reads as the request after the deadline");
+	free_event(req);
+out:
+	if (cli)
+		CHECK(rdma_destroy_id(cli) == 0, "held request: rdma_destroy_id of the client id");
+	if (old >= 0)
+		rdmasafe_cm_set_ack_deadline(old);
+}
+
 int main(int argc, char **argv)
 {
 	const char *addr = getenv("RDMASAFE_TEST_ADDR");
@@ -347,6 +407,9 @@ int main(int argc, char **argv)
 	measure("cycles", "%d", good);
 	measure("completions", "%ld", total_completions);
 	measure("cycles_ms", "%.0f", dt);
+
+	phase = "rejected request held past the ack deadline";
+	rejected_request_held(chs, chc, &ss);
 
 	phase = "teardown";
 	CHECK(rdma_destroy_id(listener) == 0, "listener: rdma_destroy_id");

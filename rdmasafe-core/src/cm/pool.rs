@@ -950,13 +950,14 @@ fn scan(now: u64) {
         if let Some(o) = s.claim_original(ack >> 1) {
             ACKED_AT_DEADLINE.fetch_add(1, SeqCst);
             // SAFETY: the original is un-acked (claimed just now), so
-            // librdmacm still owns it and its id is live.
+            // librdmacm still owns it: only rdma_ack_cm_event frees it.
+            // Its fields are read, not the ids they point to.
             let (t, id) = unsafe { ((*o).event, (*o).id) };
-            // SAFETY: as above (the id is live until the ack below).
-            let librdmacms = unsafe { held_by_librdmacm(id, s) };
+            let t = super::EventType(t);
+            // SAFETY: an un-acked original's type and id (see there).
+            let librdmacms = unsafe { held_by_librdmacm(t, id, s) };
             // SAFETY: claimed exactly once. Nothing reads it afterwards.
             unsafe { sys::ack_cm_event(o) };
-            let t = super::EventType(t);
             let (level, line) = if librdmacms {
                 let line = format!(
                     "CM event {t} (id {id:p}) is librdmacm's own current event of a synchronous id \
@@ -965,10 +966,17 @@ fn scan(now: u64) {
                 );
                 (log::Level::Debug, line)
             } else {
+                // A request is charged to its listen id: the listen id's
+                // destroy waited for it, never the new id's.
+                let (waited, field) = if t == super::EventType::CONNECT_REQUEST {
+                    ("the listen id", "ev->listen_id")
+                } else {
+                    ("the id", "ev->id")
+                };
                 let line = format!(
                     "a copy of CM event {t} (id {id:p}) was held past its ack deadline: acked librdmacm's \
-                     original, so rdma_destroy_id / rdma_migrate_id of the id no longer wait for it (the \
-                     copy stays valid; its ev->id may be destroyed from now on)"
+                     original, so rdma_destroy_id / rdma_migrate_id of {waited} no longer wait for it (the \
+                     copy stays valid; its {field} may be destroyed from now on)"
                 );
                 (if WARNED_LATE.swap(true, Relaxed) { log::Level::Debug } else { log::Level::Warn }, line)
             };
@@ -986,11 +994,33 @@ static WARNED_LATE: AtomicBool = AtomicBool::new(false);
 /// event ([`sys::current_event`]: a synchronous id's own get, which an
 /// LD_PRELOAD makes a copy). Not an app's late free.
 ///
+/// Never true for a CONNECT_REQUEST, whose `id` (the new id) is not read:
+/// librdmacm charges a request to the *listen* id (`rdma_ack_cm_event`
+/// completes it on the listen id; the kernel counts it in the listen id's
+/// `events_reported`), so `rdma_destroy_id` of the new id does not wait
+/// for the un-acked original, and the app may reject and destroy the new
+/// id while it holds the copy: the id's memory is freed (valgrind: an
+/// invalid read here, "inside a block ... free'd by rdma_destroy_id").
+/// The listen id is alive, but a request is never its current event
+/// (`rdma_get_request` keeps it as the *new* id's, until `rdma_accept` or
+/// the new id's destroy), so it tells nothing. Such a request held past
+/// the deadline by a synchronous server (under an LD_PRELOAD, between
+/// `rdma_get_request` and `rdma_accept`) is logged as an app's copy.
+///
 /// # Safety
-/// `id` NULL or a live id (an un-acked event's).
-unsafe fn held_by_librdmacm(id: *mut sys::rdma_cm_id, slot: &Slot) -> bool {
-    // SAFETY: live (caller).
-    !id.is_null() && std::ptr::eq(unsafe { sys::current_event(id) }.cast::<Slot>(), slot)
+/// `t` and `id` are `event` and `id` of an original the caller holds
+/// un-acked (claimed, acked after this call): then `id` is NULL, or a live
+/// id, or (a CONNECT_REQUEST's only) possibly freed, never read.
+unsafe fn held_by_librdmacm(t: super::EventType, id: *mut sys::rdma_cm_id, slot: &Slot) -> bool {
+    if id.is_null() || t == super::EventType::CONNECT_REQUEST {
+        return false;
+    }
+    // SAFETY: every other event librdmacm charges to its own id
+    // (`ev->id`, also for MULTICAST_JOIN / MULTICAST_ERROR: the multicast's
+    // id): `rdma_destroy_id` (and `rdma_migrate_id`) of that id waits until
+    // the event is acked, and the caller has not acked it, so the id is
+    // not freed before the caller's ack.
+    std::ptr::eq(unsafe { sys::current_event(id) }.cast::<Slot>(), slot)
 }
 
 /// Lines of the reaper waiting for [`log_off_the_reaper`]'s thread.
