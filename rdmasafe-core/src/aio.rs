@@ -19,11 +19,12 @@
 //!   are awaited with [`tokio::time::sleep_until`] of
 //!   [`CqLoop::next_timeout`], never a periodic timer.
 //! * Drains and removals that would block ([`LoopControl::drain_id`],
-//!   [`LoopControl::remove_cq`]) have async forms that never block the
-//!   runtime: [`drain_id`], [`drain_qp`], [`remove_cq`] start the request
-//!   at once and return a [`Done`] future that the loop completes (from its
-//!   own cycle, through a oneshot). [`LoopTask::stop`] stops a spawned loop
-//!   and awaits it.
+//!   [`LoopControl::remove_cq`], [`LoopControl::remove_keepalive`]) have
+//!   async forms that never block the runtime: [`drain_id`], [`drain_qp`],
+//!   [`remove_cq`], [`remove_keepalive`] start the request at once and
+//!   return a [`Done`] future that the loop completes (from its own cycle,
+//!   through a oneshot). [`LoopTask::stop`] stops a spawned loop and awaits
+//!   it. Adding a CQ or a keepalive never blocks.
 //!
 //! Handlers run on the runtime's thread that drives the loop: keep them
 //! short and never block in them (send work to a task instead, e.g.
@@ -36,7 +37,12 @@
 //! that is alive but not polled (its runtime idle, its task blocked: never
 //! make a blocking call from the task that owns the run future) is waited
 //! for only 2 s without a sign of life; then the caller runs the loop
-//! itself. Prefer the async forms below in async code.
+//! itself. In async code use the async forms: a blocking request from any
+//! task of the runtime holds its worker thread, and tokio may keep the
+//! run's wakeup on that very worker (its next-task slot, which other
+//! workers do not steal), so the run waits for the request and the request
+//! for the run until the 2 s pass (seen about once in 40 to 120 blocking
+//! `remove_keepalive` calls from a task on a 2- to 4-worker runtime).
 //!
 //! Cancellation: every future here may be dropped at any await point.
 //! A dropped [`AsyncEventChannel::next`] loses no event (events are taken
@@ -91,7 +97,7 @@ use crate::verbs::Cq;
 use crate::{Error, Result};
 
 fn no_runtime() -> Error {
-    Error::new("rdmasafe async: not inside a tokio runtime (with its I/O driver enabled)", libc::EINVAL)
+    Error::new("rdmasafe async: not inside a tokio runtime", libc::EINVAL)
 }
 
 /// The fd-owning types this module registers: each returns the same fd,
@@ -131,9 +137,10 @@ pub struct AsyncEventChannel {
 }
 
 impl AsyncEventChannel {
-    /// Registers `channel` with the current runtime's I/O driver (the
-    /// runtime needs it enabled: `enable_io` / `enable_all`). EINVAL
-    /// outside a runtime.
+    /// Registers `channel` with the current runtime's I/O driver. EINVAL
+    /// outside a runtime. The runtime needs its I/O driver (`enable_io` /
+    /// `enable_all`): inside one built without it, tokio panics here, as
+    /// its own I/O types do (and `channel` is dropped with the unwind).
     pub fn new(channel: EventChannel) -> Result<AsyncEventChannel> {
         Ok(AsyncEventChannel { fd: register(channel)? })
     }
@@ -237,9 +244,13 @@ pub struct AsyncCqLoop {
 const CYCLES_PER_TURN: usize = 32;
 
 impl AsyncCqLoop {
-    /// Registers the loop's fd with the current runtime's I/O driver (the
-    /// runtime needs it and the time driver: `enable_all`). EINVAL outside
-    /// a runtime.
+    /// Registers the loop's fd with the current runtime's I/O driver.
+    /// EINVAL outside a runtime. The runtime needs its I/O driver and its
+    /// time driver (`enable_all`): without the I/O driver tokio panics
+    /// here (and `lp` is dropped with the unwind); without the time driver
+    /// [`AsyncCqLoop::run`] panics in tokio once the loop has a deadline to
+    /// wait for (a keepalive, a drain, the watchdog), as `tokio::time`
+    /// does.
     pub fn new(lp: CqLoop) -> Result<AsyncCqLoop> {
         Ok(AsyncCqLoop { fd: register(lp)?, active: AtomicBool::new(false) })
     }
@@ -510,6 +521,17 @@ pub unsafe fn drain_qp(ctl: &LoopControl, qp: NonNull<ibv_qp>, srq: bool, timeou
     let (f, done) = done_pair();
     // SAFETY: forwarded contract.
     unsafe { ctl.drain_qp_then(qp, srq, timeout, f) }?;
+    Ok(done)
+}
+
+/// Stops dead-peer detection for the QP with this number (see
+/// [`LoopControl::remove_keepalive`]) without blocking: the future
+/// completes once the loop applied the removal (no probe is posted after
+/// that; one still out is consumed when it completes). ENOENT at once if
+/// the QP has no keepalive.
+pub fn remove_keepalive(ctl: &LoopControl, qp_num: u32) -> Result<Done> {
+    let (f, done) = done_pair();
+    ctl.remove_keepalive_then(qp_num, f)?;
     Ok(done)
 }
 

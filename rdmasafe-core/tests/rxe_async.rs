@@ -256,6 +256,17 @@ fn keepalive_deadlines_drive_an_idle_async_loop() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let st = ctl.stats();
+        // Removed without blocking the runtime (its async form), then
+        // gone: a second removal is ENOENT at once, and the QP takes a
+        // keepalive again (not EBUSY), removed the same way.
+        let qpn = p.server.lock().unwrap().id.qp_num().unwrap();
+        aio::remove_keepalive(&ctl, qpn).unwrap().await.unwrap();
+        assert_eq!(aio::remove_keepalive(&ctl, qpn).unwrap_err().errno(), libc::ENOENT);
+        {
+            let s = p.server.lock().unwrap();
+            ctl.add_keepalive_id(&s.id, cfg, Box::new(|qpn, _| panic!("QP {qpn} declared dead"))).unwrap();
+        }
+        aio::remove_keepalive(&ctl, qpn).unwrap().await.unwrap();
         let lp = task.stop().await.unwrap();
         println!(
             "async keepalive: {} probes posted, {} completed, {} dead, {} CQ events, {} wakeups; {:.2?}",

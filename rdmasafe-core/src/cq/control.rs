@@ -562,6 +562,17 @@ impl LoopControl {
         self.submit(Cmd::RemoveKeepalive { qp_num, done: self.waiter(&c) }, Some(c))
     }
 
+    /// [`LoopControl::remove_keepalive`] that never blocks: `done` gets the
+    /// result once the loop applied the removal, on the thread that runs
+    /// the loop (or on the caller's when nobody does). ENOENT at once (and
+    /// `done` dropped) if the QP had no keepalive.
+    pub fn remove_keepalive_then(&self, qp_num: u32, done: Box<dyn FnOnce(Result<()>) + Send>) -> Result<()> {
+        if self.0.keepalives.lock().unwrap_or_else(|e| e.into_inner()).remove(&qp_num).is_none() {
+            return Err(Error::new("rdmasafe keepalive", libc::ENOENT));
+        }
+        self.submit_async(Cmd::RemoveKeepalive { qp_num, done: Done::Call(done) })
+    }
+
     /// Drains a QP before teardown, like the kernel's `ib_drain_qp`: moves
     /// it to the error state, posts a marker on its send queue
     /// ([`super::DRAIN_SEND_WR_ID`]) and, unless `srq`, on its receive queue
