@@ -26,6 +26,16 @@
  * is. Callbacks must return normally: no longjmp out of them, and in C++
  * no exception may leave them (declare them noexcept).
  *
+ * Thread cancellation: a thread must not be cancelled (pthread_cancel)
+ * while it is inside an rdmasafe function. glibc carries a cancellation
+ * out by unwinding the thread's stack, and rdmasafe's boundary, which
+ * stops every unwind, then aborts the process ("FATAL: exception not
+ * rethrown"), e.g. for a thread blocked in rdmasafe_get_event or
+ * rdmasafe_cq_loop_run. To stop such a thread, wait in a poll() of your
+ * own (on the channel's or loop's fd and an fd of yours) and call rdmasafe
+ * when the fd is readable, or stop the loop (rdmasafe_cq_loop_stop); or
+ * disable cancellation around the call (pthread_setcancelstate).
+ *
  * Fork: a child forked while other threads may be inside rdmasafe
  * (rdmasafe's own CM ack thread included, once CM events were copied) may
  * only call async-signal-safe functions, exec or _exit. rdmasafe installs
