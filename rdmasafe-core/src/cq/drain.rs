@@ -33,6 +33,7 @@ use std::time::{Duration, Instant};
 
 use super::control::Done;
 use super::handle::LiveQp;
+use super::keepalive::LateProbe;
 use crate::wc::Wc;
 
 /// wr_id of the send-queue marker posted by a drain.
@@ -110,21 +111,12 @@ struct Parked {
 /// destroyed and never comes back must not grow memory without bound.
 const MAX_PARKED: usize = 1024;
 
-/// A keepalive probe still to come through a CQ that left its loop, parked
-/// like drain markers (see `Keepalives::remove_for_cq`).
-#[derive(Debug, PartialEq)]
-pub(crate) struct ParkedProbe {
-    pub(crate) cq: usize,
-    pub(crate) qp_num: u32,
-    pub(crate) wr_id: u64,
-}
-
 /// The parked markers, and the parked keepalive probes (each at most
 /// [`MAX_PARKED`]).
 #[derive(Default)]
 struct Parking {
     markers: VecDeque<Parked>,
-    probes: VecDeque<ParkedProbe>,
+    probes: VecDeque<LateProbe>,
 }
 
 /// Appends `p` to `q`, dropping the oldest (returned) when full.
@@ -166,11 +158,11 @@ fn parking() -> MutexGuard<'static, Parking> {
 
 /// Parks keepalive probes still to come through CQs that leave their loop;
 /// the loop each CQ joins next consumes them ([`take_probes`]).
-pub(crate) fn park_probes(items: Vec<ParkedProbe>) {
+pub(crate) fn park_probes(items: Vec<LateProbe>) {
     if items.is_empty() {
         return;
     }
-    let forgotten: Vec<ParkedProbe> = {
+    let forgotten: Vec<LateProbe> = {
         let mut p = parking();
         items.into_iter().filter_map(|i| bounded_push(&mut p.probes, i)).collect()
     };
@@ -185,7 +177,7 @@ pub(crate) fn park_probes(items: Vec<ParkedProbe>) {
 }
 
 /// Takes out the keepalive probes parked for `cq` (it joins a loop).
-pub(crate) fn take_probes(cq: usize) -> Vec<ParkedProbe> {
+pub(crate) fn take_probes(cq: usize) -> Vec<LateProbe> {
     take_where(&mut parking().probes, |p| p.cq == cq)
 }
 

@@ -4,7 +4,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
-use super::drain::{self, ParkedProbe};
+use super::drain;
 use super::handle::LiveQp;
 use super::options::Keepalive;
 use super::DeadPeer;
@@ -55,15 +55,49 @@ struct Entry {
 #[derive(Default)]
 pub(crate) struct Keepalives {
     by_qpn: HashMap<u32, Entry>,
-    /// Probes still outstanding for keepalives that were removed:
-    /// (qp_num, wr_id, send CQ). Their completions are consumed like any
-    /// probe's; they go when their CQ leaves the loop, and at most
+    /// Probes still outstanding for keepalives that were removed, or
+    /// adopted with their CQ. Their completions are consumed like any
+    /// probe's; they go (parked) when their CQ leaves the loop, and at most
     /// [`MAX_ORPHANS`] are kept (a QP destroyed without a drain may never
     /// return its probe).
-    orphans: VecDeque<(u32, u64, usize)>,
+    orphans: VecDeque<LateProbe>,
     /// No deadline is earlier than this (a cache: activity only ever moves
     /// deadlines later, so waking at it is early at worst).
     next: Option<Instant>,
+}
+
+/// A probe still out with no keepalive of its own (an orphan), or parked
+/// with its CQ out of every loop. `qp` (the address) tells its QP from a
+/// later one with the same number: an orphan of a destroyed QP must not
+/// take the probes of a new QP that got its number (the new QP's keepalive
+/// would wait for its probe until the bound, and declare a live peer dead).
+#[derive(Debug, PartialEq)]
+pub(crate) struct LateProbe {
+    pub(crate) qp_num: u32,
+    pub(crate) qp: usize,
+    pub(crate) wr_id: u64,
+    /// The send CQ it completes through.
+    pub(crate) cq: usize,
+}
+
+impl Entry {
+    /// Its probe still out, if any, as a late probe through `cq`.
+    fn late_probe(&self, qp_num: u32) -> Option<LateProbe> {
+        matches!(self.probe, Probe::Sent(_)).then(|| LateProbe {
+            qp_num,
+            qp: self.qp.raw() as usize,
+            wr_id: self.cfg.wr_id,
+            cq: self.send_cq,
+        })
+    }
+}
+
+/// Appends `p` to the orphans, forgetting the oldest when full.
+fn push_orphan(orphans: &mut VecDeque<LateProbe>, p: LateProbe) {
+    if orphans.len() >= MAX_ORPHANS {
+        orphans.pop_front();
+    }
+    orphans.push_back(p);
 }
 
 /// `next` becomes `d` if that is earlier (or `next` is unset).
@@ -165,6 +199,10 @@ impl Keepalives {
     pub(crate) fn add(&mut self, qp: LiveQp, cfg: Keepalive, on_dead: DeadPeer, now: Instant) {
         // Checked by the caller while the QP was known to exist.
         let Ok((qpn, send_cq, _)) = qp.info() else { return };
+        // Orphans of another QP with this number: that QP was destroyed
+        // before its probe came back (live QPs have distinct numbers).
+        let addr = qp.raw() as usize;
+        self.orphans.retain(|o| o.qp_num != qpn || o.qp == addr);
         let first = sys::deadline_after(now, cfg.period);
         self.next = Some(self.next.map_or(first, |n| n.min(first)));
         self.by_qpn.insert(
@@ -190,11 +228,8 @@ impl Keepalives {
     pub(crate) fn remove(&mut self, qpn: u32) -> bool {
         match self.by_qpn.remove(&qpn) {
             Some(e) => {
-                if matches!(e.probe, Probe::Sent(_)) {
-                    if self.orphans.len() >= MAX_ORPHANS {
-                        self.orphans.pop_front();
-                    }
-                    self.orphans.push_back((qpn, e.cfg.wr_id, e.send_cq));
+                if let Some(p) = e.late_probe(qpn) {
+                    push_orphan(&mut self.orphans, p);
                 }
                 true
             }
@@ -209,44 +244,31 @@ impl Keepalives {
     /// markers are: a probe never reaches a handler.
     pub(crate) fn remove_for_cq(&mut self, cq: usize) -> Vec<u32> {
         let gone: Vec<u32> = self.by_qpn.iter().filter(|(_, e)| e.send_cq == cq).map(|(q, _)| *q).collect();
-        let mut parked = Vec::new();
-        for q in &gone {
-            if let Some(e) = self.by_qpn.remove(q) {
-                if matches!(e.probe, Probe::Sent(_)) {
-                    parked.push(ParkedProbe { cq, qp_num: *q, wr_id: e.cfg.wr_id });
-                }
-            }
-        }
-        self.orphans.retain(|&(q, w, c)| {
-            if c == cq {
-                parked.push(ParkedProbe { cq, qp_num: q, wr_id: w });
-            }
-            c != cq
-        });
+        let mut parked: Vec<LateProbe> = gone.iter().filter_map(|q| self.by_qpn.remove(q)?.late_probe(*q)).collect();
+        let (going, staying): (Vec<LateProbe>, Vec<LateProbe>) =
+            std::mem::take(&mut self.orphans).into_iter().partition(|o| o.cq == cq);
+        self.orphans = staying.into();
+        parked.extend(going);
         drain::park_probes(parked);
         gone
     }
 
     /// The loop goes away: every probe still out is parked for its CQ.
     pub(crate) fn park_all(&mut self) {
-        let mut parked = Vec::new();
-        for (q, e) in self.by_qpn.drain() {
-            if matches!(e.probe, Probe::Sent(_)) {
-                parked.push(ParkedProbe { cq: e.send_cq, qp_num: q, wr_id: e.cfg.wr_id });
-            }
-        }
-        parked.extend(self.orphans.drain(..).map(|(q, w, c)| ParkedProbe { cq: c, qp_num: q, wr_id: w }));
+        let mut parked: Vec<LateProbe> = self.by_qpn.drain().filter_map(|(q, e)| e.late_probe(q)).collect();
+        parked.extend(self.orphans.drain(..));
         drain::park_probes(parked);
     }
 
     /// `cq` joins the loop: the probes parked for it when it left a loop
-    /// (this one or another) are this loop's to consume.
+    /// (this one or another) are this loop's to consume (not those of a QP
+    /// destroyed since: a keepalive here has another QP with its number).
     pub(crate) fn adopt(&mut self, cq: usize) {
         for p in drain::take_probes(cq) {
-            if self.orphans.len() >= MAX_ORPHANS {
-                self.orphans.pop_front();
+            if self.by_qpn.get(&p.qp_num).is_some_and(|e| e.qp.raw() as usize != p.qp) {
+                continue;
             }
-            self.orphans.push_back((p.qp_num, p.wr_id, cq));
+            push_orphan(&mut self.orphans, p);
         }
     }
 
@@ -256,24 +278,20 @@ impl Keepalives {
         let ok = wc.is_success();
         // An orphan first: a QP's probes complete in the order they were
         // posted, and an orphan (of a keepalive removed, or one whose CQ
-        // left a loop) was posted before any probe of a keepalive the QP
-        // has now.
-        if !self.orphans.is_empty() {
-            if let Some(i) = self.orphans.iter().position(|&(q, w, _)| q == wc.qp_num() && w == wc.wr_id()) {
-                self.orphans.remove(i);
-                if let (true, Some(e)) = (ok, self.by_qpn.get_mut(&wc.qp_num())) {
-                    e.last_activity = now;
-                    e.connected = true;
-                }
-                return (true, false);
-            }
-        }
+        // left a loop) was posted before any probe of the keepalive the QP
+        // has now (an orphan of another QP with this number is gone: see
+        // `add`, `adopt`).
+        let orphan = !self.orphans.is_empty()
+            && match self.orphans.iter().position(|o| o.qp_num == wc.qp_num() && o.wr_id == wc.wr_id()) {
+                Some(i) => self.orphans.remove(i).is_some(),
+                None => false,
+            };
         if let Some(e) = self.by_qpn.get_mut(&wc.qp_num()) {
             if ok {
                 e.last_activity = now;
                 e.connected = true;
             }
-            let probe = wc.wr_id() == e.cfg.wr_id && matches!(e.probe, Probe::Sent(_));
+            let probe = !orphan && wc.wr_id() == e.cfg.wr_id && matches!(e.probe, Probe::Sent(_));
             if !probe && wc.status() == crate::wc::WcStatus::RETRY_EXC_ERR && !e.dead && !e.quiet {
                 // The peer is unreachable (the QP is in error now): dead,
                 // whatever the probe's flush says after this.
@@ -302,7 +320,7 @@ impl Keepalives {
                 return (true, ok);
             }
         }
-        (false, false)
+        (orphan, false)
     }
 
     pub(crate) fn next_deadline(&self) -> Option<Instant> {
@@ -434,8 +452,8 @@ mod tests {
     fn orphan_probes_go_with_their_cq_and_come_back_with_it() {
         let (cq1, cq2) = (0x7e57_1000, 0x7e57_2000);
         let mut k = Keepalives::default();
-        k.orphans.push_back((7, 0xfeed, cq1));
-        k.orphans.push_back((8, 0xfeed, cq2));
+        k.orphans.push_back(LateProbe { qp_num: 7, qp: 0x7007, wr_id: 0xfeed, cq: cq1 });
+        k.orphans.push_back(LateProbe { qp_num: 8, qp: 0x8008, wr_id: 0xfeed, cq: cq2 });
         assert!(k.remove_for_cq(cq1).is_empty());
         assert_eq!(k.orphans.len(), 1, "QP 7's probe went with its CQ");
         let (ours, _) = k.note(&wc(7, 0xfeed), Instant::now());
@@ -453,13 +471,84 @@ mod tests {
         assert!(k.is_empty(), "adopted once");
     }
 
+    /// A QP struct with this number and CQ, never handed to the provider:
+    /// the tests below only let the keepalive read its fields.
+    fn fake_qp(raw: &mut crate::sys::ibv_qp, qp_num: u32, cq: usize) -> LiveQp {
+        raw.qp_num = qp_num;
+        raw.send_cq = cq as *mut _;
+        raw.recv_cq = cq as *mut _;
+        // SAFETY: `raw` outlives the keepalive in each test; nothing in
+        // them posts on it (no tick before the probe is overdue or idle
+        // within its period).
+        unsafe { LiveQp::new(std::ptr::NonNull::from(raw)) }
+    }
+
+    const CFG: Keepalive =
+        Keepalive { period: Duration::from_secs(100), bound: Duration::from_secs(200), wr_id: 0xfeed };
+
+    /// The orphan probe of a QP destroyed before it came back does not take
+    /// the probe of a new QP that got its number (found by a review: the
+    /// new keepalive's probe stayed out, and at the bound a live peer was
+    /// declared dead).
+    #[test]
+    fn a_destroyed_qps_orphan_does_not_take_a_new_qps_probe() {
+        let cq = 0x7e57_4000;
+        let mut raw: crate::sys::ibv_qp = unsafe { std::mem::zeroed() };
+        let qp = fake_qp(&mut raw, 7, cq);
+        let addr = qp.raw() as usize;
+        let t0 = Instant::now();
+        let mut k = Keepalives::default();
+        // The old QP 7 (another address) lost its probe.
+        k.orphans.push_back(LateProbe { qp_num: 7, qp: addr + 0x1000, wr_id: 0xfeed, cq });
+        k.add(qp, CFG, Box::new(|_, _| {}), t0);
+        let e = k.by_qpn.get_mut(&7).unwrap();
+        e.probe = Probe::Sent(t0);
+        let (ours, ok) = k.note(&wc(7, 0xfeed), t0);
+        assert!(ours && ok, "the new QP's probe, credited to its keepalive");
+        assert!(matches!(k.by_qpn[&7].probe, Probe::Idle), "its probe is back");
+        // A probe parked by the old QP is not adopted either.
+        drain::park_probes(vec![LateProbe { qp_num: 7, qp: addr + 0x1000, wr_id: 0xfeed, cq }]);
+        k.adopt(cq);
+        assert!(k.orphans.is_empty(), "the destroyed QP's parked probe is not this loop's");
+    }
+
+    /// An orphan probe of the QP that fails with "retry exceeded" makes the
+    /// QP's current keepalive declare the peer dead, as any other request
+    /// of the QP failing so does (found by a review: the orphan was
+    /// consumed and nothing else looked at it).
+    #[test]
+    fn an_orphan_probes_retry_exceeded_is_a_dead_peer() {
+        let cq = 0x7e57_5000;
+        let mut raw: crate::sys::ibv_qp = unsafe { std::mem::zeroed() };
+        let qp = fake_qp(&mut raw, 11, cq);
+        let addr = qp.raw() as usize;
+        let t0 = Instant::now();
+        let mut k = Keepalives::default();
+        k.add(qp, CFG, Box::new(|_, _| {}), t0);
+        // Removed with its probe out, and added again.
+        k.by_qpn.get_mut(&11).unwrap().probe = Probe::Sent(t0);
+        assert!(k.remove(11));
+        assert_eq!(k.orphans.len(), 1);
+        let again = fake_qp(&mut raw, 11, cq);
+        assert_eq!(again.raw() as usize, addr);
+        k.add(again, CFG, Box::new(|_, _| {}), t0);
+        assert_eq!(k.orphans.len(), 1, "the same QP: its orphan stays");
+        let mut failed = wc(11, 0xfeed);
+        Wc::as_raw_slice_mut(std::slice::from_mut(&mut failed))[0].status =
+            crate::sys::ibv_wc_status::IBV_WC_RETRY_EXC_ERR;
+        let (ours, _) = k.note(&failed, t0);
+        assert!(ours, "the orphan is consumed");
+        let (_, dead, _) = k.tick(t0);
+        assert_eq!(dead, [11], "the peer is dead");
+    }
+
     /// A CQ destroyed out of every loop takes its parked probes along: a
     /// new CQ at its address does not consume them.
     #[test]
     fn a_destroyed_cqs_parked_probes_go_with_it() {
         let cq = 0x7e57_3000;
         let mut k = Keepalives::default();
-        k.orphans.push_back((9, 0xbeef, cq));
+        k.orphans.push_back(LateProbe { qp_num: 9, qp: 0x9009, wr_id: 0xbeef, cq });
         k.remove_for_cq(cq);
         crate::cq::cq_destroyed(cq as *mut crate::sys::ibv_cq);
         k.adopt(cq);
