@@ -313,12 +313,12 @@ impl Core {
         if e.armed {
             self.armed -= 1;
         }
-        // The markers still to come through it are parked before its claim
-        // goes: the loop it may join next (from another thread, once the
-        // claim is gone) adopts them.
+        // The markers and probes still to come through it are parked
+        // before its claim goes: the loop it may join next (from another
+        // thread, once the claim is gone) adopts them.
         let cancelled = self.drains.take_for_cq(cq);
-        registry::release_cq(cq, sh.id);
         let gone = self.keepalives.remove_for_cq(cq);
+        registry::release_cq(cq, sh.id);
         sh.forget_keepalives_of(&gone);
         for (done, res) in cancelled {
             done.finish(sh, res);

@@ -119,10 +119,13 @@ impl Core {
                 let (posted, dead, destroyed) = self.keepalives.tick(now);
                 sh.counters.keepalive_probes.bump(posted);
                 sh.forget_keepalives_of(&destroyed);
+                // Every dead peer's QP drained before any on_dead, which
+                // may destroy its QP or remove another's keepalive.
+                for &qpn in &dead {
+                    self.drain_dead_peer(qpn);
+                }
                 for qpn in dead {
                     sh.counters.keepalive_dead.bump(1);
-                    // Before on_dead, which may destroy the QP.
-                    self.drain_dead_peer(qpn);
                     if let Some(f) = self.keepalives.on_dead(qpn) {
                         f(qpn, ctl);
                         // Its changes take effect now, as a handler's do:
