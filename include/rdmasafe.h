@@ -27,14 +27,17 @@
  * no exception may leave them (declare them noexcept).
  *
  * Thread cancellation: a thread must not be cancelled (pthread_cancel)
- * while it is inside an rdmasafe function. glibc carries a cancellation
- * out by unwinding the thread's stack, and rdmasafe's boundary, which
- * stops every unwind, then aborts the process ("FATAL: exception not
- * rethrown"), e.g. for a thread blocked in rdmasafe_get_event or
- * rdmasafe_cq_loop_run. To stop such a thread, wait in a poll() of your
- * own (on the channel's or loop's fd and an fd of yours) and call rdmasafe
- * when the fd is readable, or stop the loop (rdmasafe_cq_loop_stop); or
- * disable cancellation around the call (pthread_setcancelstate).
+ * while it is inside an rdmasafe function, callbacks included (they run
+ * inside the call that runs the loop). glibc carries a cancellation out by
+ * unwinding the thread's stack, and rdmasafe's boundary, which stops every
+ * unwind, then aborts the process ("FATAL: exception not rethrown"). A
+ * pending cancellation is acted on at the first cancellation point inside
+ * (rdmasafe's own read(), poll(), epoll_wait(), also those that would not
+ * block), so calling only when the fd is readable does not help. Either
+ * keep cancellation disabled (pthread_setcancelstate) for as long as the
+ * thread is inside rdmasafe, or do not cancel it: wake it through an fd of
+ * your own that it polls with the channel's or loop's fd, or stop the
+ * loop (rdmasafe_cq_loop_stop), and join it.
  *
  * Fork: a child forked while other threads may be inside rdmasafe
  * (rdmasafe's own CM ack thread included, once CM events were copied) may
