@@ -56,9 +56,9 @@ impl Core {
             || !self.ready.is_empty()
             || !self.fired.is_empty()
             || self.polling_since.is_some()
-            || (self.opts.mode == Mode::BusyPoll && self.entries.len() > 0)
-            // A polling mode left a CQ that fired unarmed (see
-            // `event_cycle`): the next cycle arms it.
+            // A CQ not armed outside event mode: busy-poll never arms (its
+            // CQs are always to poll); adaptive and learning modes left one
+            // that fired unarmed (see `event_cycle`): the next cycle arms it.
             || (self.opts.mode != Mode::Event && self.armed < self.entries.len())
             || sh.cmds_pending.load(SeqCst)
     }
