@@ -14,12 +14,11 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use common::cm::{expect, listen, params, resolved};
-use common::rc::{rc_pair, SLOT};
-use rdmasafe_core::cm::{EventChannel, EventType as E, PortSpace, QpCaps};
+use common::rc::{rc_pair, second_qp_on, SLOT};
+use rdmasafe_core::cm::{EventChannel, PortSpace};
 use rdmasafe_core::cq::{CqLoop, Keepalive, LoopOptions, Mode};
 use rdmasafe_core::sys::{ibv_cq, ibv_qp, ibv_send_wr, ibv_wc};
-use rdmasafe_core::verbs::{empty_wc, CompChannel, Cq, Pd, Wc, WcStatus};
+use rdmasafe_core::verbs::{empty_wc, CompChannel, Wc, WcStatus};
 
 const PROBE_WR_ID: u64 = 9999;
 
@@ -206,29 +205,6 @@ unsafe extern "C" fn poll_cq(cq: *mut ibv_cq, n: i32, wcs: *mut ibv_wc) -> i32 {
     }
     // SAFETY: the provider's own function, with the caller's arguments.
     unsafe { (REAL.get().unwrap().2)(cq, n, wcs) }
-}
-
-/// A second RC connection whose server QP uses `cq` for both queues; what
-/// must outlive the test, and the server QP.
-fn second_qp_on(addr: std::net::IpAddr, cq: &Cq) -> (impl Sized, std::ptr::NonNull<ibv_qp>) {
-    let caps = QpCaps { max_send_wr: 8, max_recv_wr: 8, max_sge: 1, max_inline_data: 0 };
-    let l = listen(addr, PortSpace::Tcp, 8);
-    let cch = EventChannel::new().unwrap();
-    let mut client = resolved(&cch, PortSpace::Tcp, addr, l.port);
-    let ctx = client.device_context().unwrap();
-    let cpd = Pd::new(&ctx).unwrap();
-    let client_cq = Cq::new(&ctx, 16, None).unwrap();
-    client.create_qp(&cpd, &client_cq, &client_cq, caps, false).unwrap();
-    client.connect(&params(b"rc")).unwrap();
-    let mut req = expect(&l.ch, E::CONNECT_REQUEST);
-    let mut r = req.take_request().unwrap();
-    let spd = Pd::new(&r.id_mut().device_context().unwrap()).unwrap();
-    r.id_mut().create_qp(&spd, cq, cq, caps, false).unwrap();
-    let server = r.accept(&params(b"ok")).unwrap();
-    expect(&cch, E::ESTABLISHED);
-    expect(&l.ch, E::ESTABLISHED);
-    let qp = server.raw_qp().unwrap();
-    ((server, client, client_cq, spd, cpd, cch, l), qp)
 }
 
 /// Adaptive mode, a CQ with a budget of 1 and two QPs with a keepalive.

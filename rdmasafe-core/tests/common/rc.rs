@@ -100,3 +100,26 @@ pub fn rc_pair_with(addr: IpAddr, chan: &CompChannel, client_on_chan: bool, caps
         _channels: Mutex::new((cch, l.ch, l.id)),
     }
 }
+
+/// A second RC connection whose server QP uses `cq` for both queues (a CQ
+/// shared by two QPs); what must outlive the test, and the server QP.
+pub fn second_qp_on(addr: IpAddr, cq: &Cq) -> (impl Sized, std::ptr::NonNull<rdmasafe_core::sys::ibv_qp>) {
+    let caps = QpCaps { max_send_wr: 8, max_recv_wr: 8, max_sge: 1, max_inline_data: 0 };
+    let l = listen(addr, PortSpace::Tcp, 8);
+    let cch = rdmasafe_core::cm::EventChannel::new().unwrap();
+    let mut client = resolved(&cch, PortSpace::Tcp, addr, l.port);
+    let ctx = client.device_context().unwrap();
+    let cpd = Pd::new(&ctx).unwrap();
+    let client_cq = Cq::new(&ctx, 16, None).unwrap();
+    client.create_qp(&cpd, &client_cq, &client_cq, caps, false).unwrap();
+    client.connect(&params(b"rc")).unwrap();
+    let mut req = expect(&l.ch, E::CONNECT_REQUEST);
+    let mut r = req.take_request().unwrap();
+    let spd = Pd::new(&r.id_mut().device_context().unwrap()).unwrap();
+    r.id_mut().create_qp(&spd, cq, cq, caps, false).unwrap();
+    let server = r.accept(&params(b"ok")).unwrap();
+    expect(&cch, E::ESTABLISHED);
+    expect(&l.ch, E::ESTABLISHED);
+    let qp = server.raw_qp().unwrap();
+    ((server, client, client_cq, spd, cpd, cch, l), qp)
+}
