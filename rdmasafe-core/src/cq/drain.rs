@@ -127,7 +127,7 @@ fn bounded_push<T>(q: &mut VecDeque<T>, p: T) -> Option<T> {
 }
 
 /// Takes the items of `q` that `mine` picks out, keeping the others' order.
-fn take_where<T>(q: &mut VecDeque<T>, mine: impl Fn(&T) -> bool) -> Vec<T> {
+pub(crate) fn take_where<T>(q: &mut VecDeque<T>, mine: impl Fn(&T) -> bool) -> Vec<T> {
     if !q.iter().any(&mine) {
         return Vec::new();
     }

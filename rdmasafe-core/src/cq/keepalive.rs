@@ -81,7 +81,7 @@ pub(crate) struct LateProbe {
 }
 
 impl Entry {
-    /// Its probe still out, if any, as a late probe through `cq`.
+    /// Its probe still out, if any, as a late probe (through its send CQ).
     fn late_probe(&self, qp_num: u32) -> Option<LateProbe> {
         matches!(self.probe, Probe::Sent(_)).then(|| LateProbe {
             qp_num,
@@ -245,10 +245,7 @@ impl Keepalives {
     pub(crate) fn remove_for_cq(&mut self, cq: usize) -> Vec<u32> {
         let gone: Vec<u32> = self.by_qpn.iter().filter(|(_, e)| e.send_cq == cq).map(|(q, _)| *q).collect();
         let mut parked: Vec<LateProbe> = gone.iter().filter_map(|q| self.by_qpn.remove(q)?.late_probe(*q)).collect();
-        let (going, staying): (Vec<LateProbe>, Vec<LateProbe>) =
-            std::mem::take(&mut self.orphans).into_iter().partition(|o| o.cq == cq);
-        self.orphans = staying.into();
-        parked.extend(going);
+        parked.extend(drain::take_where(&mut self.orphans, |o| o.cq == cq));
         drain::park_probes(parked);
         gone
     }
@@ -282,10 +279,9 @@ impl Keepalives {
         // has now (an orphan of another QP with this number is gone: see
         // `add`, `adopt`).
         let orphan = !self.orphans.is_empty()
-            && match self.orphans.iter().position(|o| o.qp_num == wc.qp_num() && o.wr_id == wc.wr_id()) {
-                Some(i) => self.orphans.remove(i).is_some(),
-                None => false,
-            };
+            && (self.orphans.iter().position(|o| o.qp_num == wc.qp_num() && o.wr_id == wc.wr_id()))
+                .and_then(|i| self.orphans.remove(i))
+                .is_some();
         if let Some(e) = self.by_qpn.get_mut(&wc.qp_num()) {
             if ok {
                 e.last_activity = now;
