@@ -26,18 +26,21 @@
  * is. Callbacks must return normally: no longjmp out of them, and in C++
  * no exception may leave them (declare them noexcept).
  *
- * Thread cancellation: a thread must not be cancelled (pthread_cancel)
- * while it is inside an rdmasafe function, callbacks included (they run
- * inside the call that runs the loop). glibc carries a cancellation out by
- * unwinding the thread's stack, and rdmasafe's boundary, which stops every
- * unwind, then aborts the process ("FATAL: exception not rethrown"). A
- * pending cancellation is acted on at the first cancellation point inside
- * (rdmasafe's own read(), poll(), epoll_wait(), also those that would not
- * block), so calling only when the fd is readable does not help. Either
- * keep cancellation disabled (pthread_setcancelstate) for as long as the
- * thread is inside rdmasafe, or do not cancel it: wake it through an fd of
- * your own that it polls with the channel's or loop's fd, or stop the
- * loop (rdmasafe_cq_loop_stop), and join it.
+ * Thread cancellation: rdmasafe_get_event, rdmasafe_get_event_timeout and
+ * rdmasafe_get_events are cancellation points, as rdma_get_cm_event is: a
+ * thread cancelled (pthread_cancel) while it waits in one, or with a
+ * cancellation pending when it calls one, leaves the call by the
+ * cancellation (its cleanup handlers run, pthread_join reports
+ * PTHREAD_CANCELED), and nothing is lost or kept: the event stays in the
+ * kernel for the next get, no copy or unit of rdmasafe_cm_set_limit is
+ * left taken. No other rdmasafe function is a cancellation point for the
+ * app: do not cancel a thread while it is inside one, callbacks included
+ * (they run inside the call that runs the loop). glibc carries a
+ * cancellation out by unwinding the thread's stack, and rdmasafe's
+ * boundary, which stops every other unwind, then aborts the process
+ * ("FATAL: exception not rethrown"). Stop a CQ loop's thread with
+ * rdmasafe_cq_loop_stop and join it, or keep cancellation disabled
+ * (pthread_setcancelstate) while it is inside rdmasafe.
  *
  * Fork: a child forked while other threads may be inside rdmasafe
  * (rdmasafe's own CM ack thread included, once CM events were copied) may
@@ -692,6 +695,10 @@ const char *rdmasafe_async_event_str(uint32_t event_type);
  * arrives on a blocking fd; on an fd with O_NONBLOCK it fails with EAGAIN
  * when no event is ready. The channel's mode is never changed.
  * Thread-safe: several threads may get from one channel.
+ * A cancellation point, as `rdma_get_cm_event` is (as are the other two
+ * get calls): a thread cancelled while it waits leaves by the
+ * cancellation, and the event stays in the kernel (see the header's
+ * conventions).
  * Ids created without a channel (`rdma_create_ep` synchronous ids) are
  * librdmacm's own business and never seen here.
  *

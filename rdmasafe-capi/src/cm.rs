@@ -10,7 +10,7 @@ use rdmasafe_core::cm::{self, ChannelRef, CmEvent, EventType};
 use rdmasafe_core::sys::{rdma_cm_event, rdma_event_channel};
 use rdmasafe_core::Wait;
 
-use crate::{guard, guard_errno};
+use crate::{fail_errno, guard, guard_errno};
 
 pub(crate) fn hand_out(ev: CmEvent) -> *mut rdma_cm_event {
     ev.into_raw()
@@ -74,6 +74,10 @@ fn wait_of(timeout_ms: c_int) -> Option<Wait> {
 /// arrives on a blocking fd; on an fd with O_NONBLOCK it fails with EAGAIN
 /// when no event is ready. The channel's mode is never changed.
 /// Thread-safe: several threads may get from one channel.
+/// A cancellation point, as `rdma_get_cm_event` is (as are the other two
+/// get calls): a thread cancelled while it waits leaves by the
+/// cancellation, and the event stays in the kernel (see the header's
+/// conventions).
 /// Ids created without a channel (`rdma_create_ep` synchronous ids) are
 /// librdmacm's own business and never seen here.
 ///
@@ -87,17 +91,47 @@ fn wait_of(timeout_ms: c_int) -> Option<Wait> {
 /// # Safety
 /// `channel` must be NULL or a live channel from `rdma_create_event_channel`; `event` NULL or writable.
 #[no_mangle]
-pub unsafe extern "C" fn rdmasafe_get_event(channel: *mut rdma_event_channel, event: *mut *mut rdma_cm_event) -> c_int {
-    guard_errno(|| {
-        let (Some(ch), false) = (self::channel(channel, false), event.is_null()) else {
-            return Err(libc::EINVAL);
-        };
-        let ev = ch.get_raw().map_err(|e| e.errno())?;
-        // SAFETY: event was checked non-NULL; the caller provides a
-        // writable pointer slot.
-        unsafe { *event = ev };
-        Ok(0)
-    })
+pub unsafe extern "C-unwind" fn rdmasafe_get_event(
+    channel: *mut rdma_event_channel,
+    event: *mut *mut rdma_cm_event,
+) -> c_int {
+    // SAFETY: the caller's contract; this frame is one get_first needs.
+    unsafe { get_first(self::channel(channel, false), event, None) }
+}
+
+/// The first (or only) event of the three get calls, which are
+/// cancellation points as `rdma_get_cm_event` is: a thread cancelled while
+/// it waits (`pthread_cancel`) unwinds from the wait through the exported
+/// function into the caller, taking nothing with it (the event stays in the
+/// kernel). So the exports are `extern "C-unwind"` and, like this function,
+/// hold only plain values and catch nothing across the wait
+/// (`rdmasafe_core::sys::cancel`); the panic boundary is inside
+/// `get_raw_cancellable`. The -1/errno convention as `guard_errno`'s.
+///
+/// # Safety
+/// `event` NULL or writable; the caller's frame is an `extern "C-unwind"`
+/// export holding plain values only.
+#[inline(always)]
+unsafe fn get_first(ch: Option<ChannelRef<'_>>, event: *mut *mut rdma_cm_event, wait: Option<Wait>) -> c_int {
+    crate::log::ensure_installed();
+    let errno = rdmasafe_core::sys::errno_slot();
+    // SAFETY: the calling thread's own errno.
+    let saved = unsafe { *errno };
+    let (Some(ch), false) = (ch, event.is_null()) else {
+        return fail_errno(libc::EINVAL);
+    };
+    // SAFETY: the frames up to the export hold plain values (contract).
+    match unsafe { ch.get_raw_cancellable(wait) } {
+        Ok(ev) => {
+            // SAFETY: event checked non-NULL; errno is this thread's.
+            unsafe {
+                *event = ev;
+                *errno = saved;
+            }
+            0
+        }
+        Err(e) => fail_errno(e.errno()),
+    }
 }
 
 /// Like `rdmasafe_get_event`, waiting at most `timeout_ms` milliseconds
@@ -120,21 +154,16 @@ pub unsafe extern "C" fn rdmasafe_get_event(channel: *mut rdma_event_channel, ev
 /// # Safety
 /// As for `rdmasafe_get_event`.
 #[no_mangle]
-pub unsafe extern "C" fn rdmasafe_get_event_timeout(
+pub unsafe extern "C-unwind" fn rdmasafe_get_event_timeout(
     channel: *mut rdma_event_channel,
     event: *mut *mut rdma_cm_event,
     timeout_ms: c_int,
 ) -> c_int {
-    guard_errno(|| {
-        let (Some(ch), false, Some(wait)) = (self::channel(channel, false), event.is_null(), wait_of(timeout_ms))
-        else {
-            return Err(libc::EINVAL);
-        };
-        let ev = ch.get_wait(wait).map_err(|e| e.errno())?;
-        // SAFETY: event checked non-NULL above.
-        unsafe { *event = hand_out(ev) };
-        Ok(0)
-    })
+    let Some(wait) = wait_of(timeout_ms) else {
+        return fail_errno(libc::EINVAL);
+    };
+    // SAFETY: the caller's contract; this frame is one get_first needs.
+    unsafe { get_first(self::channel(channel, false), event, Some(wait)) }
 }
 
 /// Batch get: waits like `rdmasafe_get_event_timeout` for a first event,
@@ -151,19 +180,29 @@ pub unsafe extern "C" fn rdmasafe_get_event_timeout(
 /// # Safety
 /// `channel` NULL or live; `events` NULL or writable for `max` pointers.
 #[no_mangle]
-pub unsafe extern "C" fn rdmasafe_get_events(
+pub unsafe extern "C-unwind" fn rdmasafe_get_events(
     channel: *mut rdma_event_channel,
     events: *mut *mut rdma_cm_event,
     max: c_int,
     timeout_ms: c_int,
 ) -> c_int {
+    // Scalars first: nothing is read through `channel` unless every
+    // argument is valid.
+    let (false, true, Some(wait)) = (events.is_null(), max >= 1, wait_of(timeout_ms)) else {
+        return fail_errno(libc::EINVAL);
+    };
+    // The first event: the wait, cancellable. SAFETY: the caller's
+    // contract (events has room for max >= 1); this frame is one
+    // get_first needs.
+    let ch = self::channel(channel, true);
+    let r = unsafe { get_first(ch, events, Some(wait)) };
+    if r != 0 || max == 1 {
+        return if r == 0 { 1 } else { r };
+    }
+    // The rest never waits: no cancellation is acted on inside.
+    let _no_cancel = rdmasafe_core::sys::cancel::CancelDisabled::new();
     guard_errno(|| {
-        // Scalars first: nothing is read through `channel` unless every
-        // argument is valid.
-        let (false, true, Some(wait)) = (events.is_null(), max >= 1, wait_of(timeout_ms)) else {
-            return Err(libc::EINVAL);
-        };
-        let ch = self::channel(channel, true).ok_or(libc::EINVAL)?;
+        let ch = ch.ok_or(libc::EINVAL)?;
         // A small inline buffer would need unsafe; reuse one Vec per thread
         // so steady state allocates nothing. It is taken out of its cell
         // for the call (not borrowed): a log callback that calls back in
@@ -174,17 +213,14 @@ pub unsafe extern "C" fn rdmasafe_get_events(
         }
         let mut buf = BUF.take();
         buf.clear();
-        let got = ch.get_batch(&mut buf, max as usize, wait).map_err(|e| e.errno());
-        if got.is_ok() {
-            for (i, ev) in buf.drain(..).enumerate() {
-                // SAFETY: events has room for max >= n entries (caller's
-                // contract), checked non-NULL.
-                unsafe { *events.add(i) = hand_out(ev) };
-            }
+        let got = ch.get_more(&mut buf, max as usize - 1);
+        for (i, ev) in buf.drain(..).enumerate() {
+            // SAFETY: events has room for max > got entries (caller's
+            // contract), checked non-NULL; events[0] is the first event.
+            unsafe { *events.add(1 + i) = hand_out(ev) };
         }
-        buf.clear();
         BUF.set(buf);
-        Ok(got? as c_int)
+        Ok(1 + got as c_int)
     })
 }
 

@@ -61,6 +61,11 @@ impl Log for CLogger {
         }
         // Clone the sink out of the lock: the callback runs unlocked.
         let sink = SINK.read().unwrap_or_else(|e| e.into_inner()).clone();
+        // stderr's write() and whatever the app's callback does may be
+        // cancellation points: a cancellation acted on here would unwind
+        // through rdmasafe's frames, which end the process. It waits for
+        // the thread's next cancellation point instead.
+        let _no_cancel = rdmasafe_core::sys::cancel::CancelDisabled::new();
         match sink {
             Some(s) => {
                 // Interior NULs cannot cross: replace them.

@@ -44,7 +44,14 @@
 //!     rdma_destroy_id must return (watchdog) and its time is printed
 //!     (`measure destroy_ms=`, no timed assertion), next to the raw build's.
 //!
-//! 8-11 also run as *_raw builds (the same sources on librdmacm alone): the
+//! 12. `cm_cancel_test`: a thread waiting in `rdmasafe_get_event`,
+//!     `_timeout` (-1 and 60 s), `_events` and `ibv_get_cq_event` is
+//!     cancelled (pthread_cancel) and joined, as programs do with their CM
+//!     thread at shutdown; also with the cancellation pending when the call
+//!     starts: PTHREAD_CANCELED, the cleanup handler ran, and afterwards
+//!     the channel delivers under a limit of one copy with no copy left.
+//!
+//! 8-12 also run as *_raw builds (the same sources on librdmacm alone): the
 //! controls that tell a wrong test from a wrong library.
 //!
 //! Asserts on every exit status and on the output (what each side saw).
@@ -96,6 +103,8 @@ fn build_c_programs(profile: &Path, bin: &Path) {
         "cm_mcast_test_raw",
         "cm_barrier_test",
         "cm_barrier_test_raw",
+        "cm_cancel_test",
+        "cm_cancel_test_raw",
     ] {
         assert!(
             bin.join(p).exists(),
@@ -662,6 +671,46 @@ fn same_info(c: &mut Checks, label: &str, ours: &Block, raw: &Block, prefixes: &
     }
 }
 
+/// Thread cancellation (12): a thread waiting in each of the get calls is
+/// cancelled and joined, with the cancellation arriving during the wait
+/// and pending when the call starts; then the channel delivers under a
+/// limit of one copy and no copy is alive. Before the get calls were
+/// "C-unwind" this aborted ("FATAL: exception not rethrown", exit 134).
+fn check_cancel(c: &mut Checks, runs: &BTreeMap<String, Block>) {
+    let empty = Block::default();
+    let ways: &[(&str, &[&str])] = &[
+        (
+            "cm_cancel_test",
+            &[
+                "rdmasafe_get_event",
+                "rdmasafe_get_event_timeout(-1)",
+                "rdmasafe_get_event_timeout(60000)",
+                "rdmasafe_get_events(-1)",
+                "ibv_get_cq_event",
+            ],
+        ),
+        ("cm_cancel_test_raw", &["rdma_get_cm_event", "ibv_get_cq_event"]),
+    ];
+    for (label, ways) in ways {
+        let b = runs.get(*label).unwrap_or(&empty);
+        let mut needles = vec!["after the cancellations: ADDR_RESOLVED got on the same channel".to_string()];
+        for way in *ways {
+            for pending in ["", " (cancel pending at the call)"] {
+                for what in
+                    ["the join reports PTHREAD_CANCELED", "the thread's cleanup handler ran", "the call never returned"]
+                {
+                    needles.push(format!("{way}{pending}: {what}"));
+                }
+            }
+        }
+        if *label == "cm_cancel_test" {
+            needles.push("no copy alive after the cancelled gets and the free".to_string());
+        }
+        let needles: Vec<&str> = needles.iter().map(String::as_str).collect();
+        check_ok_program(c, label, "cm_cancel_test", b, needles.len(), &needles);
+    }
+}
+
 fn check_ud_mcast(c: &mut Checks, runs: &BTreeMap<String, Block>) {
     let empty = Block::default();
     let ud = [
@@ -885,6 +934,8 @@ fn c_programs_on_rdma() {
         "cm_mcast_test_raw",
         "cm_barrier_test_hold",
         "cm_barrier_test_raw_hold",
+        "cm_cancel_test",
+        "cm_cancel_test_raw",
     ]
     .into_iter()
     .map(String::from)
@@ -901,6 +952,7 @@ fn c_programs_on_rdma() {
     check_cq_loop_test(&mut c, runs.get("cq_loop_test").unwrap_or(&empty));
     check_mpi_ring(&mut c, runs.get("mpi_ring").unwrap_or(&empty));
     check_ud_mcast(&mut c, &runs);
+    check_cancel(&mut c, &runs);
     check_barrier(&mut c, &runs);
 
     println!("[c_programs] {} expectations met, {} failed", c.passed, c.failures.len());

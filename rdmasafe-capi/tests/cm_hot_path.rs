@@ -55,7 +55,7 @@ static EVENT: AtomicUsize = AtomicUsize::new(0);
 static GETS: AtomicU64 = AtomicU64::new(0);
 static ACKS: AtomicU64 = AtomicU64::new(0);
 
-unsafe extern "C" fn fake_get(_ch: *mut rdma_event_channel, ev: *mut *mut rdma_cm_event) -> c_int {
+unsafe extern "C-unwind" fn fake_get(_ch: *mut rdma_event_channel, ev: *mut *mut rdma_cm_event) -> c_int {
     GETS.fetch_add(1, Relaxed);
     // SAFETY: ev is writable (rdmasafe's contract with librdmacm's call).
     unsafe { *ev = EVENT.load(Relaxed) as *mut rdma_cm_event };

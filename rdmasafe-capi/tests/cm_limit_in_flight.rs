@@ -29,7 +29,7 @@ const LIMIT: u64 = 2;
 /// A watchdog, not a timing: what is waited for happens at once or never.
 const WATCHDOG: Duration = Duration::from_secs(60);
 
-unsafe extern "C" fn blocking_get(_ch: *mut rdma_event_channel, ev: *mut *mut rdma_cm_event) -> c_int {
+unsafe extern "C-unwind" fn blocking_get(_ch: *mut rdma_event_channel, ev: *mut *mut rdma_cm_event) -> c_int {
     INSIDE.fetch_add(1, SeqCst);
     let mut go = GO.lock().unwrap();
     while !*go {

@@ -21,7 +21,7 @@ static EVENT: AtomicUsize = AtomicUsize::new(0);
 /// The stand-in fails its gets with EAGAIN while set.
 static EMPTY: AtomicBool = AtomicBool::new(false);
 
-unsafe extern "C" fn fake_get(_ch: *mut rdma_event_channel, ev: *mut *mut rdma_cm_event) -> c_int {
+unsafe extern "C-unwind" fn fake_get(_ch: *mut rdma_event_channel, ev: *mut *mut rdma_cm_event) -> c_int {
     if EMPTY.load(Relaxed) {
         sys::set_errno(libc::EAGAIN);
         return -1;

@@ -37,7 +37,7 @@ static LINES: Mutex<Vec<(c_int, String)>> = Mutex::new(Vec::new());
 /// A watchdog, not a timing: far beyond the 50 ms deadline.
 const WATCHDOG: Duration = Duration::from_secs(30);
 
-unsafe extern "C" fn fake_get(ch: *mut rdma_event_channel, ev: *mut *mut rdma_cm_event) -> c_int {
+unsafe extern "C-unwind" fn fake_get(ch: *mut rdma_event_channel, ev: *mut *mut rdma_cm_event) -> c_int {
     // SAFETY: ch is the test's channel.
     if !unsafe { take_ready(ch) } {
         return -1;

@@ -34,7 +34,7 @@ static SEEN: Mutex<Vec<bool>> = Mutex::new(Vec::new());
 /// it means the second original was never going to be acked.
 const WATCHDOG: Duration = Duration::from_secs(30);
 
-unsafe extern "C" fn fake_get(ch: *mut rdma_event_channel, ev: *mut *mut rdma_cm_event) -> c_int {
+unsafe extern "C-unwind" fn fake_get(ch: *mut rdma_event_channel, ev: *mut *mut rdma_cm_event) -> c_int {
     // SAFETY: ch is the test's channel.
     if !unsafe { take_ready(ch) } {
         return -1; // errno is read()'s

@@ -18,7 +18,7 @@ use standin::{channel, ready, take_ready};
 
 static EVENT: AtomicUsize = AtomicUsize::new(0);
 
-unsafe extern "C" fn fake_get(ch: *mut rdma_event_channel, ev: *mut *mut rdma_cm_event) -> c_int {
+unsafe extern "C-unwind" fn fake_get(ch: *mut rdma_event_channel, ev: *mut *mut rdma_cm_event) -> c_int {
     // SAFETY: ch is one of the test's channels.
     if !unsafe { take_ready(ch) } {
         return -1; // errno is read()'s: EAGAIN when nothing is ready

@@ -23,7 +23,10 @@
 //!    tests/preload/check_cm_bugs in copy mode: a copy never freed is
 //!    outstanding at exit, a double ack is refused (-1/EINVAL), a destroy
 //!    of an id whose copy is never freed returns (the deadline acked the
-//!    original);
+//!    original); and the raw build of tests/c/cm_cancel_test, in copy and
+//!    in check mode: threads waiting in the interposed rdma_get_cm_event
+//!    and ibv_get_cq_event are cancelled and joined (PTHREAD_CANCELED,
+//!    their cleanup handlers run) and the channel delivers afterwards;
 //! 3. check mode (RDMASAFE_CHECK=1 / fix) on the C bug programs of
 //!    tests/preload: each bug's report, with the event type, event, id and
 //!    CQ addresses the program printed; with `fix` the hanging destroys
@@ -114,7 +117,7 @@ fn build_once(profile: &Path) -> (PathBuf, PathBuf) {
         "make -C tests/preload",
         Command::new("make").current_dir(root()).args(["-C", "tests/preload"]).arg(format!("OUT={}", bin.display())),
     );
-    for p in ["check_cm_bugs", "check_cq_bugs", "cm_barrier_test_raw"] {
+    for p in ["check_cm_bugs", "check_cq_bugs", "cm_barrier_test_raw", "cm_cancel_test_raw"] {
         assert!(bin.join(p).exists(), "make did not produce {p}");
     }
     (lib, bin)
@@ -513,6 +516,34 @@ fn check_race_counts(c: &mut Checks, t: &Totals) {
     );
 }
 
+/// Thread cancellation: the raw build of tests/c/cm_cancel_test under the
+/// preload, in copy and in check mode. Threads waiting in the interposed
+/// rdma_get_cm_event and ibv_get_cq_event are cancelled and joined; before
+/// the interposers were "C-unwind" this aborted the process ("FATAL:
+/// exception not rethrown", exit 134).
+fn check_cancel(c: &mut Checks, runs: &BTreeMap<String, Block>) {
+    let empty = Block::default();
+    for label in ["cm_cancel_test_raw.preload.run", "cm_cancel_test_raw.check.run"] {
+        let out = runs.get(label).unwrap_or(&empty);
+        let last = out.last_line();
+        let oks = out.lines().filter(|l| l.starts_with("ok   ")).count();
+        c.that(
+            out.exit == Some(0) && out.fails().is_empty() && last == format!("cm_cancel_test: {oks} passed, 0 failed"),
+            format!("{label}: exit {:?}, failures {:?}, last {last:?}", out.exit, out.fails()),
+        );
+        for way in ["rdma_get_cm_event", "ibv_get_cq_event"] {
+            for pending in ["", " (cancel pending at the call)"] {
+                let want = format!("ok   {way}{pending}: the join reports PTHREAD_CANCELED");
+                c.that(out.has(&want), format!("{label}: no \"{want}\""));
+            }
+        }
+        c.that(
+            out.has("ok   after the cancellations: ADDR_RESOLVED got on the same channel"),
+            format!("{label}: the channel did not deliver after the cancellations"),
+        );
+    }
+}
+
 /// The barrier: the raw (unmodified) rping-shaped program under the preload.
 fn check_barrier(c: &mut Checks, runs: &BTreeMap<String, Block>) {
     let empty = Block::default();
@@ -840,6 +871,7 @@ fn preload_on_rdma() {
 
     let t = check_copy_mode(&mut c, &runs);
     check_barrier(&mut c, &runs);
+    check_cancel(&mut c, &runs);
     check_copy_books(&mut c, &runs);
     let cm_reports = check_cm_bugs(&mut c, &runs, &stdout);
     let cq_reports = check_cq_bugs(&mut c, &runs, &stdout);

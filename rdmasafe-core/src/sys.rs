@@ -33,6 +33,8 @@ use std::os::raw::{c_int, c_void};
 use std::ptr::NonNull;
 use std::time::{Duration, Instant};
 
+pub mod cancel;
+
 pub use rdma_sys::{
     ibv_ack_cq_events, ibv_alloc_pd, ibv_comp_channel, ibv_context, ibv_cq, ibv_create_comp_channel, ibv_create_cq,
     ibv_dealloc_pd, ibv_dereg_mr, ibv_destroy_comp_channel, ibv_destroy_cq, ibv_device, ibv_free_device_list,
@@ -71,8 +73,16 @@ extern "C" {
     pub fn ibv_ack_async_event(event: *mut RawAsyncEvent);
 }
 
-/// `rdma_get_cm_event`'s C type.
-pub type GetCmEventFn = unsafe extern "C" fn(*mut rdma_event_channel, *mut *mut rdma_cm_event) -> c_int;
+extern "C-unwind" {
+    /// librdmacm's `rdma_get_cm_event`, declared as a call that may unwind:
+    /// its `write()` is a cancellation point, and a thread cancelled there
+    /// unwinds through its callers ([`cancel`]).
+    #[link_name = "rdma_get_cm_event"]
+    fn rdma_get_cm_event_unwinding(channel: *mut rdma_event_channel, event: *mut *mut rdma_cm_event) -> c_int;
+}
+
+/// `rdma_get_cm_event`'s C type (a cancellation point: it may unwind).
+pub type GetCmEventFn = unsafe extern "C-unwind" fn(*mut rdma_event_channel, *mut *mut rdma_cm_event) -> c_int;
 /// `rdma_ack_cm_event`'s C type.
 pub type AckCmEventFn = unsafe extern "C" fn(*mut rdma_cm_event) -> c_int;
 
@@ -87,7 +97,7 @@ pub struct CmEventCalls {
 
 /// librdmacm's functions, reached through the symbols the linker binds.
 const LIBRDMACM_CM_EVENT_CALLS: CmEventCalls =
-    CmEventCalls { get: rdma_sys::rdma_get_cm_event, ack: rdma_sys::rdma_ack_cm_event };
+    CmEventCalls { get: rdma_get_cm_event_unwinding, ack: rdma_sys::rdma_ack_cm_event };
 
 static CM_EVENT_CALLS: std::sync::OnceLock<CmEventCalls> = std::sync::OnceLock::new();
 

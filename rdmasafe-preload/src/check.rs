@@ -493,8 +493,10 @@ impl Checker {
                 held_reported: false,
                 destroy_reported: false,
             };
-            guarded((), || lock(&self.cm).got(ev as usize, entry));
-            self.start_watcher();
+            guarded((), || {
+                lock(&self.cm).got(ev as usize, entry);
+                self.start_watcher();
+            });
             sys::set_errno(errno);
         }
         r

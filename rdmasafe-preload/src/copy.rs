@@ -36,11 +36,13 @@ pub(crate) unsafe fn get(channel: *mut rdma_event_channel, event: *mut *mut rdma
     // SAFETY: the caller passes a live channel for the duration of the
     // call, as rdma_get_cm_event requires. rdmasafe never changes its mode.
     let ch = unsafe { ChannelRef::from_raw(raw) };
-    match ch.get() {
+    // SAFETY: the frames up to the interposer ("C-unwind") hold plain
+    // values: a cancellation in the wait unwinds through them.
+    match unsafe { ch.get_raw_cancellable(None) } {
         Ok(ev) => {
             GOT.fetch_add(1, Relaxed);
             // SAFETY: event checked non-NULL; writable (caller's contract).
-            unsafe { *event = ev.into_raw() };
+            unsafe { *event = ev };
             Ok(0)
         }
         Err(e) => {

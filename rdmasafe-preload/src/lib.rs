@@ -160,25 +160,32 @@ fn errno_convention(f: impl FnOnce() -> Result<c_int, c_int>) -> c_int {
 /// rdmasafe's copy (see `rdmasafe_get_event`); in check mode librdmacm's
 /// own, watched.
 ///
+/// A cancellation point, as librdmacm's: a thread cancelled while it waits
+/// unwinds from the wait through this function into the program. So it is
+/// "C-unwind", and it holds plain values only and catches nothing across
+/// the wait (`rdmasafe_core::sys::cancel`); the panic boundary is around
+/// the work before and after it.
+///
 /// # Safety
 /// As `rdma_get_cm_event`.
 #[no_mangle]
-pub unsafe extern "C" fn rdma_get_cm_event(channel: *mut rdma_event_channel, event: *mut *mut rdma_cm_event) -> c_int {
-    boundary(
-        || fail(libc::EIO),
-        || {
-            let st = state();
-            match (&st.mode, st.real.get_cm_event) {
-                // SAFETY: the program's arguments, as rdma_get_cm_event takes them.
-                (Mode::Copy, _) => errno_convention(|| unsafe { copy::get(channel, event) }),
-                // SAFETY: as above.
-                (Mode::Check(c), Some(real)) => unsafe { c.get_cm_event(real, channel, event) },
-                // SAFETY: as above.
-                (Mode::Pass, Some(real)) => unsafe { real(channel, event) },
-                (_, None) => fail(libc::ENOSYS),
-            }
-        },
-    )
+pub unsafe extern "C-unwind" fn rdma_get_cm_event(
+    channel: *mut rdma_event_channel,
+    event: *mut *mut rdma_cm_event,
+) -> c_int {
+    let Some(st) = boundary(|| None, || Some(state())) else {
+        return fail(libc::EIO);
+    };
+    match (&st.mode, st.real.get_cm_event) {
+        // SAFETY: the program's arguments, as rdma_get_cm_event takes them;
+        // every frame on the way holds plain values.
+        (Mode::Copy, _) => errno_convention(|| unsafe { copy::get(channel, event) }),
+        // SAFETY: as above.
+        (Mode::Check(c), Some(real)) => unsafe { c.get_cm_event(real, channel, event) },
+        // SAFETY: as above.
+        (Mode::Pass, Some(real)) => unsafe { real(channel, event) },
+        (_, None) => fail(libc::ENOSYS),
+    }
 }
 
 /// Interposes librdmacm's `rdma_ack_cm_event`: in copy mode it frees the
@@ -211,20 +218,20 @@ pub unsafe extern "C" fn rdma_ack_cm_event(event: *mut rdma_cm_event) -> c_int {
 /// # Safety
 /// As `rdma_destroy_id`.
 #[no_mangle]
-pub unsafe extern "C" fn rdma_destroy_id(id: *mut rdma_cm_id) -> c_int {
-    boundary(
-        || fail(libc::EIO),
-        || {
-            let st = state();
-            match (&st.mode, st.real.destroy_id) {
-                // SAFETY: the program's argument, as rdma_destroy_id takes it.
-                (Mode::Check(c), Some(real)) => unsafe { c.destroy_id(real, id) },
-                // SAFETY: as above.
-                (_, Some(real)) => unsafe { real(id) },
-                (_, None) => fail(libc::ENOSYS),
-            }
-        },
-    )
+pub unsafe extern "C-unwind" fn rdma_destroy_id(id: *mut rdma_cm_id) -> c_int {
+    // A cancellation point (librdmacm waits on a condition variable for
+    // the id's events): "C-unwind", plain values across the call, as
+    // rdma_get_cm_event above.
+    let Some(st) = boundary(|| None, || Some(state())) else {
+        return fail(libc::EIO);
+    };
+    match (&st.mode, st.real.destroy_id) {
+        // SAFETY: the program's argument, as rdma_destroy_id takes it.
+        (Mode::Check(c), Some(real)) => unsafe { c.destroy_id(real, id) },
+        // SAFETY: as above.
+        (_, Some(real)) => unsafe { real(id) },
+        (_, None) => fail(libc::ENOSYS),
+    }
 }
 
 /// Interposes libibverbs' `ibv_get_cq_event`: passed through; check mode
@@ -233,24 +240,23 @@ pub unsafe extern "C" fn rdma_destroy_id(id: *mut rdma_cm_id) -> c_int {
 /// # Safety
 /// As `ibv_get_cq_event`.
 #[no_mangle]
-pub unsafe extern "C" fn ibv_get_cq_event(
+pub unsafe extern "C-unwind" fn ibv_get_cq_event(
     channel: *mut ibv_comp_channel,
     cq: *mut *mut ibv_cq,
     cq_context: *mut *mut c_void,
 ) -> c_int {
-    boundary(
-        || fail(libc::EIO),
-        || {
-            let st = state();
-            match (&st.mode, st.real.get_cq_event) {
-                // SAFETY: the program's arguments, as ibv_get_cq_event takes them.
-                (Mode::Check(c), Some(real)) => unsafe { c.get_cq_event(real, channel, cq, cq_context) },
-                // SAFETY: as above.
-                (_, Some(real)) => unsafe { real(channel, cq, cq_context) },
-                (_, None) => fail(libc::ENOSYS),
-            }
-        },
-    )
+    // A cancellation point (libibverbs' read()): "C-unwind", plain values
+    // across the call, as rdma_get_cm_event above.
+    let Some(st) = boundary(|| None, || Some(state())) else {
+        return fail(libc::EIO);
+    };
+    match (&st.mode, st.real.get_cq_event) {
+        // SAFETY: the program's arguments, as ibv_get_cq_event takes them.
+        (Mode::Check(c), Some(real)) => unsafe { c.get_cq_event(real, channel, cq, cq_context) },
+        // SAFETY: as above.
+        (_, Some(real)) => unsafe { real(channel, cq, cq_context) },
+        (_, None) => fail(libc::ENOSYS),
+    }
 }
 
 /// Interposes libibverbs' `ibv_ack_cq_events`: passed through; check mode

@@ -8,6 +8,7 @@ use std::io::Write;
 use std::sync::OnceLock;
 
 use log::{LevelFilter, Log, Metadata, Record};
+use rdmasafe_core::sys::cancel::CancelDisabled;
 
 struct StderrLog;
 
@@ -18,6 +19,7 @@ impl Log for StderrLog {
 
     fn log(&self, r: &Record<'_>) {
         if self.enabled(r.metadata()) {
+            let _no_cancel = CancelDisabled::new();
             // One write per line; a closed or broken stderr loses the line
             // instead of panicking.
             let line = format!("rdmasafe[{}]: {}\n", r.level(), r.args());
@@ -63,6 +65,7 @@ pub(crate) fn install_logger() {
 /// RDMASAFE_LOG sets a level), that the preload cannot do what it was asked
 /// to do and what it does instead: `rdmasafe-preload[PID COMM]: TEXT`.
 pub(crate) fn setup_error(text: &str) {
+    let _no_cancel = CancelDisabled::new();
     // One write per line; a closed or broken stderr loses the line.
     let _ = std::io::stderr().write_all(format!("rdmasafe-preload[{}]: {text}\n", who()).as_bytes());
 }
@@ -79,6 +82,10 @@ static REPORT_FILE: OnceLock<Option<File>> = OnceLock::new();
 /// Emits one check-mode report line:
 /// `rdmasafe-check[PID COMM]: KIND: TEXT`.
 pub(crate) fn report(kind: &str, text: &str) {
+    // Its open() and write() may be cancellation points: one acted on
+    // here would unwind through rdmasafe's frames, which ends the process
+    // (the same in the two functions above).
+    let _no_cancel = CancelDisabled::new();
     let line = format!("rdmasafe-check[{}]: {kind}: {text}\n", who());
     let file = REPORT_FILE.get_or_init(|| {
         let path = std::env::var_os("RDMASAFE_CHECK_FILE").filter(|p| !p.is_empty())?;

@@ -18,14 +18,20 @@ use rdmasafe_core::sys::{ibv_comp_channel, ibv_cq, rdma_cm_event, rdma_cm_id, rd
 /// does not define it for Linux).
 const RTLD_NEXT: *mut c_void = -1isize as *mut c_void;
 
+// The calls that wait at a cancellation point (a write(), a read(), a
+// condition variable) are declared "C-unwind": a thread cancelled inside
+// one unwinds through the interposer into the program (see
+// rdmasafe_core::sys::cancel).
+
 /// `rdma_get_cm_event`
-pub(crate) type GetCmEvent = unsafe extern "C" fn(*mut rdma_event_channel, *mut *mut rdma_cm_event) -> c_int;
+pub(crate) type GetCmEvent = unsafe extern "C-unwind" fn(*mut rdma_event_channel, *mut *mut rdma_cm_event) -> c_int;
 /// `rdma_ack_cm_event`
 pub(crate) type AckCmEvent = unsafe extern "C" fn(*mut rdma_cm_event) -> c_int;
 /// `rdma_destroy_id`
-pub(crate) type DestroyId = unsafe extern "C" fn(*mut rdma_cm_id) -> c_int;
+pub(crate) type DestroyId = unsafe extern "C-unwind" fn(*mut rdma_cm_id) -> c_int;
 /// `ibv_get_cq_event`
-pub(crate) type GetCqEvent = unsafe extern "C" fn(*mut ibv_comp_channel, *mut *mut ibv_cq, *mut *mut c_void) -> c_int;
+pub(crate) type GetCqEvent =
+    unsafe extern "C-unwind" fn(*mut ibv_comp_channel, *mut *mut ibv_cq, *mut *mut c_void) -> c_int;
 /// `ibv_ack_cq_events`
 pub(crate) type AckCqEvents = unsafe extern "C" fn(*mut ibv_cq, c_uint);
 /// `ibv_destroy_cq`

@@ -22,6 +22,8 @@
 #      (default 10) of the raw librdmacm control, labels NAME.1 .. NAME.N
 #  11. cm_barrier_test -H (a held DISCONNECTED copy, destroy time measured),
 #      rdmasafe and raw
+#  12. cm_cancel_test and its raw build: threads waiting in the get calls
+#      (and ibv_get_cq_event) cancelled and joined
 #
 # Each program's output is printed as one block:
 #   ==== BEGIN <label>
@@ -225,6 +227,11 @@ done
 scenario "cm_barrier_test -H: the client holds its DISCONNECTED for 5 s"
 run cm_barrier_test_hold "$bin/cm_barrier_test" -H
 run cm_barrier_test_raw_hold "$bin/cm_barrier_test_raw" -H
+
+# 12. ----------------------------------------------------------------------
+scenario "cm_cancel_test: threads waiting for an event cancelled and joined"
+run cm_cancel_test timeout -k 5 300 "$bin/cm_cancel_test" "$addr"
+run cm_cancel_test_raw timeout -k 5 300 "$bin/cm_cancel_test_raw" "$addr"
 
 scenario "end"
 echo "==== SUMMARY $failed failed ($(($(now_ms) - t_start)) ms)"

@@ -18,8 +18,10 @@
 #  2. The raw librdmacm build of tests/c/cm_barrier_test (rping-shaped,
 #     ASan; it relies on rdma_destroy_id's barrier) under the preload,
 #     BARRIER_RUNS times, and once with -H (a DISCONNECTED copy held 5 s:
-#     the destroy waits at most the ack deadline); tests/preload/check_cm_bugs
-#     -m leak, double and destroy in copy mode.
+#     the destroy waits at most the ack deadline); the raw build of
+#     tests/c/cm_cancel_test (threads waiting in rdma_get_cm_event and
+#     ibv_get_cq_event cancelled and joined) in copy and in check mode;
+#     tests/preload/check_cm_bugs -m leak, double and destroy in copy mode.
 #  3. Check mode (RDMASAFE_CHECK=1, RDMASAFE_CHECK_HOLD_MS=300, 10 s for the
 #     correct "ok" mode of check_cm_bugs, reports to a file):
 #     tests/preload/check_cm_bugs in each mode and tests/preload/check_cq_bugs
@@ -248,6 +250,14 @@ done
 start cm_barrier_test_raw.preload.hold.run "${W[@]}" env ASAN_OPTIONS=verify_asan_link_order=0 \
 	"${PRE[@]}" "$pbin/cm_barrier_test_raw" -H
 finish cm_barrier_test_raw.preload.hold.run
+# A thread waiting in rdma_get_cm_event or ibv_get_cq_event (both
+# interposed) is cancelled and joined, as programs do at shutdown: in copy
+# and in check mode (the program asserts the rest)
+scenario "cm_cancel_test_raw under the preload: copy mode, check mode"
+start cm_cancel_test_raw.preload.run "${W[@]}" "${PRE[@]}" "$pbin/cm_cancel_test_raw" "$addr"
+finish cm_cancel_test_raw.preload.run
+start cm_cancel_test_raw.check.run "${W[@]}" "${PRE[@]}" RDMASAFE_CHECK=1 "$pbin/cm_cancel_test_raw" "$addr"
+finish cm_cancel_test_raw.check.run
 # copy mode's own books on buggy programs: a copy never freed (outstanding
 # at exit), an ack of a freed copy (refused with EINVAL, nothing freed
 # twice), rdma_destroy_id with the copy held and never freed (returns once

@@ -10,6 +10,7 @@
 
 use std::marker::PhantomData;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::os::raw::c_int;
 use std::ptr::{null_mut, NonNull};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -299,16 +300,22 @@ impl<'a> ChannelRef<'a> {
         Ok(CmEvent::new(slot, request))
     }
 
+    /// Storage and a unit of the limit for one get: taken before
+    /// librdmacm is asked, so a failure here leaves the event in the kernel.
+    #[inline]
+    fn reserve(&self) -> Result<pool::SlotBox> {
+        let unit = pool::LimitUnit::take()?;
+        let mut slot = pool::take()?;
+        slot.keep_unit(unit);
+        Ok(slot)
+    }
+
     /// The limit, a slot, one `rdma_get_cm_event`, the copy: the slot,
     /// librdmacm's original, not acked yet (see [`ChannelRef::settle`]),
     /// and the copies alive now.
     #[inline]
     fn take_event(&self) -> Result<(pool::SlotBox, *mut rdma_cm_event, u64)> {
-        // Storage and the limit first: a failure here leaves the event in
-        // the kernel.
-        let unit = pool::LimitUnit::take()?;
-        let mut slot = pool::take()?;
-        slot.keep_unit(unit);
+        let mut slot = self.reserve()?;
         let mut ev = null_mut();
         loop {
             // SAFETY: raw is a live channel; ev receives an event pointer.
@@ -349,6 +356,116 @@ impl<'a> ChannelRef<'a> {
         // (rdma_destroy_id) is released by the free or the deadline.
         log::trace!(target: "rdmasafe", "copied CM event {} status {}", EventType(slot.raw().event), slot.raw().status);
         pool::warn_if_many_held(alive);
+    }
+
+    /// [`ChannelRef::get_raw`] (`wait` `None`: as the fd's mode, one get)
+    /// or [`ChannelRef::get_wait`] with the copy handed out as
+    /// [`ChannelRef::get_raw`] does, for a thread that may be cancelled
+    /// (`pthread_cancel`) while it waits, as one waiting in librdmacm's
+    /// `rdma_get_cm_event` may: the C API's get calls. The waits (poll(),
+    /// librdmacm's get) are cancellation points here; a cancellation acted
+    /// on in one unwinds this frame into the caller's and leaves nothing
+    /// taken (the slot reserved for the get is given back by a cleanup
+    /// handler) and nothing lost (the event stays in the kernel).
+    /// Panics are caught here (EIO) and never unwind.
+    ///
+    /// # Safety
+    /// The callers' frames up to the C boundary hold nothing with a
+    /// destructor and catch nothing, and the exported function is
+    /// `extern "C-unwind"` ([`sys::cancel`]).
+    pub unsafe fn get_raw_cancellable(&self, wait: Option<Wait>) -> Result<*mut rdma_cm_event> {
+        let deadline = match wait {
+            Some(Wait::For(d)) => Some(sys::deadline_after(Instant::now(), d)),
+            _ => None,
+        };
+        let mut poll_first = !self.nonblocking && matches!(wait, Some(Wait::None | Wait::For(_)));
+        loop {
+            if poll_first {
+                let timeout_ms = match (wait, deadline) {
+                    (Some(Wait::For(_)), Some(dl)) => {
+                        let left = dl.saturating_duration_since(Instant::now());
+                        left.as_micros().div_ceil(1000).min(c_int::MAX as u128) as c_int
+                    }
+                    (Some(Wait::None), _) => 0,
+                    _ => -1,
+                };
+                // SAFETY: this frame holds plain values only (the caller's
+                // contract covers the frames above).
+                match unsafe { sys::cancel::poll_readable(self.fd(), timeout_ms) } {
+                    r if r > 0 => {}
+                    0 => {
+                        let errno = if wait == Some(Wait::None) { libc::EAGAIN } else { libc::ETIMEDOUT };
+                        return Err(Error::new("rdma_get_cm_event", errno));
+                    }
+                    _ => {
+                        let errno = sys::errno();
+                        if errno == libc::EINTR && self.retry_eintr {
+                            continue;
+                        }
+                        return Err(Error::new("poll", errno));
+                    }
+                }
+            }
+            // SAFETY: the caller's contract, passed on.
+            match unsafe { self.get_once_cancellable() } {
+                Err(e) if e.is_would_block() && matches!(wait, Some(Wait::Forever | Wait::For(_))) => poll_first = true,
+                Err(e) if e.errno() == libc::EINTR && self.retry_eintr => {}
+                other => return other,
+            }
+        }
+    }
+
+    /// One get of [`ChannelRef::get_raw_cancellable`]: the slot as a plain
+    /// value across librdmacm's call, given back if the thread is
+    /// cancelled inside it.
+    ///
+    /// # Safety
+    /// As for [`ChannelRef::get_raw_cancellable`].
+    #[inline]
+    unsafe fn get_once_cancellable(&self) -> Result<*mut rdma_cm_event> {
+        /// The cleanup handler: `arg` is the `PendingGet` in the frame
+        /// being unwound, never used again by that frame.
+        unsafe extern "C" fn give_back(arg: *mut std::os::raw::c_void) {
+            // SAFETY: registered with a pointer to the frame's PendingGet,
+            // which the unwind ends without another use (moved out here).
+            let pending = unsafe { std::ptr::read(arg.cast::<pool::PendingGet>()) };
+            // Never unwind into glibc's unwinder: a panic here is a bug,
+            // and the slot then leaks.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| pending.abandon()));
+        }
+        let pending = no_panic(|| self.reserve().map(pool::SlotBox::into_pending))?;
+        let mut ev = null_mut();
+        // SAFETY: raw is a live channel, ev receives the event; give_back
+        // gets the address of `pending`, which lives in this frame until
+        // the call returns; the frames hold plain values (the caller's
+        // contract).
+        let rc = unsafe {
+            sys::cancel::get_cm_event_with_cleanup(
+                self.raw.as_ptr(),
+                &mut ev,
+                give_back,
+                (&pending as *const pool::PendingGet).cast_mut().cast(),
+            )
+        };
+        let err = (rc != 0).then(|| Error::last("rdma_get_cm_event"));
+        no_panic(move || {
+            let mut slot = pending.into_slot();
+            if let Some(err) = err {
+                return Err(err);
+            }
+            // SAFETY: ev is a fresh, unacked librdmacm event (as in
+            // take_event).
+            let alive = unsafe { copy_raw(ev, &mut slot) };
+            self.settle(&mut slot, ev, alive);
+            Ok(slot.into_c())
+        })
+    }
+
+    /// Takes up to `max` events that are ready without waiting, appending
+    /// them to `out`: the rest of a batch after its first event. Returns
+    /// how many; stops at the first failure (the next get reports it).
+    pub fn get_more(&self, out: &mut Vec<CmEvent>, max: usize) -> usize {
+        self.more_with(out, max, None)
     }
 
     fn get_with(&self, wait: Wait, owner: Option<&Arc<ChannelInner>>) -> Result<CmEvent> {
@@ -395,7 +512,11 @@ impl<'a> ChannelRef<'a> {
             return Err(Error::new("rdmasafe_get_events", libc::EINVAL));
         }
         out.push(self.get_with(wait, owner)?);
-        let mut n = 1;
+        Ok(1 + self.more_with(out, max - 1, owner))
+    }
+
+    fn more_with(&self, out: &mut Vec<CmEvent>, max: usize, owner: Option<&Arc<ChannelInner>>) -> usize {
+        let mut n = 0;
         while n < max {
             if !self.nonblocking {
                 match sys::poll_readable([self.fd()], Wait::None) {
@@ -413,7 +534,7 @@ impl<'a> ChannelRef<'a> {
                 Err(_) => break,
             }
         }
-        Ok(n)
+        n
     }
 }
 
@@ -429,4 +550,15 @@ fn _assert_send_sync() {
     is::<EventChannel>();
     is::<ChannelRef<'static>>();
     let _ = Duration::ZERO;
+}
+
+/// `f()`, with a panic turned into an EIO error instead of an unwind (for
+/// the frames of [`ChannelRef::get_raw_cancellable`], which must not
+/// unwind but for a cancellation).
+#[inline]
+fn no_panic<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|_| {
+        log::error!(target: "rdmasafe", "internal panic caught in a CM get");
+        Err(Error::new("rdmasafe: internal panic", libc::EIO))
+    })
 }

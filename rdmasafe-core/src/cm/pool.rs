@@ -721,6 +721,38 @@ pub(crate) fn take() -> crate::Result<SlotBox> {
     Ok(b)
 }
 
+/// A slot taken for a get that has not returned yet, as a plain value
+/// with no destructor: what a frame that a thread cancellation may unwind
+/// can hold across the get ([`crate::sys::cancel`]). It goes back into a
+/// [`SlotBox`] when the get returns ([`PendingGet::into_slot`]), or is
+/// given back by the cancellation's cleanup handler
+/// ([`PendingGet::abandon`]); dropped otherwise, the slot leaks.
+pub(crate) struct PendingGet(&'static Slot);
+
+impl SlotBox {
+    /// The slot as a [`PendingGet`], for the duration of a cancellable get.
+    #[inline]
+    pub(crate) fn into_pending(self) -> PendingGet {
+        let s = self.0;
+        std::mem::forget(self);
+        PendingGet(s)
+    }
+}
+
+impl PendingGet {
+    /// The slot's owner again (the get returned).
+    #[inline]
+    pub(crate) fn into_slot(self) -> SlotBox {
+        SlotBox(self.0)
+    }
+
+    /// Gives the slot (and its unit of the limit) back, holding no copy:
+    /// the get it was taken for never returned.
+    pub(crate) fn abandon(self) {
+        drop(self.into_slot());
+    }
+}
+
 /// A unit of [`set_limit`]'s bound, held by a get from before it asks
 /// librdmacm until its copy is freed (or the get fails): given back when
 /// dropped.

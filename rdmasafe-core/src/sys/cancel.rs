@@ -1,0 +1,133 @@
+//! Thread cancellation (`pthread_cancel`) in the waits of rdmasafe's C
+//! calls.
+//!
+//! librdmacm's `rdma_get_cm_event` and libibverbs' `ibv_get_cq_event` are
+//! cancellation points (their `write()` / `read()`), and C programs cancel
+//! a thread that waits in them, then join it (a CM or CQ thread at
+//! shutdown). glibc carries a cancellation out by unwinding the thread's
+//! stack and running the cleanup handlers of the frames it leaves (a
+//! "forced unwind"). Rust frames take that only if, at the call that is
+//! cancelled, they own nothing with a destructor and catch nothing: a
+//! `catch_unwind`, or the abort guard of an `extern "C"` function, ends the
+//! process (glibc: "FATAL: exception not rethrown"). So a wait that must
+//! stay cancellable is made through this module:
+//!
+//! * the call is declared `extern "C-unwind"` (it may unwind);
+//! * what the caller took for it (a slot of the CM copy arena) is a plain
+//!   value, given back by a cleanup handler registered with glibc's
+//!   `_pthread_cleanup_push`, the function C's `pthread_cleanup_push` is
+//!   built on without exceptions, if the thread is cancelled inside;
+//! * every frame up to the C boundary holds only plain values across it,
+//!   and the exported function is `extern "C-unwind"`.
+//!
+//! Everything else rdmasafe does on the app's thread contains no
+//! cancellation point, or runs under [`CancelDisabled`] (the log output,
+//! which writes to stderr or calls the app's callback).
+
+use std::os::raw::{c_int, c_void};
+use std::ptr::null_mut;
+
+use super::{rdma_cm_event, rdma_event_channel};
+
+/// glibc's `struct _pthread_cleanup_buffer` (the layout of every glibc
+/// since 2.0; a handler is run by the unwinder when the frame holding the
+/// buffer is left).
+#[repr(C)]
+struct CleanupBuffer {
+    routine: Option<unsafe extern "C" fn(*mut c_void)>,
+    arg: *mut c_void,
+    canceltype: c_int,
+    prev: *mut CleanupBuffer,
+}
+
+/// glibc's `PTHREAD_CANCEL_DISABLE` (`PTHREAD_CANCEL_ENABLE` is 0).
+const PTHREAD_CANCEL_DISABLE: c_int = 1;
+
+extern "C" {
+    fn _pthread_cleanup_push(buffer: *mut CleanupBuffer, routine: unsafe extern "C" fn(*mut c_void), arg: *mut c_void);
+    fn _pthread_cleanup_pop(buffer: *mut CleanupBuffer, execute: c_int);
+    fn pthread_setcancelstate(state: c_int, oldstate: *mut c_int) -> c_int;
+}
+
+extern "C-unwind" {
+    /// libc's `poll`, which a cancellation may unwind.
+    #[link_name = "poll"]
+    fn poll_unwinding(fds: *mut libc::pollfd, nfds: libc::nfds_t, timeout: c_int) -> c_int;
+}
+
+/// `poll()` for readability of one fd (`timeout_ms` as poll's), a
+/// cancellation point: returns poll's result (1 readable or error/hangup,
+/// 0 timeout, -1 with errno).
+///
+/// # Safety
+/// The callers' frames hold nothing to drop across the call and catch
+/// nothing, up to an `extern "C-unwind"` C boundary (module doc).
+#[inline]
+pub unsafe fn poll_readable(fd: c_int, timeout_ms: c_int) -> c_int {
+    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd for the call; the caller's contract covers
+    // the unwind.
+    unsafe { poll_unwinding(&mut p, 1, timeout_ms) }
+}
+
+/// `rdma_get_cm_event` (through the table, [`super::get_cm_event`]) with
+/// `on_cancel(arg)` run if the thread is cancelled inside it; not run
+/// otherwise.
+///
+/// # Safety
+/// As `rdma_get_cm_event` for `channel` and `event`; `on_cancel(arg)` must
+/// be sound to call while the call runs (`arg` lives in a caller's frame),
+/// must not unwind, and gives back what the caller took for the get; the
+/// callers' frames as for [`poll_readable`].
+#[inline]
+pub unsafe fn get_cm_event_with_cleanup(
+    channel: *mut rdma_event_channel,
+    event: *mut *mut rdma_cm_event,
+    on_cancel: unsafe extern "C" fn(*mut c_void),
+    arg: *mut c_void,
+) -> c_int {
+    let mut buf = CleanupBuffer { routine: None, arg: null_mut(), canceltype: 0, prev: null_mut() };
+    // SAFETY: buf lives in this frame until the pop below, or until the
+    // unwinder leaves this frame, which is when glibc runs the handler
+    // (and unlinks it).
+    unsafe { _pthread_cleanup_push(&mut buf, on_cancel, arg) };
+    // SAFETY: the caller's contract.
+    let r = unsafe { super::get_cm_event(channel, event) };
+    // SAFETY: the buffer pushed above, still the innermost one (the get
+    // pushes and pops its own, if any, before it returns).
+    unsafe { _pthread_cleanup_pop(&mut buf, 0) };
+    r
+}
+
+/// Cancellation disabled for the calling thread while the value lives
+/// (`pthread_setcancelstate`), restored to what it was when dropped: a
+/// `pthread_cancel` meanwhile stays pending and is acted on at the
+/// thread's next cancellation point after that.
+#[must_use]
+pub struct CancelDisabled(c_int);
+
+impl CancelDisabled {
+    /// Disables cancellation. Touches no errno.
+    #[inline]
+    pub fn new() -> CancelDisabled {
+        let mut old = 0;
+        // SAFETY: a valid state constant and a writable int.
+        unsafe { pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &mut old) };
+        CancelDisabled(old)
+    }
+}
+
+impl Default for CancelDisabled {
+    fn default() -> Self {
+        CancelDisabled::new()
+    }
+}
+
+impl Drop for CancelDisabled {
+    #[inline]
+    fn drop(&mut self) {
+        let mut was = 0;
+        // SAFETY: the state read in new(), a writable int.
+        unsafe { pthread_setcancelstate(self.0, &mut was) };
+    }
+}

@@ -1,0 +1,253 @@
+/*
+ * cm_cancel_test: a thread waiting for a CM event can be cancelled
+ * (pthread_cancel, then pthread_join), as with librdmacm, whose
+ * rdma_get_cm_event is a cancellation point. Programs do this at shutdown
+ * (a CM thread cancelled and joined); with rdmasafe it must neither abort
+ * the process nor lose anything.
+ *
+ * For each way of waiting (rdmasafe_get_event; rdmasafe_get_event_timeout
+ * with -1 and with 60 s; rdmasafe_get_events with -1; and libibverbs'
+ * ibv_get_cq_event, which rdmasafe's interposer interposes) on a
+ * blocking-mode channel with no event: a thread with a cleanup handler waits, main
+ * cancels and joins it. Checked: the join reports PTHREAD_CANCELED, the
+ * thread's cleanup handler ran, and the thread never returned from the
+ * call. The same with a cancellation that is already pending when the
+ * call starts (the thread disables cancellation, waits until main has
+ * cancelled it, enables cancellation and calls: the first cancellation
+ * point inside the call acts on it).
+ *
+ * Then nothing was lost or leaked: with a limit of one copy
+ * (rdmasafe_cm_set_limit(1)) an event is got on the same channel (an id
+ * resolves a local address: ADDR_RESOLVED), freed, and the counters show
+ * no copy alive. A slot or limit unit kept by a cancelled get would make
+ * that get fail with ENOBUFS.
+ *
+ * Built twice: against rdmasafe, and with -DRAW against librdmacm alone
+ * (rdma_get_cm_event for the CM ways of waiting): the control that shows the
+ * test's shape is librdmacm's own behaviour. Under LD_PRELOAD of
+ * rdmasafe's interposer the raw build checks the interposed
+ * rdma_get_cm_event the same way.
+ *
+ * Usage: cm_cancel_test ADDR   (an address of the RDMA device, e.g.
+ * 10.77.0.1). Prints "ok   ..." / "FAIL ..." lines, then "cm_cancel_test:
+ * N passed, M failed"; exits 0 only if nothing failed. A watchdog (alarm)
+ * turns a hang into a failure.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <netdb.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <rdma/rdma_cma.h>
+
+#ifndef RAW
+#include "rdmasafe.h"
+#endif
+
+#define WATCHDOG_S 120
+
+static int passed, failed;
+
+static void check(int ok, const char *what)
+{
+	printf("%s %s\n", ok ? "ok  " : "FAIL", what);
+	fflush(stdout);
+	if (ok)
+		passed++;
+	else
+		failed++;
+}
+
+static void on_alarm(int sig)
+{
+	(void)sig;
+	static const char msg[] = "FAIL watchdog: a step hung\n";
+	if (write(1, msg, sizeof msg - 1) < 0)
+		_exit(98);
+	_exit(97);
+}
+
+enum way { GET, TIMEOUT_FOREVER, TIMEOUT_60S, BATCH, CQ_EVENT, NWAYS };
+static const char *const way_name[NWAYS] = {
+#ifdef RAW
+	"rdma_get_cm_event",
+#else
+	"rdmasafe_get_event",
+#endif
+	"rdmasafe_get_event_timeout(-1)", "rdmasafe_get_event_timeout(60000)",
+	"rdmasafe_get_events(-1)", "ibv_get_cq_event"
+};
+
+struct waiter {
+	struct rdma_event_channel *ch;
+	struct ibv_comp_channel *cc;
+	enum way way;
+	int pending_first;  /* the cancellation is pending when the call starts */
+	atomic_int started;
+	atomic_int cancelled; /* main has called pthread_cancel */
+	atomic_int cleaned;  /* the cleanup handler ran */
+	atomic_int returned; /* the call returned (it must not) */
+};
+
+static void cleanup(void *arg)
+{
+	struct waiter *w = arg;
+	atomic_store(&w->cleaned, 1);
+}
+
+static int wait_once(struct waiter *w)
+{
+	struct rdma_cm_event *ev = NULL;
+	if (w->way == CQ_EVENT) {
+		struct ibv_cq *cq;
+		void *ctx;
+		return ibv_get_cq_event(w->cc, &cq, &ctx);
+	}
+#ifdef RAW
+	return rdma_get_cm_event(w->ch, &ev);
+#else
+	struct rdma_cm_event *evs[4];
+	switch (w->way) {
+	case GET:
+		return rdmasafe_get_event(w->ch, &ev);
+	case TIMEOUT_FOREVER:
+		return rdmasafe_get_event_timeout(w->ch, &ev, -1);
+	case TIMEOUT_60S:
+		return rdmasafe_get_event_timeout(w->ch, &ev, 60000);
+	default:
+		return rdmasafe_get_events(w->ch, evs, 4, -1);
+	}
+#endif
+}
+
+static void *waiter_main(void *arg)
+{
+	struct waiter *w = arg;
+	int old;
+	if (w->pending_first)
+		pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &old);
+	pthread_cleanup_push(cleanup, w);
+	atomic_store(&w->started, 1);
+	if (w->pending_first) {
+		while (!atomic_load(&w->cancelled))
+			usleep(1000);
+		pthread_setcancelstate(PTHREAD_CANCEL_ENABLE, &old);
+	}
+	wait_once(w);
+	atomic_store(&w->returned, 1);
+	pthread_cleanup_pop(0);
+	return NULL;
+}
+
+static void cancel_one(struct rdma_event_channel *ch,
+		       struct ibv_comp_channel *cc, enum way way, int pending_first)
+{
+	char what[160];
+	struct waiter w = { .ch = ch, .cc = cc, .way = way,
+			    .pending_first = pending_first };
+	pthread_t t;
+	void *res = NULL;
+
+	snprintf(what, sizeof what, "%s%s: ", way_name[way],
+		 pending_first ? " (cancel pending at the call)" : "");
+	if (pthread_create(&t, NULL, waiter_main, &w)) {
+		check(0, "pthread_create");
+		return;
+	}
+	while (!atomic_load(&w.started))
+		usleep(1000);
+	if (!pending_first)
+		usleep(200 * 1000); /* most likely inside the wait by now */
+	check(pthread_cancel(t) == 0, "pthread_cancel");
+	atomic_store(&w.cancelled, 1);
+	check(pthread_join(t, &res) == 0, "pthread_join");
+	size_t n = strlen(what);
+	snprintf(what + n, sizeof what - n, "the join reports PTHREAD_CANCELED");
+	check(res == PTHREAD_CANCELED, what);
+	snprintf(what + n, sizeof what - n, "the thread's cleanup handler ran");
+	check(atomic_load(&w.cleaned), what);
+	snprintf(what + n, sizeof what - n, "the call never returned");
+	check(!atomic_load(&w.returned), what);
+}
+
+int main(int argc, char **argv)
+{
+	struct addrinfo *ai = NULL;
+	struct rdma_event_channel *ch;
+	struct rdma_cm_id *id = NULL;
+	struct rdma_cm_event *ev = NULL;
+
+	if (argc != 2) {
+		fprintf(stderr, "usage: %s ADDR\n", argv[0]);
+		return 2;
+	}
+	signal(SIGALRM, on_alarm);
+	alarm(WATCHDOG_S);
+	setvbuf(stdout, NULL, _IOLBF, 0);
+
+	ch = rdma_create_event_channel(); /* blocking mode, as created */
+	if (!ch) {
+		perror("rdma_create_event_channel");
+		return 1;
+	}
+	struct ibv_device **devs = ibv_get_device_list(NULL);
+	struct ibv_context *vctx = devs && devs[0] ? ibv_open_device(devs[0]) : NULL;
+	struct ibv_comp_channel *cc = vctx ? ibv_create_comp_channel(vctx) : NULL;
+	if (!cc) {
+		perror("no device or completion channel");
+		return 1;
+	}
+#ifndef RAW
+	rdmasafe_cm_set_limit(1);
+#endif
+	for (int p = 0; p < 2; p++)
+		for (int way = 0; way < NWAYS; way++) {
+#ifdef RAW
+			if (way != GET && way != CQ_EVENT)
+				continue; /* one way of waiting in librdmacm */
+#endif
+			cancel_one(ch, cc, way, p);
+		}
+
+	/* The channel still delivers, and nothing of the cancelled gets is
+	 * kept: with a limit of one copy, this get would fail with ENOBUFS. */
+	if (getaddrinfo(argv[1], NULL, NULL, &ai) || !ai) {
+		check(0, "getaddrinfo");
+		return 1;
+	}
+	check(rdma_create_id(ch, &id, NULL, RDMA_PS_TCP) == 0, "rdma_create_id");
+	check(rdma_resolve_addr(id, NULL, ai->ai_addr, 2000) == 0, "rdma_resolve_addr");
+#ifdef RAW
+	int r = rdma_get_cm_event(ch, &ev);
+#else
+	int r = rdmasafe_get_event(ch, &ev);
+#endif
+	check(r == 0 && ev && ev->event == RDMA_CM_EVENT_ADDR_RESOLVED,
+	      "after the cancellations: ADDR_RESOLVED got on the same channel");
+	if (r == 0 && ev) {
+#ifdef RAW
+		check(rdma_ack_cm_event(ev) == 0, "ack");
+#else
+		check(rdmasafe_event_free(ev) == 0, "free");
+		struct rdmasafe_cm_counters c;
+		memset(&c, 0, sizeof c);
+		c.size = sizeof c;
+		check(rdmasafe_cm_get_counters(&c) == 0 && c.outstanding == 0,
+		      "no copy alive after the cancelled gets and the free");
+#endif
+	}
+	rdma_destroy_id(id);
+	rdma_destroy_event_channel(ch);
+	ibv_destroy_comp_channel(cc);
+	ibv_close_device(vctx);
+	ibv_free_device_list(devs);
+	freeaddrinfo(ai);
+	printf("cm_cancel_test: %d passed, %d failed\n", passed, failed);
+	return failed ? 1 : 0;
+}
