@@ -302,7 +302,7 @@ impl<'a> ChannelRef<'a> {
 
     /// Storage and a unit of the limit for one get: taken before
     /// librdmacm is asked, so a failure here leaves the event in the kernel.
-    #[inline]
+    #[inline(always)]
     fn reserve(&self) -> Result<pool::SlotBox> {
         let unit = pool::LimitUnit::take()?;
         let mut slot = pool::take()?;
@@ -373,20 +373,37 @@ impl<'a> ChannelRef<'a> {
     /// The callers' frames up to the C boundary hold nothing with a
     /// destructor and catch nothing, and the exported function is
     /// `extern "C-unwind"` ([`sys::cancel`]).
+    #[inline]
     pub unsafe fn get_raw_cancellable(&self, wait: Option<Wait>) -> Result<*mut rdma_cm_event> {
+        match wait {
+            // The drop-in get: one get as the fd's mode makes it.
+            // SAFETY: the caller's contract, passed on.
+            None => unsafe { self.get_once_cancellable() },
+            // SAFETY: as above.
+            Some(wait) => unsafe { self.get_waiting_cancellable(wait) },
+        }
+    }
+
+    /// [`ChannelRef::get_raw_cancellable`] with a wait: poll() first on an
+    /// fd of unknown mode, unless the wait is forever.
+    ///
+    /// # Safety
+    /// As for [`ChannelRef::get_raw_cancellable`].
+    #[inline(never)]
+    unsafe fn get_waiting_cancellable(&self, wait: Wait) -> Result<*mut rdma_cm_event> {
         let deadline = match wait {
-            Some(Wait::For(d)) => Some(sys::deadline_after(Instant::now(), d)),
+            Wait::For(d) => Some(sys::deadline_after(Instant::now(), d)),
             _ => None,
         };
-        let mut poll_first = !self.nonblocking && matches!(wait, Some(Wait::None | Wait::For(_)));
+        let mut poll_first = !self.nonblocking && wait != Wait::Forever;
         loop {
             if poll_first {
                 let timeout_ms = match (wait, deadline) {
-                    (Some(Wait::For(_)), Some(dl)) => {
+                    (Wait::For(_), Some(dl)) => {
                         let left = dl.saturating_duration_since(Instant::now());
                         left.as_micros().div_ceil(1000).min(c_int::MAX as u128) as c_int
                     }
-                    (Some(Wait::None), _) => 0,
+                    (Wait::None, _) => 0,
                     _ => -1,
                 };
                 // SAFETY: this frame holds plain values only (the caller's
@@ -394,7 +411,7 @@ impl<'a> ChannelRef<'a> {
                 match unsafe { sys::cancel::poll_readable(self.fd(), timeout_ms) } {
                     r if r > 0 => {}
                     0 => {
-                        let errno = if wait == Some(Wait::None) { libc::EAGAIN } else { libc::ETIMEDOUT };
+                        let errno = if wait == Wait::None { libc::EAGAIN } else { libc::ETIMEDOUT };
                         return Err(Error::new("rdma_get_cm_event", errno));
                     }
                     _ => {
@@ -408,7 +425,7 @@ impl<'a> ChannelRef<'a> {
             }
             // SAFETY: the caller's contract, passed on.
             match unsafe { self.get_once_cancellable() } {
-                Err(e) if e.is_would_block() && matches!(wait, Some(Wait::Forever | Wait::For(_))) => poll_first = true,
+                Err(e) if e.is_would_block() && wait != Wait::None => poll_first = true,
                 Err(e) if e.errno() == libc::EINTR && self.retry_eintr => {}
                 other => return other,
             }
@@ -421,7 +438,7 @@ impl<'a> ChannelRef<'a> {
     ///
     /// # Safety
     /// As for [`ChannelRef::get_raw_cancellable`].
-    #[inline]
+    #[inline(always)]
     unsafe fn get_once_cancellable(&self) -> Result<*mut rdma_cm_event> {
         /// The cleanup handler: `arg` is the `PendingGet` in the frame
         /// being unwound, never used again by that frame.
@@ -555,7 +572,7 @@ fn _assert_send_sync() {
 /// `f()`, with a panic turned into an EIO error instead of an unwind (for
 /// the frames of [`ChannelRef::get_raw_cancellable`], which must not
 /// unwind but for a cancellation).
-#[inline]
+#[inline(always)]
 fn no_panic<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|_| {
         log::error!(target: "rdmasafe", "internal panic caught in a CM get");
