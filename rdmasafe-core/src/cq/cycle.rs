@@ -268,16 +268,8 @@ impl Core {
         let sh = &*ctl.0;
         if wait == Wait::None {
             // One pass, no clock.
-            self.begin_cycle();
-            let own0 = self.own_taken;
-            let mut n = self.poll_all(ctl, honor_stop)?;
-            n += self.tick(ctl, honor_stop)?;
-            if n > 0 {
-                if spin.is_some() && self.delivered(own0, n) > 0 {
-                    self.polling_since = self.last_stamp.or_else(|| Some(Instant::now()));
-                }
-                self.record_wakeup(sh, n);
-            } else if let (Some(s), Some(since)) = (spin, self.polling_since) {
+            let n = self.poll_pass(ctl, spin, honor_stop, || Some(Instant::now()))?;
+            if let (0, Some(s), Some(since)) = (n, spin, self.polling_since) {
                 if Instant::now().saturating_duration_since(since) >= s {
                     self.polling_since = None;
                 }
@@ -294,18 +286,8 @@ impl Core {
         };
         let idle_from = self.polling_since.or(start);
         loop {
-            self.begin_cycle();
-            let own0 = self.own_taken;
-            let mut n = self.poll_all(ctl, honor_stop)?;
-            n += self.tick(ctl, honor_stop)?;
+            let n = self.poll_pass(ctl, spin, honor_stop, || start)?;
             if n > 0 {
-                // (The spin runs from the last completion handed to a
-                // handler: the loop's own, a keepalive probe's or a drain
-                // marker's, do not renew it.)
-                if spin.is_some() && self.delivered(own0, n) > 0 {
-                    self.polling_since = self.last_stamp.or(start);
-                }
-                self.record_wakeup(sh, n);
                 return Ok(n);
             }
             // (A thread waiting to run the loop ends a foreign drive's spin,
@@ -328,6 +310,31 @@ impl Core {
             }
             std::hint::spin_loop();
         }
+    }
+
+    /// One pass of [`Core::poll_cycle`]: every CQ polled, the timers
+    /// ticked. A pass that handed a completion to a handler (not only the
+    /// loop's own: a keepalive probe's or a drain marker's do not renew
+    /// it) restarts the spin, from the pass's stamp or else `unstamped()`.
+    #[inline(always)]
+    fn poll_pass(
+        &mut self,
+        ctl: &LoopControl,
+        spin: Option<Duration>,
+        honor_stop: bool,
+        unstamped: impl FnOnce() -> Option<Instant>,
+    ) -> Result<usize> {
+        self.begin_cycle();
+        let own0 = self.own_taken;
+        let mut n = self.poll_all(ctl, honor_stop)?;
+        n += self.tick(ctl, honor_stop)?;
+        if n > 0 {
+            if spin.is_some() && self.delivered(own0, n) > 0 {
+                self.polling_since = self.last_stamp.or_else(unstamped);
+            }
+            self.record_wakeup(&ctl.0, n);
+        }
+        Ok(n)
     }
 
     #[inline(never)]
