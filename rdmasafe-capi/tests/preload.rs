@@ -26,7 +26,9 @@
 //!    original); and the raw build of tests/c/cm_cancel_test, in copy and
 //!    in check mode: threads waiting in the interposed rdma_get_cm_event
 //!    and ibv_get_cq_event are cancelled and joined (PTHREAD_CANCELED,
-//!    their cleanup handlers run) and the channel delivers afterwards;
+//!    their cleanup handlers run) and the channel delivers afterwards; in
+//!    check mode also a thread cancelled in rdma_destroy_id's wait (the
+//!    event it waited for is reported held, the destroy never as waiting);
 //! 3. check mode (RDMASAFE_CHECK=1 / fix) on the C bug programs of
 //!    tests/preload: each bug's report, with the event type, event, id and
 //!    CQ addresses the program printed; with `fix` the hanging destroys
@@ -542,6 +544,26 @@ fn check_cancel(c: &mut Checks, runs: &BTreeMap<String, Block>) {
             format!("{label}: the channel did not deliver after the cancellations"),
         );
     }
+    // A thread cancelled in rdma_destroy_id's wait (check mode, hold
+    // threshold 300 ms, the event held 3 s after the cancel): the event is
+    // reported held, the destroy never as waiting. Before check mode ended
+    // the destroy in a cleanup handler it was reported 300 ms in.
+    let label = "cm_cancel_test_raw.destroy.run";
+    let out = runs.get(label).unwrap_or(&empty);
+    let last = out.last_line();
+    let oks = out.lines().filter(|l| l.starts_with("ok   ")).count();
+    c.that(
+        out.exit == Some(0)
+            && out.fails().is_empty()
+            && last == format!("cm_cancel_test: {oks} passed, 0 failed")
+            && out.has("ok   rdma_destroy_id: the join reports PTHREAD_CANCELED"),
+        format!("{label}: exit {:?}, failures {:?}, last {last:?}", out.exit, out.fails()),
+    );
+    let rep = reports(runs.get(&format!("{label}.report")));
+    c.that(
+        rep.iter().any(|(k, _)| k == "held") && !rep.iter().any(|(k, _)| k == "destroy-id-waiting"),
+        format!("{label}: reports {rep:?} (want held, and no destroy-id-waiting)"),
+    );
 }
 
 /// The barrier: the raw (unmodified) rping-shaped program under the preload.

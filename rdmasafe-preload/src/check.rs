@@ -35,7 +35,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use rdmasafe_core::cm::EventType;
-use rdmasafe_core::sys::{self, ibv_comp_channel, ibv_cq, rdma_cm_event, rdma_cm_id, rdma_event_channel};
+use rdmasafe_core::sys::{self, cancel, ibv_comp_channel, ibv_cq, rdma_cm_event, rdma_cm_id, rdma_event_channel};
 
 use crate::out;
 use crate::real::{AckCmEvent, AckCqEvents, DestroyCq, DestroyId, GetCmEvent, GetCqEvent};
@@ -544,9 +544,20 @@ impl Checker {
     /// # Safety
     /// As `rdma_destroy_id`.
     pub(crate) unsafe fn destroy_id(&self, real: DestroyId, id: *mut rdma_cm_id) -> c_int {
+        /// The thread was cancelled inside the destroy (librdmacm waits on
+        /// a condition variable, a cancellation point): the destroy is
+        /// over, and waits for no event any more.
+        unsafe extern "C" fn ended(arg: *mut c_void) {
+            // SAFETY: a pointer to the frame's (checker, id), alive while
+            // the unwind runs this.
+            let (checker, id) = unsafe { *arg.cast::<(&Checker, usize)>() };
+            guarded((), || lock(&checker.cm).destroy_end(id));
+        }
         guarded((), || lock(&self.cm).destroy_begin(id as usize, sys::coarse_now_ms()));
-        // SAFETY: the program's argument, passed on unchanged.
-        let r = unsafe { real(id) };
+        let mut who = (self, id as usize);
+        // SAFETY: the program's argument, passed on unchanged; `who` lives
+        // in this frame across the call, which holds plain values only.
+        let r = unsafe { cancel::call_with_cleanup(ended, (&mut who as *mut (&Checker, usize)).cast(), || real(id)) };
         let errno = sys::errno_raw();
         guarded((), || lock(&self.cm).destroy_end(id as usize));
         sys::set_errno(errno);

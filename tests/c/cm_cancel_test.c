@@ -28,10 +28,11 @@
  * rdmasafe's interposer the raw build checks the interposed
  * rdma_get_cm_event the same way.
  *
- * Usage: cm_cancel_test ADDR   (an address of the RDMA device, e.g.
- * 10.77.0.1). Prints "ok   ..." / "FAIL ..." lines, then "cm_cancel_test:
- * N passed, M failed"; exits 0 only if nothing failed. A watchdog (alarm)
- * turns a hang into a failure.
+ * Usage: cm_cancel_test ADDR [destroy]   (ADDR an address of the RDMA
+ * device, e.g. 10.77.0.1; "destroy": only the cancelled rdma_destroy_id
+ * of cancel_destroy, below). Prints "ok   ..." / "FAIL ..." lines, then
+ * "cm_cancel_test: N passed, M failed"; exits 0 only if nothing failed.
+ * A watchdog (alarm) turns a hang into a failure.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -54,7 +55,7 @@
 
 static int passed, failed;
 
-static void check(int ok, const char *what)
+static int check(int ok, const char *what)
 {
 	printf("%s %s\n", ok ? "ok  " : "FAIL", what);
 	fflush(stdout);
@@ -62,6 +63,7 @@ static void check(int ok, const char *what)
 		passed++;
 	else
 		failed++;
+	return ok;
 }
 
 static void on_alarm(int sig)
@@ -145,6 +147,76 @@ static void *waiter_main(void *arg)
 	return NULL;
 }
 
+struct destroyer {
+	struct rdma_cm_id *id;
+	atomic_int started, cleaned, returned;
+};
+
+static void destroyer_cleanup(void *arg)
+{
+	atomic_store(&((struct destroyer *)arg)->cleaned, 1);
+}
+
+static void *destroyer_main(void *arg)
+{
+	struct destroyer *d = arg;
+	pthread_cleanup_push(destroyer_cleanup, d);
+	atomic_store(&d->started, 1);
+	rdma_destroy_id(d->id); /* waits for the held event's ack */
+	atomic_store(&d->returned, 1);
+	pthread_cleanup_pop(0);
+	return NULL;
+}
+
+/* Mode "destroy" (for the preload's check mode): an id's ADDR_RESOLVED is
+ * held; a thread destroying the id waits in rdma_destroy_id and is
+ * cancelled there and joined. The destroy is over then: check mode must
+ * not go on to report it as a destroy that waits. The event is held
+ * HOLD_AFTER_MS more (well past a hold threshold of 300 ms, so that the
+ * check-mode watcher has run meanwhile) and never acked:
+ * librdmacm leaves the id's mutex locked when that wait is cancelled, so
+ * an ack would block for good (docs/RDMA-FACTS.md, section 8). */
+#define HOLD_AFTER_MS 3000
+static void cancel_destroy(struct rdma_event_channel *ch, struct sockaddr *dst)
+{
+	struct destroyer d = { 0 };
+	struct rdma_cm_event *ev = NULL;
+	pthread_t t;
+	void *res = NULL;
+
+	if (!check(rdma_create_id(ch, &d.id, NULL, RDMA_PS_TCP) == 0,
+		   "destroy: rdma_create_id") ||
+	    !check(rdma_resolve_addr(d.id, NULL, dst, 2000) == 0,
+		   "destroy: rdma_resolve_addr"))
+		return;
+#ifdef RAW
+	int r = rdma_get_cm_event(ch, &ev);
+#else
+	int r = rdmasafe_get_event(ch, &ev);
+#endif
+	if (!check(r == 0 && ev && ev->event == RDMA_CM_EVENT_ADDR_RESOLVED,
+		   "destroy: ADDR_RESOLVED got and held"))
+		return;
+	printf("info destroy: event %p of id %p held\n", (void *)ev, (void *)d.id);
+	if (pthread_create(&t, NULL, destroyer_main, &d)) {
+		check(0, "pthread_create");
+		return;
+	}
+	while (!atomic_load(&d.started))
+		usleep(1000);
+	usleep(100 * 1000); /* inside rdma_destroy_id's wait by now */
+	check(pthread_cancel(t) == 0, "pthread_cancel");
+	check(pthread_join(t, &res) == 0, "pthread_join");
+	check(res == PTHREAD_CANCELED,
+	      "rdma_destroy_id: the join reports PTHREAD_CANCELED");
+	check(atomic_load(&d.cleaned),
+	      "rdma_destroy_id: the thread's cleanup handler ran");
+	check(!atomic_load(&d.returned), "rdma_destroy_id: the call never returned");
+	usleep(HOLD_AFTER_MS * 1000);
+	printf("info destroy: held %d ms after the cancel; not acked\n",
+	       HOLD_AFTER_MS);
+}
+
 static void cancel_one(struct rdma_event_channel *ch,
 		       struct ibv_comp_channel *cc, enum way way, int pending_first)
 {
@@ -183,8 +255,8 @@ int main(int argc, char **argv)
 	struct rdma_cm_id *id = NULL;
 	struct rdma_cm_event *ev = NULL;
 
-	if (argc != 2) {
-		fprintf(stderr, "usage: %s ADDR\n", argv[0]);
+	if (argc < 2 || argc > 3 || (argc == 3 && strcmp(argv[2], "destroy"))) {
+		fprintf(stderr, "usage: %s ADDR [destroy]\n", argv[0]);
 		return 2;
 	}
 	signal(SIGALRM, on_alarm);
@@ -195,6 +267,15 @@ int main(int argc, char **argv)
 	if (!ch) {
 		perror("rdma_create_event_channel");
 		return 1;
+	}
+	if (argc == 3) {
+		if (getaddrinfo(argv[1], NULL, NULL, &ai) || !ai) {
+			check(0, "getaddrinfo");
+			return 1;
+		}
+		cancel_destroy(ch, ai->ai_addr);
+		printf("cm_cancel_test: %d passed, %d failed\n", passed, failed);
+		_exit(failed ? 1 : 0); /* the half-destroyed id stays as it is */
 	}
 	struct ibv_device **devs = ibv_get_device_list(NULL);
 	struct ibv_context *vctx = devs && devs[0] ? ibv_open_device(devs[0]) : NULL;

@@ -25,7 +25,8 @@
 #  3. Check mode (RDMASAFE_CHECK=1, RDMASAFE_CHECK_HOLD_MS=300, 10 s for the
 #     correct "ok" mode of check_cm_bugs, reports to a file):
 #     tests/preload/check_cm_bugs in each mode and tests/preload/check_cq_bugs
-#     in each mode, with =1 and with =fix.
+#     in each mode, with =1 and with =fix; the raw cm_cancel_test's
+#     cancelled rdma_destroy_id (no destroy-id-waiting report after it).
 #     A mode whose bug makes a call wait forever (cm destroy; cq unacked,
 #     wrongcq, overack under =1) is killed once its report is in the file
 #     (the report comes before the hang).
@@ -310,6 +311,10 @@ for m in ok held leak double; do
 done
 check_hold_ms=300
 check check_cm_bugs.destroy.run 1 destroy-id-waiting "$pbin/check_cm_bugs" -m destroy
+# a thread cancelled in rdma_destroy_id's wait: that destroy is over, so
+# the event it waited for, held on, is reported as held and never as a
+# destroy that waits
+check cm_cancel_test_raw.destroy.run 1 - "$pbin/cm_cancel_test_raw" "$addr" destroy
 scenario "check mode: CQ event bugs"
 for m in ok unacked wrongcq overack; do
 	case $m in

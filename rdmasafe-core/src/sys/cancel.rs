@@ -70,33 +70,48 @@ pub unsafe fn poll_readable(fd: c_int, timeout_ms: c_int) -> c_int {
     unsafe { poll_unwinding(&mut p, 1, timeout_ms) }
 }
 
-/// `rdma_get_cm_event` (through the table, [`super::get_cm_event`]) with
-/// `on_cancel(arg)` run if the thread is cancelled inside it; not run
-/// otherwise.
+/// `call()` with `on_cancel(arg)` run if the thread is cancelled inside it
+/// (a cleanup handler, `_pthread_cleanup_push`); not run otherwise.
 ///
 /// # Safety
-/// As `rdma_get_cm_event` for `channel` and `event`; `on_cancel(arg)` must
-/// be sound to call while the call runs (`arg` lives in a caller's frame),
-/// must not unwind, and gives back what the caller took for the get; the
-/// callers' frames as for [`poll_readable`].
-#[inline]
+/// `on_cancel(arg)` must be sound to call while `call` runs (`arg` lives
+/// in a caller's frame), must not unwind, and undoes what the caller did
+/// for the call; `call` holds plain values only (no destructor, no
+/// `catch_unwind`) across its cancellation points, and so do the callers'
+/// frames, as for [`poll_readable`].
+#[inline(always)]
+pub unsafe fn call_with_cleanup<R>(
+    on_cancel: unsafe extern "C" fn(*mut c_void),
+    arg: *mut c_void,
+    call: impl FnOnce() -> R,
+) -> R {
+    let mut buf = CleanupBuffer { routine: None, arg: null_mut(), canceltype: 0, prev: null_mut() };
+    // SAFETY: buf lives in this frame until the pop below, or until the
+    // unwinder leaves this frame, which is when glibc runs the handler
+    // (and unlinks it).
+    unsafe { _pthread_cleanup_push(&mut buf, on_cancel, arg) };
+    let r = call();
+    // SAFETY: the buffer pushed above, still the innermost one (a call
+    // that pushes its own pops it before it returns).
+    unsafe { _pthread_cleanup_pop(&mut buf, 0) };
+    r
+}
+
+/// `rdma_get_cm_event` (through the table, [`super::get_cm_event`]) with
+/// `on_cancel(arg)` run if the thread is cancelled inside it.
+///
+/// # Safety
+/// As `rdma_get_cm_event` for `channel` and `event`; as
+/// [`call_with_cleanup`] for the rest.
+#[inline(always)]
 pub unsafe fn get_cm_event_with_cleanup(
     channel: *mut rdma_event_channel,
     event: *mut *mut rdma_cm_event,
     on_cancel: unsafe extern "C" fn(*mut c_void),
     arg: *mut c_void,
 ) -> c_int {
-    let mut buf = CleanupBuffer { routine: None, arg: null_mut(), canceltype: 0, prev: null_mut() };
-    // SAFETY: buf lives in this frame until the pop below, or until the
-    // unwinder leaves this frame, which is when glibc runs the handler
-    // (and unlinks it).
-    unsafe { _pthread_cleanup_push(&mut buf, on_cancel, arg) };
     // SAFETY: the caller's contract.
-    let r = unsafe { super::get_cm_event(channel, event) };
-    // SAFETY: the buffer pushed above, still the innermost one (the get
-    // pushes and pops its own, if any, before it returns).
-    unsafe { _pthread_cleanup_pop(&mut buf, 0) };
-    r
+    unsafe { call_with_cleanup(on_cancel, arg, || super::get_cm_event(channel, event)) }
 }
 
 /// Cancellation disabled for the calling thread while the value lives
