@@ -28,19 +28,29 @@
  *
  * Thread cancellation: rdmasafe_get_event, rdmasafe_get_event_timeout and
  * rdmasafe_get_events are cancellation points, as rdma_get_cm_event is: a
- * thread cancelled (pthread_cancel) while it waits in one, or with a
- * cancellation pending when it calls one, leaves the call by the
- * cancellation (its cleanup handlers run, pthread_join reports
- * PTHREAD_CANCELED), and nothing is lost or kept: the event stays in the
- * kernel for the next get, no copy or unit of rdmasafe_cm_set_limit is
- * left taken. No other rdmasafe function is a cancellation point for the
- * app: do not cancel a thread while it is inside one, callbacks included
+ * thread cancelled (pthread_cancel, deferred type) while it waits for an
+ * event in one, or with a cancellation pending when it calls one, leaves
+ * the call by the cancellation (its cleanup handlers run, pthread_join
+ * reports PTHREAD_CANCELED), and nothing is kept: no copy or unit of
+ * rdmasafe_cm_set_limit stays taken, and an event not yet read from the
+ * kernel stays there for the next get (as with librdmacm, one the kernel
+ * handed over as the cancellation came is lost). rdmasafe_get_events acts
+ * on a cancellation only while it waits for its first event: once it has
+ * one, the rest of the batch runs with cancellation deferred until it
+ * returns (on a blocking-mode channel that another thread reads as well,
+ * that rest can block: see rdmasafe_get_events). No other rdmasafe
+ * function is a cancellation point for the app: do not cancel a thread while it is inside one, callbacks included
  * (they run inside the call that runs the loop). glibc carries a
  * cancellation out by unwinding the thread's stack, and rdmasafe's
  * boundary, which stops every other unwind, then aborts the process
  * ("FATAL: exception not rethrown"). Stop a CQ loop's thread with
  * rdmasafe_cq_loop_stop and join it, or keep cancellation disabled
- * (pthread_setcancelstate) while it is inside rdmasafe.
+ * (pthread_setcancelstate) while it is inside rdmasafe. Asynchronous
+ * cancellation (PTHREAD_CANCEL_ASYNCHRONOUS) is not supported inside any
+ * rdmasafe function (librdmacm is not async-cancel-safe either). Do not
+ * cancel a thread waiting in rdma_destroy_id: librdmacm then leaves the
+ * id's mutex locked, and the next ack of one of its events, rdmasafe's ack
+ * thread's included, blocks for good (docs/RDMA-FACTS.md, section 8).
  *
  * Fork: a child forked while other threads may be inside rdmasafe
  * (rdmasafe's own CM ack thread included, once CM events were copied) may
@@ -745,7 +755,12 @@ int rdmasafe_get_event_timeout(struct rdma_event_channel *channel,
  * then takes up to `max - 1` more that are ready without waiting, storing
  * the copies in `events[0..n]`. Each copy is freed with
  * `rdmasafe_event_free`. On a channel whose fd has O_NONBLOCK a ready event
- * costs one system call; otherwise a poll() is added per event.
+ * costs one system call; otherwise a poll() is added per event. On a
+ * blocking-mode channel that another thread reads too, an event the poll()
+ * saw may be taken by that thread first, and the get after it then blocks
+ * until the next event, holding the events taken so far, with
+ * cancellation deferred (it is acted on only while the first event is
+ * waited for): set O_NONBLOCK on a channel that threads share.
  *
  * Returns n >= 1, or -1 with errno: EINVAL (NULL argument, `max < 1`,
  * `timeout_ms < -1`), EAGAIN, ETIMEDOUT, EINTR (a signal), ENOBUFS,

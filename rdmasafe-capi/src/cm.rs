@@ -113,7 +113,7 @@ pub unsafe extern "C-unwind" fn rdmasafe_get_event(
 /// export holding plain values only.
 #[inline(always)]
 unsafe fn get_first(ch: Option<ChannelRef<'_>>, event: *mut *mut rdma_cm_event, wait: Option<Wait>) -> c_int {
-    crate::log::ensure_installed();
+    crate::guard_signal_safe(|| (), crate::log::ensure_installed);
     let errno = rdmasafe_core::sys::errno_slot();
     // SAFETY: the calling thread's own errno.
     let saved = unsafe { *errno };
@@ -170,7 +170,12 @@ pub unsafe extern "C-unwind" fn rdmasafe_get_event_timeout(
 /// then takes up to `max - 1` more that are ready without waiting, storing
 /// the copies in `events[0..n]`. Each copy is freed with
 /// `rdmasafe_event_free`. On a channel whose fd has O_NONBLOCK a ready event
-/// costs one system call; otherwise a poll() is added per event.
+/// costs one system call; otherwise a poll() is added per event. On a
+/// blocking-mode channel that another thread reads too, an event the poll()
+/// saw may be taken by that thread first, and the get after it then blocks
+/// until the next event, holding the events taken so far, with
+/// cancellation deferred (it is acted on only while the first event is
+/// waited for): set O_NONBLOCK on a channel that threads share.
 ///
 /// Returns n >= 1, or -1 with errno: EINVAL (NULL argument, `max < 1`,
 /// `timeout_ms < -1`), EAGAIN, ETIMEDOUT, EINTR (a signal), ENOBUFS,

@@ -94,9 +94,12 @@ fn parse(s: &str) -> LevelFilter {
 }
 
 /// Installs the backend once (called by every export through `guard`).
+/// An attempt that never finished (a panic, or a thread cancelled
+/// asynchronously inside it) is made again by the next call instead of
+/// poisoning every later one.
 pub(crate) fn ensure_installed() {
     static ONCE: Once = Once::new();
-    ONCE.call_once(|| {
+    ONCE.call_once_force(|_| {
         if log::set_logger(&LOGGER).is_ok() {
             OURS.store(true, Relaxed);
             let level = std::env::var("RDMASAFE_LOG").map(|s| parse(&s)).unwrap_or(LevelFilter::Off);
