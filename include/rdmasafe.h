@@ -29,9 +29,10 @@
  * Thread cancellation: rdmasafe_get_event, rdmasafe_get_event_timeout and
  * rdmasafe_get_events are cancellation points, as rdma_get_cm_event is: a
  * thread cancelled (pthread_cancel, deferred type) while it waits for an
- * event in one, or with a cancellation pending when it calls one, leaves
- * the call by the cancellation (its cleanup handlers run, pthread_join
- * reports PTHREAD_CANCELED), and nothing is kept: no copy or unit of
+ * event in one, or with a cancellation pending when it calls one (unless
+ * the call fails before it waits: EINVAL, ENOBUFS, ENOMEM), leaves the
+ * call by the cancellation (its cleanup handlers run, pthread_join reports
+ * PTHREAD_CANCELED), and nothing is kept: no copy or unit of
  * rdmasafe_cm_set_limit stays taken, and an event not yet read from the
  * kernel stays there for the next get (as with librdmacm, one the kernel
  * handed over as the cancellation came is lost). rdmasafe_get_events acts
@@ -39,18 +40,21 @@
  * one, the rest of the batch runs with cancellation deferred until it
  * returns (on a blocking-mode channel that another thread reads as well,
  * that rest can block: see rdmasafe_get_events). No other rdmasafe
- * function is a cancellation point for the app: do not cancel a thread while it is inside one, callbacks included
- * (they run inside the call that runs the loop). glibc carries a
- * cancellation out by unwinding the thread's stack, and rdmasafe's
- * boundary, which stops every other unwind, then aborts the process
- * ("FATAL: exception not rethrown"). Stop a CQ loop's thread with
- * rdmasafe_cq_loop_stop and join it, or keep cancellation disabled
- * (pthread_setcancelstate) while it is inside rdmasafe. Asynchronous
- * cancellation (PTHREAD_CANCEL_ASYNCHRONOUS) is not supported inside any
- * rdmasafe function (librdmacm is not async-cancel-safe either). Do not
- * cancel a thread waiting in rdma_destroy_id: librdmacm then leaves the
- * id's mutex locked, and the next ack of one of its events, rdmasafe's ack
- * thread's included, blocks for good (docs/RDMA-FACTS.md, section 8).
+ * function is a cancellation point for the app: do not cancel a thread
+ * while it is inside one, callbacks included (they run inside the call
+ * that runs the loop). glibc carries a cancellation out by unwinding the
+ * thread's stack, and rdmasafe's boundary, which stops every other unwind,
+ * then aborts the process ("FATAL: exception not rethrown"). A pending
+ * cancellation is acted on at the first cancellation point inside, and
+ * rdmasafe's own read(), poll() and epoll_wait() are ones even when they
+ * would not block. Stop a CQ loop's thread with rdmasafe_cq_loop_stop and
+ * join it, or keep cancellation disabled (pthread_setcancelstate) while it
+ * is inside rdmasafe. Asynchronous cancellation
+ * (PTHREAD_CANCEL_ASYNCHRONOUS) is not supported inside any rdmasafe
+ * function (librdmacm is not async-cancel-safe either). Do not cancel a
+ * thread waiting in rdma_destroy_id: librdmacm then leaves the id's mutex
+ * locked, and the next ack of one of its events, rdmasafe's ack thread's
+ * included, blocks for good (docs/RDMA-FACTS.md, section 8).
  *
  * Fork: a child forked while other threads may be inside rdmasafe
  * (rdmasafe's own CM ack thread included, once CM events were copied) may

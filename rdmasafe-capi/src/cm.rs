@@ -206,27 +206,38 @@ pub unsafe extern "C-unwind" fn rdmasafe_get_events(
     }
     // The rest never waits: no cancellation is acted on inside.
     let _no_cancel = rdmasafe_core::sys::cancel::CancelDisabled::new();
-    guard_errno(|| {
-        let ch = ch.ok_or(libc::EINVAL)?;
-        // A small inline buffer would need unsafe; reuse one Vec per thread
-        // so steady state allocates nothing. It is taken out of its cell
-        // for the call (not borrowed): a log callback that calls back in
-        // here (the header allows it) gets an empty Vec of its own instead
-        // of a borrow conflict.
-        thread_local! {
-            static BUF: std::cell::Cell<Vec<CmEvent>> = const { std::cell::Cell::new(Vec::new()) };
-        }
-        let mut buf = BUF.take();
-        buf.clear();
-        let got = ch.get_more(&mut buf, max as usize - 1);
-        for (i, ev) in buf.drain(..).enumerate() {
-            // SAFETY: events has room for max > got entries (caller's
-            // contract), checked non-NULL; events[0] is the first event.
-            unsafe { *events.add(1 + i) = hand_out(ev) };
-        }
-        BUF.set(buf);
-        Ok(1 + got as c_int)
-    })
+    let errno = rdmasafe_core::sys::errno_slot();
+    // SAFETY: the calling thread's own errno.
+    let saved = unsafe { *errno };
+    // A panic in the rest still returns the first event (1): events[0] is
+    // the caller's, and the unwind dropped (freed) what the rest had taken.
+    let got = guard(
+        || 0,
+        || {
+            let Some(ch) = ch else { return 0 };
+            // A small inline buffer would need unsafe; reuse one Vec per
+            // thread so steady state allocates nothing. It is taken out of
+            // its cell for the call (not borrowed): a log callback that
+            // calls back in here (the header allows it) gets an empty Vec
+            // of its own instead of a borrow conflict.
+            thread_local! {
+                static BUF: std::cell::Cell<Vec<CmEvent>> = const { std::cell::Cell::new(Vec::new()) };
+            }
+            let mut buf = BUF.take();
+            buf.clear();
+            let got = ch.get_more(&mut buf, max as usize - 1);
+            for (i, ev) in buf.drain(..).enumerate() {
+                // SAFETY: events has room for max > got entries (caller's
+                // contract), checked non-NULL; events[0] is the first event.
+                unsafe { *events.add(1 + i) = hand_out(ev) };
+            }
+            BUF.set(buf);
+            got as c_int
+        },
+    );
+    // SAFETY: as above.
+    unsafe { *errno = saved };
+    1 + got
 }
 
 /// Frees a copy returned by the get calls (replaces `rdma_ack_cm_event`).

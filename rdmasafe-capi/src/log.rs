@@ -73,7 +73,12 @@ impl Log for CLogger {
                 // SAFETY: the app's callback, with a valid C string for the call.
                 unsafe { (s.f)(s.ctx, r.level() as c_int, c.as_ptr()) }
             }
-            None => eprintln!("rdmasafe[{}]: {}", r.level(), r.args()),
+            None => {
+                // One write; a closed or broken stderr loses the line
+                // instead of panicking (eprintln! would).
+                use std::io::Write;
+                let _ = std::io::stderr().write_all(format!("rdmasafe[{}]: {}\n", r.level(), r.args()).as_bytes());
+            }
         }
     }
 
@@ -94,8 +99,7 @@ fn parse(s: &str) -> LevelFilter {
 }
 
 /// Installs the backend once (called by every export through `guard`).
-/// An attempt that never finished (a panic, or a thread cancelled
-/// asynchronously inside it) is made again by the next call instead of
+/// An attempt that panicked is made again by the next call instead of
 /// poisoning every later one.
 pub(crate) fn ensure_installed() {
     static ONCE: Once = Once::new();

@@ -49,7 +49,10 @@
 //!     cancelled (pthread_cancel) and joined, as programs do with their CM
 //!     thread at shutdown; also with the cancellation pending when the call
 //!     starts: PTHREAD_CANCELED, the cleanup handler ran, and afterwards
-//!     the channel delivers under a limit of one copy with no copy left.
+//!     the channel delivers under a limit of one copy with no copy left;
+//!     a trace-level log callback that cancels its own thread inside
+//!     `rdmasafe_get_event` and calls usleep: deferred, the get returns its
+//!     event, the thread is cancelled at its next cancellation point.
 //!
 //! 8-12 also run as *_raw builds (the same sources on librdmacm alone): the
 //! controls that tell a wrong test from a wrong library.
@@ -705,6 +708,14 @@ fn check_cancel(c: &mut Checks, runs: &BTreeMap<String, Block>) {
         }
         if *label == "cm_cancel_test" {
             needles.push("no copy alive after the cancelled gets and the free".to_string());
+            for what in [
+                "the join reports PTHREAD_CANCELED",
+                "its usleep returned (cancellation deferred)",
+                "the get returned its event",
+                "cancelled at its next cancellation point",
+            ] {
+                needles.push(format!("log callback cancelling its thread: {what}"));
+            }
         }
         let needles: Vec<&str> = needles.iter().map(String::as_str).collect();
         check_ok_program(c, label, "cm_cancel_test", b, needles.len(), &needles);

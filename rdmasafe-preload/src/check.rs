@@ -621,11 +621,17 @@ impl Checker {
             return unsafe { real(cq) };
         }
         let errno = sys::errno_raw();
-        let plan = guarded(DestroyPlan { ack_first: 0, findings: Vec::new() }, || {
-            lock(&self.cq).destroy(cq as usize, self.fix && ack.is_some())
-        });
-        emit(&plan.findings);
-        if let (n @ 1.., Some(ack)) = (plan.ack_first, ack) {
+        // The plan (its findings) is dropped before the destroy: a thread
+        // cancelled in it (it waits for the CQ's acks) unwinds through this
+        // frame, which must then hold nothing with a destructor.
+        let ack_first = {
+            let plan = guarded(DestroyPlan { ack_first: 0, findings: Vec::new() }, || {
+                lock(&self.cq).destroy(cq as usize, self.fix && ack.is_some())
+            });
+            emit(&plan.findings);
+            plan.ack_first
+        };
+        if let (n @ 1.., Some(ack)) = (ack_first, ack) {
             // SAFETY: the program's live CQ, acked by exactly the events it
             // got and did not ack.
             unsafe { ack(cq, n) };

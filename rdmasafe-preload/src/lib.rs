@@ -30,8 +30,12 @@
 //! * state is set up at the first interposed call (a `OnceLock`); a line
 //!   with what went through is logged at exit (info level, RDMASAFE_LOG).
 //!
-//! No function unwinds into C: each interposer catches panics (`-1` with
-//! EIO, or the call passed through). The drop-in CM calls keep librdmacm's
+//! No panic unwinds into C: each interposer catches panics (`-1` with
+//! EIO, or the call passed through). The interposers of calls that wait at
+//! a cancellation point (`rdma_get_cm_event`, `rdma_destroy_id`,
+//! `ibv_get_cq_event`, `ibv_destroy_cq`) are `extern "C-unwind"`: a thread
+//! cancelled inside one unwinds through it into the program, as through
+//! the real function (`rdmasafe_core::sys::cancel`). The drop-in CM calls keep librdmacm's
 //! -1/errno convention and leave errno untouched on success; in check mode
 //! every call's return value and errno are librdmacm's / libibverbs' own.
 
@@ -69,6 +73,10 @@ struct State {
 static STATE: OnceLock<State> = OnceLock::new();
 
 fn init() -> State {
+    // Its output (and /proc/self/comm, read for it) may hit cancellation
+    // points; it runs inside a panic boundary, which a cancellation must
+    // not reach.
+    let _no_cancel = rdmasafe_core::sys::cancel::CancelDisabled::new();
     out::install_logger();
     let real = Real::resolve();
     let check = std::env::var("RDMASAFE_CHECK").unwrap_or_default();
@@ -288,21 +296,21 @@ pub unsafe extern "C" fn ibv_ack_cq_events(cq: *mut ibv_cq, nevents: c_uint) {
 /// # Safety
 /// As `ibv_destroy_cq`.
 #[no_mangle]
-pub unsafe extern "C" fn ibv_destroy_cq(cq: *mut ibv_cq) -> c_int {
-    boundary(
-        || libc::EIO,
-        || {
-            let st = state();
-            match (&st.mode, st.real.destroy_cq) {
-                // SAFETY: the program's argument, as ibv_destroy_cq takes it.
-                (Mode::Check(c), Some(real)) => unsafe { c.destroy_cq(real, st.real.ack_cq_events, cq) },
-                // SAFETY: as above.
-                (_, Some(real)) => unsafe { real(cq) },
-                // ibv_destroy_cq returns an errno value, not -1.
-                (_, None) => libc::ENOSYS,
-            }
-        },
-    )
+pub unsafe extern "C-unwind" fn ibv_destroy_cq(cq: *mut ibv_cq) -> c_int {
+    // A cancellation point (libibverbs waits on a condition variable for
+    // the CQ's events to be acked): "C-unwind", plain values across the
+    // call, as rdma_get_cm_event above.
+    let Some(st) = boundary(|| None, || Some(state())) else {
+        return libc::EIO;
+    };
+    match (&st.mode, st.real.destroy_cq) {
+        // SAFETY: the program's argument, as ibv_destroy_cq takes it.
+        (Mode::Check(c), Some(real)) => unsafe { c.destroy_cq(real, st.real.ack_cq_events, cq) },
+        // SAFETY: as above.
+        (_, Some(real)) => unsafe { real(cq) },
+        // ibv_destroy_cq returns an errno value, not -1.
+        (_, None) => libc::ENOSYS,
+    }
 }
 
 /// At exit (and only if an interposer ran): the info-level line of what

@@ -35,7 +35,7 @@ pub(crate) type GetCqEvent =
 /// `ibv_ack_cq_events`
 pub(crate) type AckCqEvents = unsafe extern "C" fn(*mut ibv_cq, c_uint);
 /// `ibv_destroy_cq`
-pub(crate) type DestroyCq = unsafe extern "C" fn(*mut ibv_cq) -> c_int;
+pub(crate) type DestroyCq = unsafe extern "C-unwind" fn(*mut ibv_cq) -> c_int;
 
 /// The real functions; `None` where the loader has no such definition
 /// after this library (the interposer then fails with ENOSYS).

@@ -22,6 +22,11 @@
  * no copy alive. A slot or limit unit kept by a cancelled get would make
  * that get fail with ENOBUFS.
  *
+ * rdmasafe build only: a trace-level log callback cancels its own thread
+ * (the one in rdmasafe_get_event) and calls usleep: the cancellation is
+ * deferred while rdmasafe logs, the get returns its event, and the thread
+ * is cancelled at its next cancellation point.
+ *
  * Built twice: against rdmasafe, and with -DRAW against librdmacm alone
  * (rdma_get_cm_event for the CM ways of waiting): the control that shows the
  * test's shape is librdmacm's own behaviour. Under LD_PRELOAD of
@@ -146,6 +151,79 @@ static void *waiter_main(void *arg)
 	pthread_cleanup_pop(0);
 	return NULL;
 }
+
+#ifndef RAW
+/* A log callback that cancels its own thread, then calls a cancellation
+ * point (usleep): rdmasafe runs its log output with cancellation deferred,
+ * so the cancellation must wait until the get has returned (and is acted
+ * on at the thread's next cancellation point), never unwind rdmasafe. */
+static atomic_int cancel_in_log, log_cancel_returned;
+static pthread_t log_getter_thread; /* the only thread the callback cancels */
+
+static void log_cancels(void *ctx, int level, const char *msg)
+{
+	(void)ctx;
+	(void)level;
+	(void)msg;
+	if (atomic_load(&cancel_in_log) &&
+	    pthread_equal(pthread_self(), log_getter_thread) &&
+	    atomic_exchange(&cancel_in_log, 0)) {
+		pthread_cancel(pthread_self());
+		usleep(1000);
+		atomic_store(&log_cancel_returned, 1);
+	}
+}
+
+struct log_getter {
+	struct rdma_event_channel *ch;
+	struct rdma_cm_event *ev;
+	atomic_int got, after;
+};
+
+static void *log_getter_main(void *arg)
+{
+	struct log_getter *g = arg;
+	log_getter_thread = pthread_self();
+	atomic_store(&cancel_in_log, 1);
+	if (rdmasafe_get_event(g->ch, &g->ev) == 0 && g->ev)
+		atomic_store(&g->got, 1);
+	pthread_testcancel();
+	atomic_store(&g->after, 1); /* not reached */
+	return NULL;
+}
+
+static void cancel_in_log_callback(struct rdma_event_channel *ch,
+				   struct sockaddr *dst)
+{
+	struct log_getter g = { .ch = ch };
+	struct rdma_cm_id *id = NULL;
+	pthread_t t;
+	void *res = NULL;
+
+	rdmasafe_set_log_callback(log_cancels, NULL);
+	rdmasafe_set_log_level(5); /* trace: every copy is logged */
+	if (!check(rdma_create_id(ch, &id, NULL, RDMA_PS_TCP) == 0,
+		   "log: rdma_create_id") ||
+	    !check(pthread_create(&t, NULL, log_getter_main, &g) == 0,
+		   "log: pthread_create"))
+		return;
+	check(rdma_resolve_addr(id, NULL, dst, 2000) == 0, "log: rdma_resolve_addr");
+	check(pthread_join(t, &res) == 0, "pthread_join");
+	check(res == PTHREAD_CANCELED,
+	      "log callback cancelling its thread: the join reports PTHREAD_CANCELED");
+	check(atomic_load(&log_cancel_returned),
+	      "log callback cancelling its thread: its usleep returned (cancellation deferred)");
+	check(atomic_load(&g.got) && g.ev && g.ev->event == RDMA_CM_EVENT_ADDR_RESOLVED,
+	      "log callback cancelling its thread: the get returned its event");
+	check(!atomic_load(&g.after),
+	      "log callback cancelling its thread: cancelled at its next cancellation point");
+	rdmasafe_set_log_level(0);
+	rdmasafe_set_log_callback(NULL, NULL);
+	if (g.ev)
+		check(rdmasafe_event_free(g.ev) == 0, "log: the event freed");
+	rdma_destroy_id(id);
+}
+#endif
 
 struct destroyer {
 	struct rdma_cm_id *id;
@@ -323,6 +401,9 @@ int main(int argc, char **argv)
 		      "no copy alive after the cancelled gets and the free");
 #endif
 	}
+#ifndef RAW
+	cancel_in_log_callback(ch, ai->ai_addr);
+#endif
 	rdma_destroy_id(id);
 	rdma_destroy_event_channel(ch);
 	ibv_destroy_comp_channel(cc);

@@ -354,7 +354,12 @@ impl<'a> ChannelRef<'a> {
         }
         // After the ack or the hold: a log callback that waits on the id
         // (rdma_destroy_id) is released by the free or the deadline.
-        log::trace!(target: "rdmasafe", "copied CM event {} status {}", EventType(slot.raw().event), slot.raw().status);
+        if log::log_enabled!(target: "rdmasafe", log::Level::Trace) {
+            // Whatever log backend the app has may write (a cancellation
+            // point), and a get's callers may be cancelled.
+            let _no_cancel = sys::cancel::CancelDisabled::new();
+            log::trace!(target: "rdmasafe", "copied CM event {} status {}", EventType(slot.raw().event), slot.raw().status);
+        }
         pool::warn_if_many_held(alive);
     }
 
@@ -575,7 +580,12 @@ fn _assert_send_sync() {
 #[inline(always)]
 fn no_panic<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|_| {
-        log::error!(target: "rdmasafe", "internal panic caught in a CM get");
+        // The log line must neither unwind (a backend that panics) nor be
+        // cancelled.
+        let _ = std::panic::catch_unwind(|| {
+            let _no_cancel = sys::cancel::CancelDisabled::new();
+            log::error!(target: "rdmasafe", "internal panic caught in a CM get");
+        });
         Err(Error::new("rdmasafe: internal panic", libc::EIO))
     })
 }

@@ -464,6 +464,9 @@ pub(crate) fn warn_if_many_held(alive: u64) {
 #[cold]
 fn warn_many_held(n: u64, next: u64) {
     if NEXT_WARNING.compare_exchange(next, next.saturating_mul(2), Relaxed, Relaxed).is_ok() {
+        // On the get path, whose callers may be cancelled: the app's log
+        // backend may write (a cancellation point).
+        let _no_cancel = crate::sys::cancel::CancelDisabled::new();
         log::warn!(
             target: "rdmasafe",
             "{n} CM event copies are held and not freed (oldest {} ms): free copies when done with them \

@@ -24,6 +24,7 @@
 //! cancellation point, or runs under [`CancelDisabled`] (the log output,
 //! which writes to stderr or calls the app's callback).
 
+use std::marker::PhantomData;
 use std::os::raw::{c_int, c_void};
 use std::ptr::null_mut;
 
@@ -78,7 +79,9 @@ pub unsafe fn poll_readable(fd: c_int, timeout_ms: c_int) -> c_int {
 /// in a caller's frame), must not unwind, and undoes what the caller did
 /// for the call; `call` holds plain values only (no destructor, no
 /// `catch_unwind`) across its cancellation points, and so do the callers'
-/// frames, as for [`poll_readable`].
+/// frames, as for [`poll_readable`]; `call` must not unwind but by a
+/// thread cancellation (a panic would skip the pop below and leave glibc a
+/// handler in a dead frame).
 #[inline(always)]
 pub unsafe fn call_with_cleanup<R>(
     on_cancel: unsafe extern "C" fn(*mut c_void),
@@ -118,23 +121,19 @@ pub unsafe fn get_cm_event_with_cleanup(
 /// (`pthread_setcancelstate`), restored to what it was when dropped: a
 /// `pthread_cancel` meanwhile stays pending and is acted on at the
 /// thread's next cancellation point after that.
+/// The value belongs to the thread that made it (not `Send`).
 #[must_use]
-pub struct CancelDisabled(c_int);
+pub struct CancelDisabled(c_int, PhantomData<*const ()>);
 
 impl CancelDisabled {
     /// Disables cancellation. Touches no errno.
     #[inline]
+    #[allow(clippy::new_without_default)] // a guard with an effect: no Default
     pub fn new() -> CancelDisabled {
         let mut old = 0;
         // SAFETY: a valid state constant and a writable int.
         unsafe { pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &mut old) };
-        CancelDisabled(old)
-    }
-}
-
-impl Default for CancelDisabled {
-    fn default() -> Self {
-        CancelDisabled::new()
+        CancelDisabled(old, PhantomData)
     }
 }
 
