@@ -113,7 +113,7 @@ pub unsafe extern "C-unwind" fn rdmasafe_get_event(
 /// export holding plain values only.
 #[inline(always)]
 unsafe fn get_first(ch: Option<ChannelRef<'_>>, event: *mut *mut rdma_cm_event, wait: Option<Wait>) -> c_int {
-    crate::guard_signal_safe(|| (), crate::log::ensure_installed);
+    crate::log::ensure_installed();
     let errno = rdmasafe_core::sys::errno_slot();
     // SAFETY: the calling thread's own errno.
     let saved = unsafe { *errno };

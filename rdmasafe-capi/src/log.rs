@@ -98,17 +98,29 @@ fn parse(s: &str) -> LevelFilter {
     }
 }
 
-/// Installs the backend once (called by every export through `guard`).
-/// An attempt that panicked is made again by the next call instead of
-/// poisoning every later one.
+static INSTALLED: Once = Once::new();
+
+/// Installs the backend once (called by every export through `guard`, and
+/// by the get calls). Never panics: an attempt that panicked is made again
+/// by the next call instead of poisoning every later one.
+#[inline]
 pub(crate) fn ensure_installed() {
-    static ONCE: Once = Once::new();
-    ONCE.call_once_force(|_| {
-        if log::set_logger(&LOGGER).is_ok() {
-            OURS.store(true, Relaxed);
-            let level = std::env::var("RDMASAFE_LOG").map(|s| parse(&s)).unwrap_or(LevelFilter::Off);
-            log::set_max_level(level);
-        }
+    if !INSTALLED.is_completed() {
+        install();
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn install() {
+    let _ = std::panic::catch_unwind(|| {
+        INSTALLED.call_once_force(|_| {
+            if log::set_logger(&LOGGER).is_ok() {
+                OURS.store(true, Relaxed);
+                let level = std::env::var("RDMASAFE_LOG").map(|s| parse(&s)).unwrap_or(LevelFilter::Off);
+                log::set_max_level(level);
+            }
+        })
     });
 }
 
