@@ -577,8 +577,9 @@ struct rdmasafe_cq_loop_stats {
    * Learning mode: the completions a wake delays, as the plan prices
    * them, in thousandths (1000: one; 0 before the first plan): the
    * average, over the recent wakes from the loop's own sleeps, of the
-   * completions handed to callbacks from each until the loop's next
-   * empty poll, in as many cycles as the CQs' budgets take (a
+   * completions handed to callbacks in each wake's cycle, and in the
+   * next cycles those a CQ's budget left over (not those that arrive
+   * after the wake, such as a reply's own send completion; a
    * solicited-only CQ counts once per wake, however many callback calls
    * its completions take; a loop driven with a zero timeout, embedded in
    * the app's own epoll, never sleeps itself and learns none). The plan

@@ -780,6 +780,69 @@ fn a_learning_wake_is_priced_by_the_completions_that_waited_for_it() {
     );
 }
 
+/// A completion that arrives after the wake did not wait for it, and is
+/// no part of the wake's batch: a learning loop with two CQs sleeps, one
+/// message wakes it on the first, and that message's handler has a second
+/// message sent to the second CQ (as a server's reply comes back as its
+/// own send completion) and waits until it is there. The loop finds it
+/// after the wake's cycle, before its next empty poll. Before, the batch
+/// ran to that empty poll and counted 2 for this wake (da5bb53: request-
+/// reply servers learned about 2 per wake, and priced every wake double);
+/// now the wake counts 1 and the average stays at 1000.
+#[test]
+fn a_completion_after_the_wake_is_not_in_its_batch() {
+    let bed = common::bed();
+    let _dog = common::watchdog("learning wake batch after the wake", Duration::from_secs(300));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let a = Arc::new(rc_pair(bed.addr, &chan, false, 16));
+    let b = Arc::new(rc_pair(bed.addr, &chan, false, 16));
+    a.recv(0, SLOT as u32, 1);
+    b.recv(0, SLOT as u32, 2);
+    let lp = CqLoop::new(&chan, LoopOptions { mode: Mode::Learning, ..Default::default() }).unwrap();
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let (g, bb) = (got.clone(), b.clone());
+    lp.add_cq(&a.server_cq, move |wcs, _| {
+        g.lock().unwrap().extend(wcs.iter().map(|w| w.wr_id()));
+        // the "reply": a message to the second CQ, there before this
+        // handler returns (the client's send completion comes after the
+        // server's receive; then a margin)
+        bb.send(0, &[7u8; 8], 8, 20);
+        let mut wc = [empty_wc()];
+        while bb.client_cq.poll(&mut wc).unwrap() == 0 {
+            std::thread::yield_now();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    })
+    .unwrap();
+    let g = got.clone();
+    lp.add_cq(&b.server_cq, move |wcs, _| g.lock().unwrap().extend(wcs.iter().map(|w| w.wr_id()))).unwrap();
+    let sent = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (aa, s2) = (a.clone(), sent.clone());
+    lp.set_before_sleep_hook(Some(Box::new(move || {
+        if s2.swap(true, SeqCst) {
+            return;
+        }
+        aa.send(0, &[1u8; 8], 8, 10);
+        let mut wc = [empty_wc()];
+        while aa.client_cq.poll(&mut wc).unwrap() == 0 {
+            std::thread::yield_now();
+        }
+    })));
+    while got.lock().unwrap().len() < 2 {
+        lp.process_once(Wait::For(Duration::from_millis(50))).unwrap();
+    }
+    for _ in 0..3 {
+        lp.process_once(Wait::For(Duration::from_millis(20))).unwrap();
+    }
+    let s = lp.stats();
+    println!("wake batch {} / 1000, {s:?}", s.learn_wake_batch_milli);
+    assert!(sent.load(SeqCst), "the loop slept");
+    assert_eq!(*got.lock().unwrap(), vec![1, 2]);
+    assert!(s.learn_wake_cost_ns > 0, "a plan was published");
+    assert_eq!(s.learn_wake_batch_milli, 1000, "the second message came after the wake: no part of its batch");
+}
+
 /// An app that calls `process_once(Wait::For(2 ms))` and works 30 ms
 /// between calls, a message arriving in the middle of its work: with a
 /// latency weight of 1000 the loop's spin (10 ms) outlasts every call, so

@@ -420,6 +420,8 @@ impl Core {
         // they would teach the loop a window around each probe.
         let arrived = self.delivered(own0, n) > 0;
         let n = n + spun;
+        // A CQ's budget left completions of this wake for the next cycles.
+        let budget_left = !self.ready.is_empty();
         let l = &mut self.learn;
         if let (Some(t), Some((t1, _))) = (decided, slept) {
             // The work around a sleep: what it took to get from the decision
@@ -429,15 +431,21 @@ impl Core {
         }
         if arrived {
             if slept.is_some() && l.blocked {
-                // The completions handed to handlers from the sleep to the
-                // next empty poll each waited for the wake (the loop's own
-                // keepalive probes and drain markers are not handed; see
-                // `Learn::handed`; a CQ's budget may leave some for the next
-                // cycles). A zero-timeout wait (Wait::None or a zero
+                // The completions this wake's cycle handed to handlers each
+                // waited for the wake (the loop's own keepalive probes and
+                // drain markers are not handed; see `Learn::handed`), and so
+                // did those a CQ's budget left for the next cycles: the
+                // batch runs on until the cycle that leaves no CQ over its
+                // budget. Completions that arrive after the wake (a reply's
+                // own send completion, posted by the handler) did not wait
+                // for it. A zero-timeout wait (Wait::None or a zero
                 // Wait::For: an app's epoll drives the loop, or a reactor
                 // calls it back to back; or a deadline was due) was no sleep
                 // of the loop's: what it found is no wake's batch.
                 l.batch_from = Some(handed);
+                if !budget_left {
+                    l.end_batch();
+                }
             }
             let now = match slept {
                 // Woken by the completions' event: they came about one
@@ -514,6 +522,10 @@ impl Core {
             n += self.tick(ctl, honor_stop)?;
             if n > 0 {
                 self.record_wakeup(sh, n);
+                if self.learn.batch_from.is_some() && self.ready.is_empty() {
+                    // The budget's leftovers of the last wake are handed.
+                    self.learn.end_batch();
+                }
                 if self.delivered(own0, n) > 0 {
                     if self.learn.idle_start.is_some() {
                         let now = Instant::now();

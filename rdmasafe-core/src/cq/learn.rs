@@ -41,9 +41,10 @@
 //! A wake also delays every completion that arrives while the loop is
 //! waking, not only the first: in a stream, one sleep holds back the
 //! dozens that queue up meanwhile. So `W` is also priced `b` times, `b`
-//! being the completions handed to handlers from one of the loop's own
-//! sleeps to its next empty poll (a CQ's budget may hand them over in
-//! several cycles), averaged over the recent ones ([`Model::wake_batch`],
+//! being the completions handed to handlers in the cycle of a wake from
+//! one of the loop's own sleeps, and in the next cycles those a CQ's
+//! budget left over (not those that arrive after the wake: a reply's own
+//! send completion did not wait for it), averaged over the recent ones ([`Model::wake_batch`],
 //! 1 to [`MAX_WAKE_BATCH`]; a solicited-only CQ counts once per wake,
 //! however many handler calls its completions take, since its unsolicited
 //! completions were not meant to wake the loop; 1 before

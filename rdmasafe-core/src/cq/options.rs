@@ -30,8 +30,9 @@ pub enum Mode {
     /// the next arrival is due and spinning from then (periodic traffic).
     /// A wake is priced by the completions it delays (the average over the
     /// recent wakes from the loop's own sleeps of the completions handed to
-    /// handlers from each until the loop's next empty poll, in as many
-    /// cycles as the CQs' budgets take; a solicited-only CQ counts once per
+    /// handlers in each wake's cycle, and in the next cycles those a CQ's
+    /// budget left over, not those that arrive after the wake, such as a
+    /// reply's own send completion; a solicited-only CQ counts once per
     /// wake, however many handler calls its completions take; a loop driven
     /// with [`crate::Wait::None`] or a zero timeout never sleeps itself and
     /// learns none, [`crate::cq::LoopStats::learn_wake_batch_milli`]). When the plan

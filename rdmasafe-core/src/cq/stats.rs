@@ -211,8 +211,9 @@ pub struct LoopStats {
     pub learn_wake_cost_ns: u64,
     /// Learning mode: the completions a wake delays, as the plan prices
     /// them (the average over the recent wakes from the loop's own sleeps
-    /// of the completions handed to handlers from each until the loop's
-    /// next empty poll, in as many cycles as the CQs' budgets take; a
+    /// of the completions handed to handlers in each wake's cycle, and in
+    /// the next cycles those a CQ's budget left over; not those that
+    /// arrive after the wake, such as a reply's own send completion; a
     /// solicited-only CQ counts once per wake, however many handler calls
     /// its completions take; a loop driven with [`crate::Wait::None`] or a
     /// zero timeout learns none), in thousandths (1000: one; 0 before the
