@@ -396,45 +396,23 @@ impl<'a> ChannelRef<'a> {
     /// As for [`ChannelRef::get_raw_cancellable`].
     #[inline(never)]
     unsafe fn get_waiting_cancellable(&self, wait: Wait) -> Result<*mut rdma_cm_event> {
-        let deadline = match wait {
-            Wait::For(d) => Some(sys::deadline_after(Instant::now(), d)),
-            _ => None,
+        let poll = |left: Wait| {
+            let ms = match left {
+                Wait::None => 0,
+                Wait::Forever => -1,
+                // Round up so that a 0.4 ms remainder does not become a busy 0.
+                Wait::For(d) => d.as_micros().div_ceil(1000).min(c_int::MAX as u128) as c_int,
+            };
+            // SAFETY: this frame and wait_and_get's hold plain values only
+            // (the caller's contract covers the frames above).
+            match unsafe { sys::cancel::poll_readable(self.fd(), ms) } {
+                r if r > 0 => Ok(true),
+                0 => Ok(false),
+                _ => Err(Error::new("poll", sys::errno())),
+            }
         };
-        let mut poll_first = !self.nonblocking && wait != Wait::Forever;
-        loop {
-            if poll_first {
-                let timeout_ms = match (wait, deadline) {
-                    (Wait::For(_), Some(dl)) => {
-                        let left = dl.saturating_duration_since(Instant::now());
-                        left.as_micros().div_ceil(1000).min(c_int::MAX as u128) as c_int
-                    }
-                    (Wait::None, _) => 0,
-                    _ => -1,
-                };
-                // SAFETY: this frame holds plain values only (the caller's
-                // contract covers the frames above).
-                match unsafe { sys::cancel::poll_readable(self.fd(), timeout_ms) } {
-                    r if r > 0 => {}
-                    0 => {
-                        let errno = if wait == Wait::None { libc::EAGAIN } else { libc::ETIMEDOUT };
-                        return Err(Error::new("rdma_get_cm_event", errno));
-                    }
-                    _ => {
-                        let errno = sys::errno();
-                        if errno == libc::EINTR && self.retry_eintr {
-                            continue;
-                        }
-                        return Err(Error::new("poll", errno));
-                    }
-                }
-            }
-            // SAFETY: the caller's contract, passed on.
-            match unsafe { self.get_once_cancellable() } {
-                Err(e) if e.is_would_block() && wait != Wait::None => poll_first = true,
-                Err(e) if e.errno() == libc::EINTR && self.retry_eintr => {}
-                other => return other,
-            }
-        }
+        // SAFETY: the caller's contract, passed on.
+        self.wait_and_get(wait, poll, || unsafe { self.get_once_cancellable() })
     }
 
     /// One get of [`ChannelRef::get_raw_cancellable`]: the slot as a plain
@@ -491,12 +469,32 @@ impl<'a> ChannelRef<'a> {
     }
 
     fn get_with(&self, wait: Wait, owner: Option<&Arc<ChannelInner>>) -> Result<CmEvent> {
+        let poll = |left: Wait| {
+            sys::poll_readable_ex([self.fd()], left, self.retry_eintr)
+                .map(|[ready]| ready)
+                .map_err(|e| Error::new("poll", e.raw_os_error().unwrap_or(libc::EIO)))
+        };
+        self.wait_and_get(wait, poll, || self.fetch(owner))
+    }
+
+    /// The wait of the get calls: on an fd of unknown mode a get that must
+    /// not block polls first (`poll(left)`, `left` what is left of `wait`:
+    /// `Ok(false)` when nothing came); on a blocking wait it simply gets,
+    /// as `rdma_get_cm_event` would. A get that finds nothing (EAGAIN on a
+    /// non-blocking fd) polls and tries again, until `wait` runs out. Holds
+    /// plain values only across `poll` and `get` (the cancellable get runs
+    /// through here).
+    #[inline(always)]
+    fn wait_and_get<T>(
+        &self,
+        wait: Wait,
+        mut poll: impl FnMut(Wait) -> Result<bool>,
+        mut get: impl FnMut() -> Result<T>,
+    ) -> Result<T> {
         let deadline = match wait {
             Wait::For(d) => Some(sys::deadline_after(Instant::now(), d)),
             _ => None,
         };
-        // On an fd of unknown mode, a get that must not block polls first;
-        // on a blocking wait it simply gets (as rdma_get_cm_event would).
         let mut poll_first = !self.nonblocking && wait != Wait::Forever;
         loop {
             if poll_first {
@@ -504,20 +502,19 @@ impl<'a> ChannelRef<'a> {
                     Some(dl) => Wait::For(dl.saturating_duration_since(Instant::now())),
                     None => wait,
                 };
-                let [ready] = sys::poll_readable_ex([self.fd()], left, self.retry_eintr)
-                    .map_err(|e| Error::new("poll", e.raw_os_error().unwrap_or(libc::EIO)))?;
-                if !ready {
-                    let errno = if wait == Wait::None { libc::EAGAIN } else { libc::ETIMEDOUT };
-                    return Err(Error::new("rdma_get_cm_event", errno));
+                match poll(left) {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        let errno = if wait == Wait::None { libc::EAGAIN } else { libc::ETIMEDOUT };
+                        return Err(Error::new("rdma_get_cm_event", errno));
+                    }
+                    Err(e) if e.errno() == libc::EINTR && self.retry_eintr => continue,
+                    Err(e) => return Err(e),
                 }
             }
-            match self.fetch(owner) {
-                Err(e) if e.is_would_block() => {
-                    if wait == Wait::None {
-                        return Err(e);
-                    }
-                    poll_first = true;
-                }
+            match get() {
+                Err(e) if e.is_would_block() && wait != Wait::None => poll_first = true,
+                Err(e) if e.errno() == libc::EINTR && self.retry_eintr => {}
                 other => return other,
             }
         }
