@@ -262,17 +262,6 @@ impl<'a> ChannelRef<'a> {
         self.batch_with(out, max, wait, None)
     }
 
-    /// Like [`ChannelRef::get`], for a C caller: the copy is handed out at
-    /// once as the `struct rdma_cm_event *` that [`CmEvent::free_raw`] (or
-    /// [`CmEvent::from_raw`]) takes back. The same steps as `get`, without
-    /// building a [`CmEvent`] around the slot only to take it apart again.
-    #[inline]
-    pub fn get_raw(&self) -> Result<*mut rdma_cm_event> {
-        let (mut slot, ev, alive) = self.take_event()?;
-        self.settle(&mut slot, ev, alive);
-        Ok(slot.into_c())
-    }
-
     /// One `rdma_get_cm_event` (may block per the fd's mode), then the copy,
     /// then the ack of librdmacm's original: at once, or (with an ack
     /// deadline) when the copy is freed or the deadline passes.
@@ -363,15 +352,16 @@ impl<'a> ChannelRef<'a> {
         pool::warn_if_many_held(alive);
     }
 
-    /// [`ChannelRef::get_raw`] (`wait` `None`: as the fd's mode, one get)
-    /// or [`ChannelRef::get_wait`] with the copy handed out as
-    /// [`ChannelRef::get_raw`] does, for a thread that may be cancelled
-    /// (`pthread_cancel`) while it waits, as one waiting in librdmacm's
-    /// `rdma_get_cm_event` may: the C API's get calls. The waits (poll(),
-    /// librdmacm's get) are cancellation points here; a cancellation acted
-    /// on in one unwinds this frame into the caller's and leaves nothing
-    /// taken (the slot reserved for the get is given back by a cleanup
-    /// handler) and nothing lost (the event stays in the kernel).
+    /// [`ChannelRef::get`] (`wait` `None`: as the fd's mode, one get) or
+    /// [`ChannelRef::get_wait`], for a C caller: the copy is handed out at
+    /// once as the `struct rdma_cm_event *` that [`CmEvent::free_raw`] (or
+    /// [`CmEvent::from_raw`]) takes back; and for a thread that may be
+    /// cancelled (`pthread_cancel`) while it waits, as one waiting in
+    /// librdmacm's `rdma_get_cm_event` may: the C API's get calls. The waits
+    /// (poll(), librdmacm's get) are cancellation points here; a
+    /// cancellation acted on in one unwinds this frame into the caller's and
+    /// leaves nothing taken (the slot reserved for the get is given back by
+    /// a cleanup handler; an event not yet read stays in the kernel).
     /// Panics are caught here (EIO) and never unwind.
     ///
     /// # Safety

@@ -374,7 +374,7 @@ impl CmEvent {
     }
 
     /// Frees a copy handed out by [`CmEvent::into_raw`] or
-    /// [`super::ChannelRef::get_raw`], as dropping the [`CmEvent`]
+    /// [`super::ChannelRef::get_raw_cancellable`], as dropping the [`CmEvent`]
     /// [`CmEvent::from_raw`] returns would (a copy handed to C never owns a
     /// connect request). `false`, nothing read or written, for any pointer
     /// `from_raw` refuses.
