@@ -473,7 +473,9 @@ impl<'a> ChannelRef<'a> {
     /// as `rdma_get_cm_event` would. A get that finds nothing (EAGAIN on a
     /// non-blocking fd) polls and tries again, until `wait` runs out. Holds
     /// plain values only across `poll` and `get` (the cancellable get runs
-    /// through here).
+    /// through here). A get at the [`crate::cm::set_limit`] bound fails
+    /// with ENOBUFS before it polls, as it does before it gets: it never
+    /// waits to be refused.
     #[inline(always)]
     fn wait_and_get<T>(
         &self,
@@ -486,6 +488,9 @@ impl<'a> ChannelRef<'a> {
             _ => None,
         };
         let mut poll_first = !self.nonblocking && wait != Wait::Forever;
+        if poll_first {
+            pool::LimitUnit::check()?;
+        }
         loop {
             if poll_first {
                 let left = match deadline {

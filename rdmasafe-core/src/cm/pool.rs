@@ -774,17 +774,40 @@ impl LimitUnit {
         }
         let mut held = UNITS.load(Relaxed);
         loop {
-            // Copies got before the bound was set hold no unit: counted
-            // through `outstanding` (exact once they are freed).
-            if held >= limit || outstanding() >= limit {
-                REFUSED.fetch_add(1, Relaxed);
-                return Err(crate::Error::new("rdmasafe: held CM event copies at the limit", libc::ENOBUFS));
+            if Self::reached(limit, held) {
+                return Err(Self::refuse());
             }
             match UNITS.compare_exchange_weak(held, held + 1, AcqRel, Relaxed) {
                 Ok(_) => return Ok(Some(LimitUnit(()))),
                 Err(now) => held = now,
             }
         }
+    }
+
+    /// ENOBUFS (a refusal, counted) while the bound is reached, without
+    /// taking a unit: a get that waits checks it before its wait, so that
+    /// a get at the limit fails at once, event queued or not (its unit is
+    /// taken, by [`LimitUnit::take`], only once an event is there).
+    #[inline]
+    pub(crate) fn check() -> crate::Result<()> {
+        let limit = LIMIT.load(Relaxed);
+        if limit != 0 && Self::reached(limit, UNITS.load(Relaxed)) {
+            return Err(Self::refuse());
+        }
+        Ok(())
+    }
+
+    /// Copies got before the bound was set hold no unit: counted through
+    /// `outstanding` (exact once they are freed).
+    #[inline]
+    fn reached(limit: u64, held: u64) -> bool {
+        held >= limit || outstanding() >= limit
+    }
+
+    #[cold]
+    fn refuse() -> crate::Error {
+        REFUSED.fetch_add(1, Relaxed);
+        crate::Error::new("rdmasafe: held CM event copies at the limit", libc::ENOBUFS)
     }
 }
 
