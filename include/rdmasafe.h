@@ -647,8 +647,15 @@ const char *rdmasafe_version(int *major, int *minor, int *patch);
  * (-1 forever, 0 not at all) with poll() on `context->async_fd`, whose
  * mode is not changed. One reader per context. Any handled signal ends
  * the wait with -EINTR, even one whose handler has SA_RESTART (poll() is
- * never restarted); a removed rxe device raises no event, so a signal is
- * what stops a thread waiting with -1.
+ * never restarted); a removed rxe device raises no event.
+ *
+ * A cancellation point while it waits, as `ibv_get_async_event` is: a
+ * thread cancelled (pthread_cancel, deferred type) in the wait, or with a
+ * cancellation pending when the wait begins, leaves the call by the
+ * cancellation (its cleanup handlers run, pthread_join reports
+ * PTHREAD_CANCELED) and no event is taken: cancel and join is how to stop
+ * a thread waiting with -1. Once an event is there, taking, copying and
+ * acking it runs with cancellation deferred.
  *
  * Returns 0, -EINVAL (NULL argument, `timeout_ms < -1`), -EAGAIN
  * (`timeout_ms == 0`, none), -ETIMEDOUT, -EINTR (a signal), or a

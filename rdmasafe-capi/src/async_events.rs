@@ -1,8 +1,10 @@
 //! Async device events for C: copied and acked at once.
 
 use std::os::raw::{c_char, c_int, c_void};
+use std::time::{Duration, Instant};
 
 use rdmasafe_core::cq::{AsyncElement, AsyncEventType, AsyncEvents};
+use rdmasafe_core::sys::cancel::CancelDisabled;
 use rdmasafe_core::sys::ibv_context;
 use rdmasafe_core::verbs::DeviceContext;
 use rdmasafe_core::Wait;
@@ -54,8 +56,15 @@ pub struct rdmasafe_async_event {
 /// (-1 forever, 0 not at all) with poll() on `context->async_fd`, whose
 /// mode is not changed. One reader per context. Any handled signal ends
 /// the wait with -EINTR, even one whose handler has SA_RESTART (poll() is
-/// never restarted); a removed rxe device raises no event, so a signal is
-/// what stops a thread waiting with -1.
+/// never restarted); a removed rxe device raises no event.
+///
+/// A cancellation point while it waits, as `ibv_get_async_event` is: a
+/// thread cancelled (pthread_cancel, deferred type) in the wait, or with a
+/// cancellation pending when the wait begins, leaves the call by the
+/// cancellation (its cleanup handlers run, pthread_join reports
+/// PTHREAD_CANCELED) and no event is taken: cancel and join is how to stop
+/// a thread waiting with -1. Once an event is there, taking, copying and
+/// acking it runs with cancellation deferred.
 ///
 /// Returns 0, -EINVAL (NULL argument, `timeout_ms < -1`), -EAGAIN
 /// (`timeout_ms == 0`, none), -ETIMEDOUT, -EINTR (a signal), or a
@@ -64,53 +73,91 @@ pub struct rdmasafe_async_event {
 /// # Safety
 /// `context` NULL or a live device context; `out` NULL or writable.
 #[no_mangle]
-pub unsafe extern "C" fn rdmasafe_async_get(
+pub unsafe extern "C-unwind" fn rdmasafe_async_get(
     context: *mut ibv_context,
     out: *mut rdmasafe_async_event,
     timeout_ms: c_int,
 ) -> c_int {
-    guard(
-        || -libc::EIO,
+    // The checks, before any wait: a bad size loses nothing.
+    let fd = guard(
+        || Err(-libc::EIO),
         || {
-            if out.is_null() || timeout_ms < -1 {
-                return -libc::EINVAL;
+            if context.is_null() || out.is_null() || timeout_ms < -1 {
+                return Err(-libc::EINVAL);
             }
-            // Before an event is taken (and acked): a bad size loses nothing.
             // SAFETY: out is non-NULL and readable for its size field (caller).
-            if let Err(e) = unsafe { crate::abi::check_size(out) } {
-                return e;
-            }
-            // SAFETY: context NULL or live (caller).
-            let Some(ctx) = (unsafe { DeviceContext::from_raw_checked(context) }) else { return -libc::EINVAL };
-            match AsyncEvents::new(&ctx).get(Wait::from_millis(timeout_ms as i64)) {
-                Ok(ev) => {
-                    let (kind, element, qp_num, port_num) = match ev.element {
-                        AsyncElement::Cq(p) => (RDMASAFE_ASYNC_CQ, p.cast(), 0, 0),
-                        AsyncElement::Qp(p, n) => (RDMASAFE_ASYNC_QP, p.cast(), n, 0),
-                        AsyncElement::Srq(p) => (RDMASAFE_ASYNC_SRQ, p, 0, 0),
-                        AsyncElement::Wq(p) => (RDMASAFE_ASYNC_WQ, p, 0, 0),
-                        AsyncElement::Port(n) => (RDMASAFE_ASYNC_PORT, std::ptr::null_mut(), 0, n),
-                        AsyncElement::Device => (RDMASAFE_ASYNC_DEVICE, std::ptr::null_mut(), 0, 0),
-                        AsyncElement::Unknown(v) => (RDMASAFE_ASYNC_UNKNOWN, v as *mut c_void, 0, 0),
-                    };
-                    let v = rdmasafe_async_event {
-                        size: 0,
-                        event_type: ev.event_type.0,
-                        element_kind: kind,
-                        element,
-                        qp_num,
-                        port_num,
-                    };
-                    // SAFETY: out checked non-NULL; writable for its size (caller).
-                    match unsafe { crate::abi::write_out(out, &v) } {
-                        Ok(()) => 0,
-                        Err(e) => e,
-                    }
-                }
-                Err(e) => neg(e),
-            }
+            unsafe { crate::abi::check_size(out) }?;
+            // SAFETY: context is non-NULL and live (caller).
+            Ok(unsafe { (*context).async_fd })
         },
-    )
+    );
+    let fd = match fd {
+        Ok(fd) => fd,
+        Err(e) => return e,
+    };
+    let deadline = (timeout_ms > 0).then(|| Instant::now() + Duration::from_millis(timeout_ms as u64));
+    loop {
+        let ms = match deadline {
+            None => timeout_ms,
+            Some(d) => d.saturating_duration_since(Instant::now()).as_micros().div_ceil(1000) as c_int,
+        };
+        // The wait, the cancellation point. SAFETY: this frame holds plain
+        // values only across it (fd, deadline, integers) and the export is
+        // extern "C-unwind" (rdmasafe_core::sys::cancel).
+        let r = unsafe { rdmasafe_core::sys::cancel::poll_readable(fd, ms) };
+        if r < 0 {
+            return -rdmasafe_core::sys::errno();
+        }
+        if r == 0 {
+            return if timeout_ms == 0 { -libc::EAGAIN } else { -libc::ETIMEDOUT };
+        }
+        // SAFETY: context and out checked above (caller: live, writable).
+        let rc = guard(|| -libc::EIO, || unsafe { take(context, out) });
+        // EAGAIN: readable, yet nothing to take (not with one reader per
+        // context): wait again for what is left of the timeout.
+        if rc != -libc::EAGAIN || timeout_ms == 0 {
+            return rc;
+        }
+    }
+}
+
+/// Takes the event that the fd says is there, without another wait, with
+/// cancellation deferred (the take's own poll() and read() are
+/// cancellation points, and this frame owns values with destructors).
+///
+/// # Safety
+/// `context` non-NULL and live; `out` non-NULL, writable for its size.
+unsafe fn take(context: *mut ibv_context, out: *mut rdmasafe_async_event) -> c_int {
+    let _no_cancel = CancelDisabled::new();
+    // SAFETY: context non-NULL and live (caller).
+    let Some(ctx) = (unsafe { DeviceContext::from_raw_checked(context) }) else { return -libc::EINVAL };
+    match AsyncEvents::new(&ctx).get(Wait::None) {
+        Ok(ev) => {
+            let (kind, element, qp_num, port_num) = match ev.element {
+                AsyncElement::Cq(p) => (RDMASAFE_ASYNC_CQ, p.cast(), 0, 0),
+                AsyncElement::Qp(p, n) => (RDMASAFE_ASYNC_QP, p.cast(), n, 0),
+                AsyncElement::Srq(p) => (RDMASAFE_ASYNC_SRQ, p, 0, 0),
+                AsyncElement::Wq(p) => (RDMASAFE_ASYNC_WQ, p, 0, 0),
+                AsyncElement::Port(n) => (RDMASAFE_ASYNC_PORT, std::ptr::null_mut(), 0, n),
+                AsyncElement::Device => (RDMASAFE_ASYNC_DEVICE, std::ptr::null_mut(), 0, 0),
+                AsyncElement::Unknown(v) => (RDMASAFE_ASYNC_UNKNOWN, v as *mut c_void, 0, 0),
+            };
+            let v = rdmasafe_async_event {
+                size: 0,
+                event_type: ev.event_type.0,
+                element_kind: kind,
+                element,
+                qp_num,
+                port_num,
+            };
+            // SAFETY: out non-NULL; writable for its size (caller).
+            match unsafe { crate::abi::write_out(out, &v) } {
+                Ok(()) => 0,
+                Err(e) => e,
+            }
+        }
+        Err(e) => neg(e),
+    }
 }
 
 /// The name of an async event type, e.g. "IBV_EVENT_CQ_ERR";

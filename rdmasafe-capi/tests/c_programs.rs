@@ -45,9 +45,10 @@
 //!     (`measure destroy_ms=`, no timed assertion), next to the raw build's.
 //!
 //! 12. `cm_cancel_test`: a thread waiting in `rdmasafe_get_event`,
-//!     `_timeout` (-1 and 60 s), `_events` and `ibv_get_cq_event` is
-//!     cancelled (pthread_cancel) and joined, as programs do with their CM
-//!     thread at shutdown; also with the cancellation pending when the call
+//!     `_timeout` (-1 and 60 s), `_events`, `ibv_get_cq_event` and
+//!     `rdmasafe_async_get` (-1 and 60 s; the raw build: `ibv_get_async_event`)
+//!     is cancelled (pthread_cancel) and joined, as programs do with their CM
+//!     or async-event thread at shutdown; also with the cancellation pending when the call
 //!     starts: PTHREAD_CANCELED, the cleanup handler ran, and afterwards
 //!     the channel delivers under a limit of one copy with no copy left;
 //!     a trace-level log callback that cancels its own thread inside
@@ -690,9 +691,11 @@ fn check_cancel(c: &mut Checks, runs: &BTreeMap<String, Block>) {
                 "rdmasafe_get_event_timeout(60000)",
                 "rdmasafe_get_events(-1)",
                 "ibv_get_cq_event",
+                "rdmasafe_async_get(-1)",
+                "rdmasafe_async_get(60000)",
             ],
         ),
-        ("cm_cancel_test_raw", &["rdma_get_cm_event", "ibv_get_cq_event"]),
+        ("cm_cancel_test_raw", &["rdma_get_cm_event", "ibv_get_cq_event", "ibv_get_async_event"]),
     ];
     for (label, ways) in ways {
         let b = runs.get(*label).unwrap_or(&empty);

@@ -533,7 +533,7 @@ fn check_cancel(c: &mut Checks, runs: &BTreeMap<String, Block>) {
             out.exit == Some(0) && out.fails().is_empty() && last == format!("cm_cancel_test: {oks} passed, 0 failed"),
             format!("{label}: exit {:?}, failures {:?}, last {last:?}", out.exit, out.fails()),
         );
-        for way in ["rdma_get_cm_event", "ibv_get_cq_event"] {
+        for way in ["rdma_get_cm_event", "ibv_get_cq_event", "ibv_get_async_event"] {
             for pending in ["", " (cancel pending at the call)"] {
                 let want = format!("ok   {way}{pending}: the join reports PTHREAD_CANCELED");
                 c.that(out.has(&want), format!("{label}: no \"{want}\""));

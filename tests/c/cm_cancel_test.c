@@ -6,9 +6,11 @@
  * the process nor lose anything.
  *
  * For each way of waiting (rdmasafe_get_event; rdmasafe_get_event_timeout
- * with -1 and with 60 s; rdmasafe_get_events with -1; and libibverbs'
- * ibv_get_cq_event, which rdmasafe's interposer interposes) on a
- * blocking-mode channel with no event: a thread with a cleanup handler waits, main
+ * with -1 and with 60 s; rdmasafe_get_events with -1; libibverbs'
+ * ibv_get_cq_event, which rdmasafe's interposer interposes; and for a
+ * device's async events rdmasafe_async_get with -1 and with 60 s, or
+ * libibverbs' ibv_get_async_event in the raw build) on a blocking-mode
+ * channel with no event: a thread with a cleanup handler waits, main
  * cancels and joins it. Checked: the join reports PTHREAD_CANCELED, the
  * thread's cleanup handler ran, and the thread never returned from the
  * call. The same with a cancellation that is already pending when the
@@ -28,7 +30,8 @@
  * is cancelled at its next cancellation point.
  *
  * Built twice: against rdmasafe, and with -DRAW against librdmacm alone
- * (rdma_get_cm_event for the CM ways of waiting): the control that shows the
+ * (rdma_get_cm_event for the CM ways of waiting, ibv_get_async_event for the
+ * async ones): the control that shows the
  * test's shape is librdmacm's own behaviour. Under LD_PRELOAD of
  * rdmasafe's interposer the raw build checks the interposed
  * rdma_get_cm_event the same way.
@@ -80,7 +83,7 @@ static void on_alarm(int sig)
 	_exit(97);
 }
 
-enum way { GET, TIMEOUT_FOREVER, TIMEOUT_60S, BATCH, CQ_EVENT, NWAYS };
+enum way { GET, TIMEOUT_FOREVER, TIMEOUT_60S, BATCH, CQ_EVENT, ASYNC_FOREVER, ASYNC_60S, NWAYS };
 static const char *const way_name[NWAYS] = {
 #ifdef RAW
 	"rdma_get_cm_event",
@@ -88,12 +91,19 @@ static const char *const way_name[NWAYS] = {
 	"rdmasafe_get_event",
 #endif
 	"rdmasafe_get_event_timeout(-1)", "rdmasafe_get_event_timeout(60000)",
-	"rdmasafe_get_events(-1)", "ibv_get_cq_event"
+	"rdmasafe_get_events(-1)", "ibv_get_cq_event",
+#ifdef RAW
+	"ibv_get_async_event",
+#else
+	"rdmasafe_async_get(-1)",
+#endif
+	"rdmasafe_async_get(60000)"
 };
 
 struct waiter {
 	struct rdma_event_channel *ch;
 	struct ibv_comp_channel *cc;
+	struct ibv_context *vctx;
 	enum way way;
 	int pending_first;  /* the cancellation is pending when the call starts */
 	atomic_int started;
@@ -116,6 +126,19 @@ static int wait_once(struct waiter *w)
 		void *ctx;
 		return ibv_get_cq_event(w->cc, &cq, &ctx);
 	}
+#ifdef RAW
+	if (w->way == ASYNC_FOREVER) {
+		struct ibv_async_event ae;
+		return ibv_get_async_event(w->vctx, &ae);
+	}
+#else
+	if (w->way == ASYNC_FOREVER || w->way == ASYNC_60S) {
+		struct rdmasafe_async_event ae;
+		memset(&ae, 0, sizeof ae);
+		ae.size = sizeof ae;
+		return rdmasafe_async_get(w->vctx, &ae, w->way == ASYNC_FOREVER ? -1 : 60000);
+	}
+#endif
 #ifdef RAW
 	return rdma_get_cm_event(w->ch, &ev);
 #else
@@ -296,10 +319,11 @@ static void cancel_destroy(struct rdma_event_channel *ch, struct sockaddr *dst)
 }
 
 static void cancel_one(struct rdma_event_channel *ch,
-		       struct ibv_comp_channel *cc, enum way way, int pending_first)
+		       struct ibv_comp_channel *cc, struct ibv_context *vctx,
+		       enum way way, int pending_first)
 {
 	char what[160];
-	struct waiter w = { .ch = ch, .cc = cc, .way = way,
+	struct waiter w = { .ch = ch, .cc = cc, .vctx = vctx, .way = way,
 			    .pending_first = pending_first };
 	pthread_t t;
 	void *res = NULL;
@@ -368,10 +392,10 @@ int main(int argc, char **argv)
 	for (int p = 0; p < 2; p++)
 		for (int way = 0; way < NWAYS; way++) {
 #ifdef RAW
-			if (way != GET && way != CQ_EVENT)
-				continue; /* one way of waiting in librdmacm */
+			if (way != GET && way != CQ_EVENT && way != ASYNC_FOREVER)
+				continue; /* one way of waiting in each library */
 #endif
-			cancel_one(ch, cc, way, p);
+			cancel_one(ch, cc, vctx, way, p);
 		}
 
 	/* The channel still delivers, and nothing of the cancelled gets is
