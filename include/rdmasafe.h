@@ -27,12 +27,13 @@
  * no exception may leave them (declare them noexcept).
  *
  * Thread cancellation: rdmasafe_get_event, rdmasafe_get_event_timeout and
- * rdmasafe_get_events are cancellation points, as rdma_get_cm_event is: a
- * thread cancelled (pthread_cancel, deferred type) while it waits for an
- * event in one, or with a cancellation pending when it calls one (unless
- * the call fails before it waits: EINVAL, ENOBUFS, ENOMEM), leaves the
- * call by the cancellation (its cleanup handlers run, pthread_join reports
- * PTHREAD_CANCELED), and nothing is kept: no copy or unit of
+ * rdmasafe_get_events are cancellation points, as rdma_get_cm_event is, and
+ * so is rdmasafe_async_get, as ibv_get_async_event is: a thread cancelled
+ * (pthread_cancel, deferred type) while it waits in one, or with a
+ * cancellation pending when it calls one (unless the call fails before it
+ * waits: EINVAL, or ENOBUFS at the rdmasafe_cm_set_limit bound), leaves
+ * the call by the cancellation (its cleanup handlers run, pthread_join
+ * reports PTHREAD_CANCELED), and nothing is kept: no copy or unit of
  * rdmasafe_cm_set_limit stays taken, and an event not yet read from the
  * kernel stays there for the next get (as with librdmacm, one the kernel
  * handed over as the cancellation came is lost). rdmasafe_get_events acts
@@ -40,16 +41,21 @@
  * one, the rest of the batch runs with cancellation deferred until it
  * returns (on a blocking-mode channel that another thread reads as well,
  * that rest can block: see rdmasafe_get_events). No other rdmasafe
- * function is a cancellation point for the app: do not cancel a thread
- * while it is inside one, callbacks included (they run inside the call
- * that runs the loop). glibc carries a cancellation out by unwinding the
- * thread's stack, and rdmasafe's boundary, which stops every other unwind,
- * then aborts the process ("FATAL: exception not rethrown"). A pending
+ * function is a cancellation point for the app, the CQ loop's included
+ * (unlike the ibv_get_cq_event they replace): do not cancel a thread while
+ * it is inside one, callbacks included (they run inside the call that runs
+ * the loop). glibc carries a cancellation out by unwinding the thread's
+ * stack, and rdmasafe's boundary, which stops every other unwind, then
+ * aborts the process ("FATAL: exception not rethrown"). A pending
  * cancellation is acted on at the first cancellation point inside, and
- * rdmasafe's own read(), poll() and epoll_wait() are ones even when they
- * would not block. Stop a CQ loop's thread with rdmasafe_cq_loop_stop and
- * join it, or keep cancellation disabled (pthread_setcancelstate) while it
- * is inside rdmasafe. Asynchronous cancellation
+ * every one rdmasafe reaches counts, even where it would not block: its
+ * read(), write() (every wake of a loop, rdmasafe_cq_loop_stop's
+ * included), close(), poll() and epoll_wait(), and libibverbs' own waits.
+ * Stop a CQ loop's thread with rdmasafe_cq_loop_stop and join it, or keep
+ * cancellation disabled (pthread_setcancelstate) while it is inside
+ * rdmasafe. The log callback runs with cancellation disabled: a
+ * cancellation that comes while it runs is acted on at the thread's next
+ * cancellation point after it. Asynchronous cancellation
  * (PTHREAD_CANCEL_ASYNCHRONOUS) is not supported inside any rdmasafe
  * function (librdmacm is not async-cancel-safe either). Do not cancel a
  * thread waiting in rdma_destroy_id: librdmacm then leaves the id's mutex
@@ -620,7 +626,11 @@ typedef void (*rdmasafe_dead_peer_cb)(void *ctx, struct ibv_qp *qp, uint32_t qp_
  * deadline") is written by a thread of rdmasafe's ("rdmasafe-cm-log")
  * after the ack, so a callback blocked in it holds up no deadline (at most
  * 256 such lines wait for it; more are dropped). A callback that blocks on
- * a loop's thread stalls that loop.
+ * a loop's thread stalls that loop. It runs with thread cancellation
+ * disabled (pthread_setcancelstate): a cancellation that comes while it
+ * runs, or that was pending, is acted on at the thread's next
+ * cancellation point after the logging call, and a wait in it is not a
+ * way out of a cancelled thread.
  */
 typedef void (*rdmasafe_log_cb)(void *ctx, int level, const char *msg);
 
@@ -789,9 +799,12 @@ int rdmasafe_get_events(struct rdma_event_channel *channel,
 
 /**
  * Frees a copy returned by the get calls (replaces `rdma_ack_cm_event`).
- * Never blocks. If librdmacm's original was still held (see
- * `rdmasafe_get_event`), it is acked here, last, so a thread waiting in
- * `rdma_destroy_id` for it wakes after the copy is gone. Safe after the
+ * Does not wait for anything of the app's. If librdmacm's original was
+ * still held (see `rdmasafe_get_event`), it is acked here, last, so a
+ * thread waiting in `rdma_destroy_id` for it wakes after the copy is
+ * gone; that ack takes librdmacm's mutex of the event's id for a moment
+ * (it blocks for good only after a thread was cancelled inside
+ * `rdma_destroy_id` of that id, see the header's conventions). Safe after the
  * event's id was destroyed. Thread-safe. `rdmasafe_event_free(NULL)` does
  * nothing and returns 0.
  *
@@ -843,7 +856,13 @@ const char *rdmasafe_event_str(int event);
  * quarter of the shortest deadline in use after that, at most 250 ms
  * later; a get takes no lock for it). 0 acks at once (a held copy then never
  * delays `rdma_destroy_id`, and `ev->id` may be destroyed while the copy is
- * held). Applies to gets from now on. The default is 1000 ms, or
+ * held). With a deadline, a thread that destroys an event's id before it
+ * frees the copy waits in `rdma_destroy_id` until the deadline (where
+ * librdmacm would wait forever): free first, or set 0. The deadlines are
+ * kept by one thread for the process: a thread cancelled inside
+ * `rdma_destroy_id` leaves that id's mutex locked, and once the ack thread
+ * blocks on it no other deadline is kept (header conventions). Applies to
+ * gets from now on. The default is 1000 ms, or
  * RDMASAFE_ACK_DEADLINE_MS from the environment. Thread-safe.
  *
  * Returns the previous value in ms (>= 0), or -EINVAL for `ms < 0`.
@@ -1007,7 +1026,10 @@ int rdmasafe_cq_loop_destroy_cq(struct rdmasafe_cq_loop *cq_loop, struct ibv_cq 
  * `rdmasafe_cq_loop_fd` readable when the loop has work left (the CQs
  * the stop left to arm again). Blocks. Signals do not end it (a
  * profiler's SIGPROF is harmless); a signal handler may call
- * `rdmasafe_cq_loop_stop`.
+ * `rdmasafe_cq_loop_stop`. Not a cancellation point, unlike the
+ * `ibv_get_cq_event` it replaces: a thread cancelled inside it (or in a
+ * callback) aborts the process; stop it with `rdmasafe_cq_loop_stop` and
+ * join the thread.
  *
  * Returns 0, -EINVAL (unknown or destroyed loop), -EBUSY (another thread
  * runs it), -EDEADLK (from a callback), or the negative errno of a failed

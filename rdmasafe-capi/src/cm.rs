@@ -241,9 +241,12 @@ pub unsafe extern "C-unwind" fn rdmasafe_get_events(
 }
 
 /// Frees a copy returned by the get calls (replaces `rdma_ack_cm_event`).
-/// Never blocks. If librdmacm's original was still held (see
-/// `rdmasafe_get_event`), it is acked here, last, so a thread waiting in
-/// `rdma_destroy_id` for it wakes after the copy is gone. Safe after the
+/// Does not wait for anything of the app's. If librdmacm's original was
+/// still held (see `rdmasafe_get_event`), it is acked here, last, so a
+/// thread waiting in `rdma_destroy_id` for it wakes after the copy is
+/// gone; that ack takes librdmacm's mutex of the event's id for a moment
+/// (it blocks for good only after a thread was cancelled inside
+/// `rdma_destroy_id` of that id, see the header's conventions). Safe after the
 /// event's id was destroyed. Thread-safe. `rdmasafe_event_free(NULL)` does
 /// nothing and returns 0.
 ///
@@ -336,7 +339,13 @@ pub extern "C" fn rdmasafe_event_str(event: c_int) -> *const c_char {
 /// quarter of the shortest deadline in use after that, at most 250 ms
 /// later; a get takes no lock for it). 0 acks at once (a held copy then never
 /// delays `rdma_destroy_id`, and `ev->id` may be destroyed while the copy is
-/// held). Applies to gets from now on. The default is 1000 ms, or
+/// held). With a deadline, a thread that destroys an event's id before it
+/// frees the copy waits in `rdma_destroy_id` until the deadline (where
+/// librdmacm would wait forever): free first, or set 0. The deadlines are
+/// kept by one thread for the process: a thread cancelled inside
+/// `rdma_destroy_id` leaves that id's mutex locked, and once the ack thread
+/// blocks on it no other deadline is kept (header conventions). Applies to
+/// gets from now on. The default is 1000 ms, or
 /// RDMASAFE_ACK_DEADLINE_MS from the environment. Thread-safe.
 ///
 /// Returns the previous value in ms (>= 0), or -EINVAL for `ms < 0`.

@@ -647,7 +647,10 @@ unsafe fn destroy_left_cq(cq: *mut ibv_cq) -> c_int {
 /// `rdmasafe_cq_loop_fd` readable when the loop has work left (the CQs
 /// the stop left to arm again). Blocks. Signals do not end it (a
 /// profiler's SIGPROF is harmless); a signal handler may call
-/// `rdmasafe_cq_loop_stop`.
+/// `rdmasafe_cq_loop_stop`. Not a cancellation point, unlike the
+/// `ibv_get_cq_event` it replaces: a thread cancelled inside it (or in a
+/// callback) aborts the process; stop it with `rdmasafe_cq_loop_stop` and
+/// join the thread.
 ///
 /// Returns 0, -EINVAL (unknown or destroyed loop), -EBUSY (another thread
 /// runs it), -EDEADLK (from a callback), or the negative errno of a failed

@@ -30,7 +30,11 @@ use crate::guard;
 /// deadline") is written by a thread of rdmasafe's ("rdmasafe-cm-log")
 /// after the ack, so a callback blocked in it holds up no deadline (at most
 /// 256 such lines wait for it; more are dropped). A callback that blocks on
-/// a loop's thread stalls that loop.
+/// a loop's thread stalls that loop. It runs with thread cancellation
+/// disabled (pthread_setcancelstate): a cancellation that comes while it
+/// runs, or that was pending, is acted on at the thread's next
+/// cancellation point after the logging call, and a wait in it is not a
+/// way out of a cancelled thread.
 pub type rdmasafe_log_cb = Option<unsafe extern "C" fn(ctx: *mut c_void, level: c_int, msg: *const c_char)>;
 
 struct CSink {
