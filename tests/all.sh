@@ -8,7 +8,15 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 start=$SECONDS
-step() { echo "== [$((SECONDS - start)) s] $*" >&2; }
+# The space left where cargo writes, at every step: a disk that fills up
+# shows itself as a failed copy or link, far from its cause.
+free_space() {
+	local dir=${CARGO_TARGET_DIR:-target}
+	[[ -d $dir ]] || dir=.
+	df -Pk "$dir" | awk 'NR == 2 { printf "%.1f GiB free", $4 / 1048576 }'
+}
+step() { echo "== [$((SECONDS - start)) s] $* ($(free_space))" >&2; }
+trap 'echo "== [$((SECONDS - start)) s] failed ($(free_space))" >&2' ERR
 
 step "setup"
 tests/setup.sh
