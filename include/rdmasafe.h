@@ -49,9 +49,11 @@
  * aborts the process ("FATAL: exception not rethrown"). A pending
  * cancellation is acted on at the first cancellation point inside, and
  * every one rdmasafe reaches counts, even where it would not block: its
- * read(), write() (every wake of a loop, rdmasafe_cq_loop_stop's
- * included), close(), poll() and epoll_wait(), and libibverbs' own waits.
- * Stop a CQ loop's thread with rdmasafe_cq_loop_stop and join it, or keep
+ * read() of a channel or of a loop's timer, close(), poll() and
+ * epoll_wait(), and libibverbs' own waits. A loop's wake is none (a raw system call), so
+ * rdmasafe_cq_loop_stop may be called with a cancellation pending: it
+ * returns, and the thread is cancelled at its own next cancellation
+ * point. Stop a CQ loop's thread with rdmasafe_cq_loop_stop and join it, or keep
  * cancellation disabled (pthread_setcancelstate) while it is inside
  * rdmasafe. The log callback runs with cancellation disabled: a
  * cancellation that comes while it runs is acted on at the thread's next
@@ -1096,7 +1098,8 @@ int rdmasafe_cq_loop_next_timeout_ms(struct rdmasafe_cq_loop *cq_loop, int *time
  * kept: the next `rdmasafe_cq_loop_run` flushes and returns 0 at once.
  * Thread-safe, callable from a callback, never
  * blocks, and async-signal-safe: it takes no lock and leaves errno as it
- * was, so a signal handler may call it.
+ * was, so a signal handler may call it. No cancellation point: a thread
+ * with a cancellation pending may call it (the wake is a raw system call).
  *
  * Returns 0 or -EINVAL.
  */

@@ -771,7 +771,8 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_next_timeout_ms(
 /// kept: the next `rdmasafe_cq_loop_run` flushes and returns 0 at once.
 /// Thread-safe, callable from a callback, never
 /// blocks, and async-signal-safe: it takes no lock and leaves errno as it
-/// was, so a signal handler may call it.
+/// was, so a signal handler may call it. No cancellation point: a thread
+/// with a cancellation pending may call it (the wake is a raw system call).
 ///
 /// Returns 0 or -EINVAL.
 #[no_mangle]

@@ -51,6 +51,8 @@
 //!     or async-event thread at shutdown; also with the cancellation pending when the call
 //!     starts: PTHREAD_CANCELED, the cleanup handler ran, and afterwards
 //!     the channel delivers under a limit of one copy with no copy left;
+//!     `rdmasafe_cq_loop_stop` called with a cancellation pending returns 0
+//!     (no cancellation point inside) and the stop is kept;
 //!     a trace-level log callback that cancels its own thread inside
 //!     `rdmasafe_get_event` and calls usleep: deferred, the get returns its
 //!     event, the thread is cancelled at its next cancellation point.
@@ -711,6 +713,14 @@ fn check_cancel(c: &mut Checks, runs: &BTreeMap<String, Block>) {
         }
         if *label == "cm_cancel_test" {
             needles.push("no copy alive after the cancelled gets and the free".to_string());
+            for what in [
+                "the join reports PTHREAD_CANCELED",
+                "it returned 0 (no cancellation point inside)",
+                "the thread's cleanup handler ran",
+                "the stop is kept: the next run returns 0 at once",
+            ] {
+                needles.push(format!("rdmasafe_cq_loop_stop (cancel pending at the call): {what}"));
+            }
             for what in [
                 "the join reports PTHREAD_CANCELED",
                 "its usleep returned (cancellation deferred)",

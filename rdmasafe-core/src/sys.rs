@@ -330,23 +330,28 @@ impl WakeFd {
     }
 
     /// Makes the fd readable (wakes pollers). Async-signal-safe: one
-    /// write(2), and errno is kept as it was.
+    /// write system call, and errno is kept as it was. Made with
+    /// `syscall(2)`, not libc's `write()`: never a thread-cancellation
+    /// point (the eventfd never blocks), so a thread with a cancellation
+    /// pending may wake a loop (`rdmasafe_cq_loop_stop`) without being
+    /// unwound out of rdmasafe.
     pub fn wake(&self) {
         use std::os::fd::AsRawFd;
         let one: u64 = 1;
         let saved = errno_raw();
         // SAFETY: writes 8 bytes from a valid u64; failure (counter full)
         // still leaves the fd readable, which is all a wake needs.
-        unsafe { libc::write(self.0.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        unsafe { libc::syscall(libc::SYS_write, self.0.as_raw_fd(), (&one as *const u64).cast::<c_void>(), 8usize) };
         set_errno(saved);
     }
 
-    /// Resets the fd to not readable.
+    /// Resets the fd to not readable (a read system call, not a
+    /// cancellation point, as in [`WakeFd::wake`]).
     pub fn drain(&self) {
         use std::os::fd::AsRawFd;
         let mut v: u64 = 0;
         // SAFETY: reads 8 bytes into a valid u64; EAGAIN when already reset.
-        unsafe { libc::read(self.0.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+        unsafe { libc::syscall(libc::SYS_read, self.0.as_raw_fd(), (&mut v as *mut u64).cast::<c_void>(), 8usize) };
     }
 
     /// The fd, for poll().

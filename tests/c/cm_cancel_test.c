@@ -24,6 +24,11 @@
  * no copy alive. A slot or limit unit kept by a cancelled get would make
  * that get fail with ENOBUFS.
  *
+ * rdmasafe build only: rdmasafe_cq_loop_stop called with a cancellation
+ * pending is no cancellation point (its wake is a raw write system call):
+ * it returns 0, the thread is cancelled at its own next cancellation
+ * point, and the stop is kept (the loop's next run returns at once).
+ *
  * rdmasafe build only: a trace-level log callback cancels its own thread
  * (the one in rdmasafe_get_event) and calls usleep: the cancellation is
  * deferred while rdmasafe logs, the get returns its event, and the thread
@@ -176,6 +181,64 @@ static void *waiter_main(void *arg)
 }
 
 #ifndef RAW
+struct stopper {
+	struct rdmasafe_cq_loop *lp;
+	atomic_int started, cancelled, returned, cleaned;
+	int rc;
+};
+
+static void stopper_cleanup(void *arg)
+{
+	atomic_store(&((struct stopper *)arg)->cleaned, 1);
+}
+
+static void *stopper_main(void *arg)
+{
+	struct stopper *s = arg;
+	int old;
+	pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &old);
+	pthread_cleanup_push(stopper_cleanup, s);
+	atomic_store(&s->started, 1);
+	while (!atomic_load(&s->cancelled))
+		usleep(1000);
+	pthread_setcancelstate(PTHREAD_CANCEL_ENABLE, &old);
+	s->rc = rdmasafe_cq_loop_stop(s->lp);
+	atomic_store(&s->returned, 1);
+	pthread_testcancel();
+	pthread_cleanup_pop(0);
+	return NULL;
+}
+
+static void stop_with_cancel_pending(struct ibv_context *vctx)
+{
+	const char *w = "rdmasafe_cq_loop_stop (cancel pending at the call): ";
+	char what[160];
+	struct ibv_comp_channel *lc = ibv_create_comp_channel(vctx);
+	struct stopper s = { 0 };
+	pthread_t t;
+	void *res = NULL;
+
+	if (!check(lc && rdmasafe_cq_loop_create(lc, NULL, &s.lp) == 0, "a loop for the stop"))
+		return;
+	if (!check(pthread_create(&t, NULL, stopper_main, &s) == 0, "pthread_create"))
+		return;
+	while (!atomic_load(&s.started))
+		usleep(1000);
+	check(pthread_cancel(t) == 0, "pthread_cancel");
+	atomic_store(&s.cancelled, 1);
+	check(pthread_join(t, &res) == 0, "pthread_join");
+	snprintf(what, sizeof what, "%sthe join reports PTHREAD_CANCELED", w);
+	check(res == PTHREAD_CANCELED, what);
+	snprintf(what, sizeof what, "%sit returned 0 (no cancellation point inside)", w);
+	check(atomic_load(&s.returned) && s.rc == 0, what);
+	snprintf(what, sizeof what, "%sthe thread's cleanup handler ran", w);
+	check(atomic_load(&s.cleaned), what);
+	snprintf(what, sizeof what, "%sthe stop is kept: the next run returns 0 at once", w);
+	check(rdmasafe_cq_loop_run(s.lp) == 0, what);
+	check(rdmasafe_cq_loop_destroy(s.lp) == 0, "rdmasafe_cq_loop_destroy");
+	ibv_destroy_comp_channel(lc);
+}
+
 /* A log callback that cancels its own thread, then calls a cancellation
  * point (usleep): rdmasafe runs its log output with cancellation deferred,
  * so the cancellation must wait until the get has returned (and is acted
@@ -426,6 +489,7 @@ int main(int argc, char **argv)
 #endif
 	}
 #ifndef RAW
+	stop_with_cancel_pending(vctx);
 	cancel_in_log_callback(ch, ai->ai_addr);
 #endif
 	rdma_destroy_id(id);
