@@ -545,7 +545,11 @@ impl<'a> ChannelRef<'a> {
                 }
                 // Nothing more ready (or a failure after the first event,
                 // which the next call will report): return what we have.
-                Err(_) => break,
+                // The bound reached stops the batch without failing it.
+                Err(e) => {
+                    pool::LimitUnit::uncount(&e);
+                    break;
+                }
             }
         }
         n

@@ -807,9 +807,22 @@ impl LimitUnit {
     #[cold]
     fn refuse() -> crate::Error {
         REFUSED.fetch_add(1, Relaxed);
-        crate::Error::new("rdmasafe: held CM event copies at the limit", libc::ENOBUFS)
+        crate::Error::new(REFUSAL, libc::ENOBUFS)
+    }
+
+    /// For the rest of a batch, which stops at the bound without failing
+    /// the call: `e`, if it is this thread's refusal just counted, is no
+    /// refusal of a get (`refused_at_limit` counts calls that fail).
+    #[cold]
+    pub(crate) fn uncount(e: &crate::Error) {
+        if e.errno() == libc::ENOBUFS && e.op() == REFUSAL {
+            REFUSED.fetch_sub(1, Relaxed);
+        }
     }
 }
+
+/// The `op` of a refusal at the bound (and of nothing else).
+const REFUSAL: &str = "rdmasafe: held CM event copies at the limit";
 
 impl Drop for LimitUnit {
     fn drop(&mut self) {
@@ -835,8 +848,10 @@ impl SlotBox {
 /// the event stays in the kernel until copies are freed. Gets in flight
 /// count: threads getting at once never hold more than the bound between
 /// them (copies got before the bound was set count as alive, not exactly
-/// against racing gets, until they are freed). A get fails at
-/// once, whether an event is pending or not, and nothing wakes a waiter
+/// against racing gets, until they are freed). A get at the bound fails at
+/// once, whether an event is pending or not (a get with a timeout holds no
+/// unit while it waits: when other gets reach the bound meanwhile, it is
+/// refused as its event comes, which stays in the kernel), and nothing wakes a waiter
 /// when a copy is freed (an async `AsyncEventChannel::next` returns
 /// ENOBUFS at its next get: at once, or when an event comes if it found
 /// the channel empty last): free copies before you get again, or a loop
