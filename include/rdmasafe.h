@@ -31,7 +31,7 @@
  * so is rdmasafe_async_get, as ibv_get_async_event is: a thread cancelled
  * (pthread_cancel, deferred type) while it waits in one, or with a
  * cancellation pending when it calls one (unless the call fails before it
- * waits: EINVAL, or ENOBUFS at the rdmasafe_cm_set_limit bound), leaves
+ * waits: EINVAL, ENOBUFS at the rdmasafe_cm_set_limit bound, ENOMEM), leaves
  * the call by the cancellation (its cleanup handlers run, pthread_join
  * reports PTHREAD_CANCELED), and nothing is kept: no copy or unit of
  * rdmasafe_cm_set_limit stays taken, and an event not yet read from the
@@ -878,10 +878,11 @@ int rdmasafe_cm_set_ack_deadline(int ms);
  * blocked in librdmacm counts as a copy held: threads getting at once
  * never hold more than the bound between them (copies got before the
  * bound was set are counted, but not against racing gets, until they are
- * freed). A get at the bound fails at once, without waiting. A timed get
- * holds no unit while it waits: when other threads' gets reach the bound
- * meanwhile (or it is lowered), it is refused as its event comes, which
- * stays in the kernel. Also,
+ * freed). A get at the bound fails at once, without waiting. A get that
+ * waits in poll() (any timeout on an O_NONBLOCK channel, a timeout other
+ * than -1 on a blocking one) holds no unit while it waits: when other
+ * threads' gets reach the bound meanwhile (or it is lowered), it is
+ * refused as its event comes, which stays in the kernel. Also,
  * whatever the limit, a warn-level log line says so when the copies held
  * pass 4096, and again at every doubling. Thread-safe.
  *

@@ -368,10 +368,11 @@ pub extern "C" fn rdmasafe_cm_set_ack_deadline(ms: c_int) -> c_int {
 /// blocked in librdmacm counts as a copy held: threads getting at once
 /// never hold more than the bound between them (copies got before the
 /// bound was set are counted, but not against racing gets, until they are
-/// freed). A get at the bound fails at once, without waiting. A timed get
-/// holds no unit while it waits: when other threads' gets reach the bound
-/// meanwhile (or it is lowered), it is refused as its event comes, which
-/// stays in the kernel. Also,
+/// freed). A get at the bound fails at once, without waiting. A get that
+/// waits in poll() (any timeout on an O_NONBLOCK channel, a timeout other
+/// than -1 on a blocking one) holds no unit while it waits: when other
+/// threads' gets reach the bound meanwhile (or it is lowered), it is
+/// refused as its event comes, which stays in the kernel. Also,
 /// whatever the limit, a warn-level log line says so when the copies held
 /// pass 4096, and again at every doubling. Thread-safe.
 ///

@@ -268,7 +268,13 @@ impl<'a> ChannelRef<'a> {
     /// With an owner, a CONNECT_REQUEST's new id gets a token as context and
     /// is owned by the returned event.
     fn fetch(&self, owner: Option<&Arc<ChannelInner>>) -> Result<CmEvent> {
-        let (mut slot, ev, alive) = self.take_event()?;
+        self.fetch_counting::<true>(owner)
+    }
+
+    /// [`ChannelRef::fetch`]; `COUNT` as for [`pool::LimitUnit::take`].
+    #[inline(always)]
+    fn fetch_counting<const COUNT: bool>(&self, owner: Option<&Arc<ChannelInner>>) -> Result<CmEvent> {
+        let (mut slot, ev, alive) = self.take_event::<COUNT>()?;
         let request = match owner {
             Some(owner) if EventType(slot.raw().event) == EventType::CONNECT_REQUEST && !slot.raw().id.is_null() => {
                 let token = IdToken::next();
@@ -292,8 +298,8 @@ impl<'a> ChannelRef<'a> {
     /// Storage and a unit of the limit for one get: taken before
     /// librdmacm is asked, so a failure here leaves the event in the kernel.
     #[inline(always)]
-    fn reserve(&self) -> Result<pool::SlotBox> {
-        let unit = pool::LimitUnit::take()?;
+    fn reserve<const COUNT: bool>(&self) -> Result<pool::SlotBox> {
+        let unit = pool::LimitUnit::take::<COUNT>()?;
         let mut slot = pool::take()?;
         slot.keep_unit(unit);
         Ok(slot)
@@ -303,8 +309,8 @@ impl<'a> ChannelRef<'a> {
     /// librdmacm's original, not acked yet (see [`ChannelRef::settle`]),
     /// and the copies alive now.
     #[inline]
-    fn take_event(&self) -> Result<(pool::SlotBox, *mut rdma_cm_event, u64)> {
-        let mut slot = self.reserve()?;
+    fn take_event<const COUNT: bool>(&self) -> Result<(pool::SlotBox, *mut rdma_cm_event, u64)> {
+        let mut slot = self.reserve::<COUNT>()?;
         let mut ev = null_mut();
         loop {
             // SAFETY: raw is a live channel; ev receives an event pointer.
@@ -423,7 +429,7 @@ impl<'a> ChannelRef<'a> {
             // and the slot then leaks.
             let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| pending.abandon()));
         }
-        let pending = no_panic(|| self.reserve().map(pool::SlotBox::into_pending))?;
+        let pending = no_panic(|| self.reserve::<true>().map(pool::SlotBox::into_pending))?;
         let mut ev = null_mut();
         // SAFETY: raw is a live channel, ev receives the event; give_back
         // gets the address of `pending`, which lives in this frame until
@@ -453,7 +459,10 @@ impl<'a> ChannelRef<'a> {
 
     /// Takes up to `max` events that are ready without waiting, appending
     /// them to `out`: the rest of a batch after its first event. Returns
-    /// how many; stops at the first failure (the next get reports it).
+    /// how many; stops at the first failure (the next get reports it). At
+    /// the [`crate::cm::set_limit`] bound it stops without counting a
+    /// refused get (the batch's first get is the one that counts), so
+    /// call it after a get, not instead of one.
     pub fn get_more(&self, out: &mut Vec<CmEvent>, max: usize) -> usize {
         self.more_with(out, max, None)
     }
@@ -473,9 +482,10 @@ impl<'a> ChannelRef<'a> {
     /// as `rdma_get_cm_event` would. A get that finds nothing (EAGAIN on a
     /// non-blocking fd) polls and tries again, until `wait` runs out. Holds
     /// plain values only across `poll` and `get` (the cancellable get runs
-    /// through here). A get at the [`crate::cm::set_limit`] bound fails
-    /// with ENOBUFS before it polls, as it does before it gets: it never
-    /// waits to be refused.
+    /// through here). A get already at the [`crate::cm::set_limit`] bound
+    /// fails with ENOBUFS before it polls, as it does before it gets: it
+    /// does not wait to be refused (a get that reaches the bound only
+    /// while it waits, through other gets, is refused as its event comes).
     #[inline(always)]
     fn wait_and_get<T>(
         &self,
@@ -538,18 +548,16 @@ impl<'a> ChannelRef<'a> {
                     _ => break,
                 }
             }
-            match self.fetch(owner) {
+            // The bound reached stops the batch without failing a get: not
+            // counted as a refusal.
+            match self.fetch_counting::<false>(owner) {
                 Ok(ev) => {
                     out.push(ev);
                     n += 1;
                 }
                 // Nothing more ready (or a failure after the first event,
                 // which the next call will report): return what we have.
-                // The bound reached stops the batch without failing it.
-                Err(e) => {
-                    pool::LimitUnit::uncount(&e);
-                    break;
-                }
+                Err(_) => break,
             }
         }
         n

@@ -765,9 +765,11 @@ pub(crate) struct LimitUnit(());
 impl LimitUnit {
     /// A unit, or ENOBUFS while the bound is reached (counting the copies
     /// alive and the gets in flight), before anything is taken from
-    /// librdmacm; `None` without a bound.
+    /// librdmacm; `None` without a bound. `COUNT`: the refusal is a get's
+    /// (counted in `refused_at_limit`); the rest of a batch stopping at the
+    /// bound is not one (the call succeeded).
     #[inline]
-    pub(crate) fn take() -> crate::Result<Option<LimitUnit>> {
+    pub(crate) fn take<const COUNT: bool>() -> crate::Result<Option<LimitUnit>> {
         let limit = LIMIT.load(Relaxed);
         if limit == 0 {
             return Ok(None);
@@ -775,7 +777,7 @@ impl LimitUnit {
         let mut held = UNITS.load(Relaxed);
         loop {
             if Self::reached(limit, held) {
-                return Err(Self::refuse());
+                return Err(Self::refuse(COUNT));
             }
             match UNITS.compare_exchange_weak(held, held + 1, AcqRel, Relaxed) {
                 Ok(_) => return Ok(Some(LimitUnit(()))),
@@ -792,7 +794,7 @@ impl LimitUnit {
     pub(crate) fn check() -> crate::Result<()> {
         let limit = LIMIT.load(Relaxed);
         if limit != 0 && Self::reached(limit, UNITS.load(Relaxed)) {
-            return Err(Self::refuse());
+            return Err(Self::refuse(true));
         }
         Ok(())
     }
@@ -805,24 +807,13 @@ impl LimitUnit {
     }
 
     #[cold]
-    fn refuse() -> crate::Error {
-        REFUSED.fetch_add(1, Relaxed);
-        crate::Error::new(REFUSAL, libc::ENOBUFS)
-    }
-
-    /// For the rest of a batch, which stops at the bound without failing
-    /// the call: `e`, if it is this thread's refusal just counted, is no
-    /// refusal of a get (`refused_at_limit` counts calls that fail).
-    #[cold]
-    pub(crate) fn uncount(e: &crate::Error) {
-        if e.errno() == libc::ENOBUFS && e.op() == REFUSAL {
-            REFUSED.fetch_sub(1, Relaxed);
+    fn refuse(count: bool) -> crate::Error {
+        if count {
+            REFUSED.fetch_add(1, Relaxed);
         }
+        crate::Error::new("rdmasafe: held CM event copies at the limit", libc::ENOBUFS)
     }
 }
-
-/// The `op` of a refusal at the bound (and of nothing else).
-const REFUSAL: &str = "rdmasafe: held CM event copies at the limit";
 
 impl Drop for LimitUnit {
     fn drop(&mut self) {
@@ -849,9 +840,10 @@ impl SlotBox {
 /// count: threads getting at once never hold more than the bound between
 /// them (copies got before the bound was set count as alive, not exactly
 /// against racing gets, until they are freed). A get at the bound fails at
-/// once, whether an event is pending or not (a get with a timeout holds no
-/// unit while it waits: when other gets reach the bound meanwhile, it is
-/// refused as its event comes, which stays in the kernel), and nothing wakes a waiter
+/// once, whether an event is pending or not (a get that waits in poll(),
+/// on a non-blocking fd or with a timeout, holds no unit while it waits:
+/// when other gets reach the bound meanwhile, it is refused as its event
+/// comes, which stays in the kernel), and nothing wakes a waiter
 /// when a copy is freed (an async `AsyncEventChannel::next` returns
 /// ENOBUFS at its next get: at once, or when an event comes if it found
 /// the channel empty last): free copies before you get again, or a loop
