@@ -520,8 +520,9 @@ fn check_race_counts(c: &mut Checks, t: &Totals) {
 
 /// Thread cancellation: the raw build of tests/c/cm_cancel_test under the
 /// preload, in copy and in check mode. Threads waiting in the interposed
-/// rdma_get_cm_event and ibv_get_cq_event are cancelled and joined; before
-/// the interposers were "C-unwind" this aborted the process ("FATAL:
+/// rdma_get_cm_event and ibv_get_cq_event (and, as a control, libibverbs'
+/// own ibv_get_async_event) are cancelled and joined; before the
+/// interposers were "C-unwind" this aborted the process ("FATAL:
 /// exception not rethrown", exit 134).
 fn check_cancel(c: &mut Checks, runs: &BTreeMap<String, Block>) {
     let empty = Block::default();
