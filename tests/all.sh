@@ -13,10 +13,10 @@ start=$SECONDS
 free_space() {
 	local dir=${CARGO_TARGET_DIR:-target}
 	[[ -d $dir ]] || dir=.
-	df -Pk "$dir" | awk 'NR == 2 { printf "%.1f GiB free", $4 / 1048576 }'
+	stat -f -c '%a %S' "$dir" | awk '{ printf "%.1f GiB free", $1 * $2 / 1073741824 }'
 }
 step() { echo "== [$((SECONDS - start)) s] $* ($(free_space))" >&2; }
-trap 'echo "== [$((SECONDS - start)) s] failed ($(free_space))" >&2' ERR
+trap 'rc=$?; echo "== [$((SECONDS - start)) s] failed: line $LINENO: $BASH_COMMAND (exit $rc; $(free_space))" >&2' ERR
 
 step "setup"
 tests/setup.sh

@@ -341,7 +341,14 @@ impl WakeFd {
         let saved = errno_raw();
         // SAFETY: writes 8 bytes from a valid u64; failure (counter full)
         // still leaves the fd readable, which is all a wake needs.
-        unsafe { libc::syscall(libc::SYS_write, self.0.as_raw_fd(), (&one as *const u64).cast::<c_void>(), 8usize) };
+        unsafe {
+            libc::syscall(
+                libc::SYS_write,
+                self.0.as_raw_fd() as libc::c_long,
+                (&one as *const u64).cast::<c_void>(),
+                8usize,
+            )
+        };
         set_errno(saved);
     }
 
@@ -351,7 +358,14 @@ impl WakeFd {
         use std::os::fd::AsRawFd;
         let mut v: u64 = 0;
         // SAFETY: reads 8 bytes into a valid u64; EAGAIN when already reset.
-        unsafe { libc::syscall(libc::SYS_read, self.0.as_raw_fd(), (&mut v as *mut u64).cast::<c_void>(), 8usize) };
+        unsafe {
+            libc::syscall(
+                libc::SYS_read,
+                self.0.as_raw_fd() as libc::c_long,
+                (&mut v as *mut u64).cast::<c_void>(),
+                8usize,
+            )
+        };
     }
 
     /// The fd, for poll().
