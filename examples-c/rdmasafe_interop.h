@@ -103,6 +103,8 @@ struct peer {
 	int send_flags;
 	uint8_t recv_buf[STOCK_MSG_LEN];
 	uint8_t send_buf[STOCK_MSG_LEN];
+	struct ibv_wc early; /* a completion that came before the one waited for */
+	int has_early;
 };
 
 static int peer_setup(struct rdma_cm_id *id, struct peer *p)
@@ -179,9 +181,18 @@ static int post_send(struct rdma_cm_id *id, struct peer *p, const char *msg)
 	return r ? -1 : 0;
 }
 
-/* Waits for one completion of the wanted opcode through the completion channel. */
+/* Waits for one completion of the wanted opcode through the completion
+ * channel. The send's completion and the reply's receive share one CQ and
+ * may complete in either order (the peer's reply can overtake the ack that
+ * completes the send), so a successful completion of the other opcode is
+ * kept for the next call. */
 static int wait_completion(struct peer *p, enum ibv_wc_opcode opcode, struct ibv_wc *wc)
 {
+	if (p->has_early && p->early.opcode == opcode) {
+		*wc = p->early;
+		p->has_early = 0;
+		return 0;
+	}
 	for (;;) {
 		struct pollfd pfd = { .fd = p->comp->fd, .events = POLLIN };
 		struct ibv_cq *cq;
@@ -193,6 +204,11 @@ static int wait_completion(struct peer *p, enum ibv_wc_opcode opcode, struct ibv
 			return -1;
 		}
 		if (n == 1) {
+			if (wc->status == IBV_WC_SUCCESS && wc->opcode != opcode && !p->has_early) {
+				p->early = *wc;
+				p->has_early = 1;
+				continue;
+			}
 			if (wc->status != IBV_WC_SUCCESS || wc->opcode != opcode) {
 				printf("%s: completion opcode %d status %s\n", prog, wc->opcode,
 				       ibv_wc_status_str(wc->status));
