@@ -49,8 +49,9 @@
  * aborts the process ("FATAL: exception not rethrown"). A pending
  * cancellation is acted on at the first cancellation point inside, and
  * every one rdmasafe reaches counts, even where it would not block: its
- * read() of a channel or of a loop's timer, close(), poll() and
- * epoll_wait(), and libibverbs' own waits. A loop's wake is none (a raw system call), so
+ * read() of a completion channel, close(), poll() and epoll_wait(),
+ * and libibverbs' own waits. A loop's wake and the reads of its wake
+ * and timer fds are none (raw system calls), so
  * rdmasafe_cq_loop_stop may be called with a cancellation pending: it
  * returns, and the thread is cancelled at its own next cancellation
  * point. Stop a CQ loop's thread with rdmasafe_cq_loop_stop and join it, or keep

@@ -97,10 +97,7 @@ pub unsafe extern "C-unwind" fn rdmasafe_async_get(
     };
     let deadline = (timeout_ms > 0).then(|| Instant::now() + Duration::from_millis(timeout_ms as u64));
     loop {
-        let ms = match deadline {
-            None => timeout_ms,
-            Some(d) => d.saturating_duration_since(Instant::now()).as_micros().div_ceil(1000) as c_int,
-        };
+        let ms = deadline.map_or(timeout_ms, |d| rdmasafe_core::sys::Wait::until(d).poll_ms());
         // The wait, the cancellation point. SAFETY: this frame holds plain
         // values only across it (fd, deadline, integers) and the export is
         // extern "C-unwind" (rdmasafe_core::sys::cancel).

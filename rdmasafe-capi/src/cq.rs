@@ -754,10 +754,7 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_next_timeout_ms(
                 Ok(h) => h,
                 Err(e) => return e,
             };
-            let v = match h.ctl.next_timeout() {
-                None => -1,
-                Some(d) => d.as_micros().div_ceil(1000).min(c_int::MAX as u128) as c_int,
-            };
+            let v = rdmasafe_core::sys::Wait::from(h.ctl.next_timeout()).poll_ms();
             // SAFETY: checked non-NULL.
             unsafe { *timeout_ms = v };
             0

@@ -289,16 +289,7 @@ pub fn poll_readable_ex<const N: usize>(fds: [c_int; N], wait: Wait, retry_eintr
     };
     let mut pfds = fds.map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
     loop {
-        let timeout_ms: c_int = match (wait, deadline) {
-            (Wait::None, _) => 0,
-            (Wait::Forever, _) => -1,
-            (Wait::For(_), Some(dl)) => {
-                let left = dl.saturating_duration_since(Instant::now());
-                // Round up so that a 0.4 ms remainder does not become a busy 0.
-                left.as_micros().div_ceil(1000).min(c_int::MAX as u128) as c_int
-            }
-            (Wait::For(_), None) => unreachable!("deadline is set for Wait::For"),
-        };
+        let timeout_ms = deadline.map_or(wait, Wait::until).poll_ms();
         // SAFETY: pfds is a valid array of N pollfd structs for the call.
         let r = unsafe { libc::poll(pfds.as_mut_ptr(), N as libc::nfds_t, timeout_ms) };
         if r >= 0 {
@@ -356,16 +347,7 @@ impl WakeFd {
     /// cancellation point, as in [`WakeFd::wake`]).
     pub fn drain(&self) {
         use std::os::fd::AsRawFd;
-        let mut v: u64 = 0;
-        // SAFETY: reads 8 bytes into a valid u64; EAGAIN when already reset.
-        unsafe {
-            libc::syscall(
-                libc::SYS_read,
-                self.0.as_raw_fd() as libc::c_long,
-                (&mut v as *mut u64).cast::<c_void>(),
-                8usize,
-            )
-        };
+        read_counter(self.0.as_raw_fd());
     }
 
     /// The fd, for poll().
@@ -373,6 +355,15 @@ impl WakeFd {
         use std::os::fd::AsRawFd;
         self.0.as_raw_fd()
     }
+}
+
+/// Reads (and so resets) the 8-byte counter of a non-blocking eventfd or
+/// timerfd; EAGAIN when it is already zero. A raw system call, not libc's
+/// `read()`: never a thread-cancellation point (it cannot block).
+fn read_counter(fd: c_int) {
+    let mut v: u64 = 0;
+    // SAFETY: reads at most 8 bytes into a valid u64.
+    unsafe { libc::syscall(libc::SYS_read, fd as libc::c_long, (&mut v as *mut u64).cast::<c_void>(), 8usize) };
 }
 
 /// An fd returned by a call that creates one, or the errno.
@@ -462,11 +453,10 @@ impl TimerFd {
     }
 
     /// Consumes an expiry (the fd is then not readable until the next).
+    /// Not a cancellation point, as [`WakeFd::drain`].
     pub fn drain(&self) {
         use std::os::fd::AsRawFd;
-        let mut v: u64 = 0;
-        // SAFETY: reads 8 bytes into a valid u64; EAGAIN when not expired.
-        unsafe { libc::read(self.0.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+        read_counter(self.0.as_raw_fd());
     }
 
     /// The timer's fd.

@@ -1,6 +1,7 @@
 //! How long a call may wait.
 
-use std::time::Duration;
+use std::os::raw::c_int;
+use std::time::{Duration, Instant};
 
 /// How long a wait may last: the `timeout` of every call that can block
 /// ([`crate::cm::EventChannel::get_timeout`], [`crate::cq::CqLoop::process_once`],
@@ -24,6 +25,23 @@ impl Wait {
             0 => Wait::None,
             m => Wait::For(Duration::from_millis(m as u64)),
         }
+    }
+
+    /// As `poll(2)`'s or `epoll_wait(2)`'s timeout: `-1` forever, `0` no
+    /// wait, else the milliseconds rounded up from the nanoseconds (a
+    /// remainder of 0.4 ms, or of 400 ns, must not become a busy 0) and
+    /// capped at `c_int::MAX`.
+    pub fn poll_ms(self) -> c_int {
+        match self {
+            Wait::None => 0,
+            Wait::Forever => -1,
+            Wait::For(d) => d.as_nanos().div_ceil(1_000_000).min(c_int::MAX as u128) as c_int,
+        }
+    }
+
+    /// The wait left until `deadline` (none once it passed).
+    pub fn until(deadline: Instant) -> Wait {
+        Wait::from(deadline.saturating_duration_since(Instant::now()))
     }
 }
 
@@ -56,5 +74,19 @@ mod tests {
         assert_eq!(Wait::from(Duration::ZERO), Wait::None);
         assert_eq!(Wait::from(None), Wait::Forever);
         assert_eq!(Wait::from(Some(Duration::from_secs(1))), Wait::For(Duration::from_secs(1)));
+    }
+
+    #[test]
+    fn poll_ms_rounds_up_and_saturates() {
+        assert_eq!(Wait::None.poll_ms(), 0);
+        assert_eq!(Wait::Forever.poll_ms(), -1);
+        assert_eq!(Wait::For(Duration::from_micros(400)).poll_ms(), 1);
+        assert_eq!(Wait::For(Duration::from_micros(1000)).poll_ms(), 1);
+        assert_eq!(Wait::For(Duration::from_micros(1001)).poll_ms(), 2);
+        assert_eq!(Wait::For(Duration::from_nanos(1)).poll_ms(), 1);
+        assert_eq!(Wait::For(Duration::MAX).poll_ms(), c_int::MAX);
+        assert_eq!(Wait::until(Instant::now()).poll_ms(), 0);
+        let far = Wait::until(Instant::now() + Duration::from_secs(5)).poll_ms();
+        assert!((4_000..=5_000).contains(&far), "{far}");
     }
 }

@@ -10,7 +10,6 @@
 
 use std::marker::PhantomData;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
-use std::os::raw::c_int;
 use std::ptr::{null_mut, NonNull};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -393,12 +392,7 @@ impl<'a> ChannelRef<'a> {
     #[inline(never)]
     unsafe fn get_waiting_cancellable(&self, wait: Wait) -> Result<*mut rdma_cm_event> {
         let poll = |left: Wait| {
-            let ms = match left {
-                Wait::None => 0,
-                Wait::Forever => -1,
-                // Round up so that a 0.4 ms remainder does not become a busy 0.
-                Wait::For(d) => d.as_micros().div_ceil(1000).min(c_int::MAX as u128) as c_int,
-            };
+            let ms = left.poll_ms();
             // SAFETY: this frame and wait_and_get's hold plain values only
             // (the caller's contract covers the frames above).
             match unsafe { sys::cancel::poll_readable(self.fd(), ms) } {

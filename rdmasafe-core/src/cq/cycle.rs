@@ -46,11 +46,7 @@ impl Core {
     /// fd. Returns the ready keys as bits (0 on timeout).
     pub(super) fn sleep(&mut self, ctl: &LoopControl, wait: Wait) -> Result<u64> {
         let sh = &*ctl.0;
-        let mut ms: i32 = match wait {
-            Wait::None => 0,
-            Wait::Forever => -1,
-            Wait::For(d) => d.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32,
-        };
+        let mut ms: i32 = wait.poll_ms();
         let learning = self.opts.mode == Mode::Learning;
         if learning && self.learn.calibrating && self.learn.wake_at.is_none() {
             // A calibration: timed from now, when the sleep begins (from
@@ -111,8 +107,7 @@ impl Core {
         let deadline = self.next_deadline(sh);
         self.arm_timer(sh, deadline);
         if let Some(d) = deadline {
-            let left =
-                d.saturating_duration_since(Instant::now()).as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
+            let left = Wait::until(d).poll_ms();
             ms = if ms < 0 { left } else { ms.min(left) };
         }
         ms
