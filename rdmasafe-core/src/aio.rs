@@ -105,6 +105,7 @@ fn no_runtime() -> Error {
 trait OwnsItsFd: std::os::fd::AsRawFd {}
 impl OwnsItsFd for EventChannel {}
 impl OwnsItsFd for CqLoop {}
+impl OwnsItsFd for MovedIn {}
 
 fn register<T: OwnsItsFd>(inner: T) -> Result<AsyncFd<T>> {
     if tokio::runtime::Handle::try_current().is_err() {
@@ -112,10 +113,11 @@ fn register<T: OwnsItsFd>(inner: T) -> Result<AsyncFd<T>> {
     }
     // SAFETY: I/O safety of the registered fd: an EventChannel's fd is the
     // librdmacm channel's, closed only when the channel (kept alive by the
-    // value) is destroyed; a CqLoop's is its own epoll fd, owned by its
-    // shared state, which the value keeps. Both are fixed for the value's
-    // life, and the AsyncFd owns the value until it is dropped or
-    // `into_inner` deregisters it.
+    // value) is destroyed; a MovedIn's is the channel's moved-in eventfd,
+    // closed only with the channel's shared state, which the value keeps;
+    // a CqLoop's is its own epoll fd, owned by its shared state, which the
+    // value keeps. All are fixed for the value's life, and the AsyncFd
+    // owns the value until it is dropped or `into_inner` deregisters it.
     unsafe { AsyncFd::register_with_interest(inner, Interest::READABLE) }
         .map_err(|e| Error::from(e.into_parts().1).context("AsyncFd::register"))
 }
@@ -134,6 +136,23 @@ fn register<T: OwnsItsFd>(inner: T) -> Result<AsyncFd<T>> {
 /// take events from one queue, each seeing only some of them: don't.
 pub struct AsyncEventChannel {
     fd: AsyncFd<EventChannel>,
+    /// Readable when an id was migrated into the channel
+    /// ([`CmId::migrate`]): the kernel moves its queued events without an
+    /// edge on `fd`.
+    moved_in: AsyncFd<MovedIn>,
+}
+
+/// The channel's moved-in eventfd (see [`AsyncEventChannel`]), kept open
+/// by the channel it belongs to.
+struct MovedIn {
+    fd: std::os::fd::RawFd,
+    _channel: EventChannel,
+}
+
+impl std::os::fd::AsRawFd for MovedIn {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.fd
+    }
 }
 
 impl AsyncEventChannel {
@@ -142,7 +161,9 @@ impl AsyncEventChannel {
     /// `enable_all`): inside one built without it, tokio panics here, as
     /// its own I/O types do (and `channel` is dropped with the unwind).
     pub fn new(channel: EventChannel) -> Result<AsyncEventChannel> {
-        Ok(AsyncEventChannel { fd: register(channel)? })
+        let moved_in = MovedIn { fd: channel.inner.moved_in_fd()?, _channel: channel.clone() };
+        let fd = register(channel)?;
+        Ok(AsyncEventChannel { fd, moved_in: register(moved_in)? })
     }
 
     /// The channel (to create ids on it).
@@ -153,12 +174,27 @@ impl AsyncEventChannel {
     /// Waits for the next event. Cancel-safe: dropping the future before
     /// it completes loses no event. Any number of tasks may await it at
     /// once: each waiter is woken when the channel becomes readable, and
-    /// each event goes to one of them.
+    /// each event goes to one of them. Events of an id migrated into the
+    /// channel ([`CmId::migrate`]) wake it too.
     pub async fn next(&self) -> Result<CmEvent> {
-        // `async_io` waits with a waker per waiter (`poll_read_ready`, under
-        // poll_next, keeps only the last task's) and spends the task's
-        // cooperative budget as tokio's own I/O does.
-        self.fd.async_io(Interest::READABLE, get_or_would_block).await.map_err(Error::from)?
+        loop {
+            // `async_io` and `readable` wait with a waker per waiter
+            // (`poll_read_ready`, under poll_next, keeps only the last
+            // task's) and spend the task's cooperative budget as tokio's
+            // own I/O does. Events are taken only in the synchronous steps.
+            let io = pin!(self.fd.async_io(Interest::READABLE, get_or_would_block));
+            let moved = pin!(self.moved_in.readable());
+            match first_of(io, moved).await {
+                Ok(r) => return r.map_err(Error::from)?,
+                Err(guard) => {
+                    // The moved-in signal stays set until a get finds the
+                    // channel empty (as the fd's own readiness does).
+                    if let Ok(r) = guard.map_err(Error::from)?.try_io(|_| get_or_would_block(self.channel())) {
+                        return r.map_err(Error::from)?;
+                    }
+                }
+            }
+        }
     }
 
     /// Waits for a first event, then appends it and up to `max - 1` more
@@ -191,6 +227,13 @@ impl AsyncEventChannel {
     /// await [`AsyncEventChannel::next`] instead.
     pub fn poll_next(&self, cx: &mut Context<'_>) -> Poll<Result<CmEvent>> {
         loop {
+            if let Poll::Ready(guard) = self.moved_in.poll_read_ready(cx) {
+                if let Ok(r) = guard.map_err(Error::from)?.try_io(|_| get_or_would_block(self.channel())) {
+                    return Poll::Ready(r.map_err(Error::from)?);
+                }
+                // Cleared: the next poll_read_ready registers cx.
+                continue;
+            }
             let mut guard = ready!(self.fd.poll_read_ready(cx)).map_err(Error::from)?;
             if let Ok(r) = guard.try_io(|inner| get_or_would_block(inner.get_ref())) {
                 return Poll::Ready(r.map_err(Error::from)?);
@@ -200,8 +243,25 @@ impl AsyncEventChannel {
 
     /// Deregisters the channel and gives it back.
     pub fn into_inner(self) -> EventChannel {
-        self.fd.into_inner()
+        let AsyncEventChannel { fd, moved_in } = self;
+        drop(moved_in);
+        fd.into_inner()
     }
+}
+
+/// Awaits two futures at once: `Ok` with the first's output if it is ready
+/// first (or both are), `Err` with the second's.
+async fn first_of<A: Future, B: Future>(
+    mut a: Pin<&mut A>,
+    mut b: Pin<&mut B>,
+) -> std::result::Result<A::Output, B::Output> {
+    poll_fn(|cx| {
+        if let Poll::Ready(v) = a.as_mut().poll(cx) {
+            return Poll::Ready(Ok(v));
+        }
+        b.as_mut().poll(cx).map(Err)
+    })
+    .await
 }
 
 /// One get from the channel, for a readiness wait: `Ok` with the event or

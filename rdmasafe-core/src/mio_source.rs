@@ -5,7 +5,11 @@
 //! mio is edge-triggered. On a readable event:
 //!
 //! * [`EventChannel`]: call [`EventChannel::try_get`] until it returns
-//!   `Ok(None)` (the channel is empty; the next event raises a new edge).
+//!   `Ok(None)` (the channel is empty; the next event raises a new edge,
+//!   and so does an id migrated into the channel with
+//!   [`CmId::migrate`](crate::cm::CmId::migrate), whose queued events the
+//!   kernel moves without an edge on the channel's fd: the registration
+//!   watches an eventfd of rdmasafe's beside it, under the same token).
 //! * [`CqLoop`]: call [`CqLoop::process_ready`] while it reports
 //!   [`Progress::more`](crate::cq::Progress); and give `Poll::poll` at most
 //!   [`CqLoop::next_timeout`] as its timeout (the loop's fd also becomes
@@ -37,18 +41,27 @@ use crate::cm::EventChannel;
 use crate::cq::CqLoop;
 
 /// Registers the channel's fd (non-blocking already): readable when an
-/// event is ready.
+/// event is ready; and, under the same token, the channel's moved-in
+/// eventfd, which [`CmId::migrate`](crate::cm::CmId::migrate) into the
+/// channel makes readable (its moved events raise no edge on the
+/// channel's fd).
 impl Source for EventChannel {
     fn register(&mut self, registry: &Registry, token: Token, interests: Interest) -> io::Result<()> {
-        SourceFd(&self.as_raw_fd()).register(registry, token, interests)
+        let moved_in = self.inner.moved_in_fd()?;
+        SourceFd(&self.as_raw_fd()).register(registry, token, interests)?;
+        SourceFd(&moved_in).register(registry, token, Interest::READABLE).inspect_err(|_| {
+            let _ = SourceFd(&self.as_raw_fd()).deregister(registry);
+        })
     }
 
     fn reregister(&mut self, registry: &Registry, token: Token, interests: Interest) -> io::Result<()> {
-        SourceFd(&self.as_raw_fd()).reregister(registry, token, interests)
+        SourceFd(&self.as_raw_fd()).reregister(registry, token, interests)?;
+        SourceFd(&self.inner.moved_in_fd()?).reregister(registry, token, Interest::READABLE)
     }
 
     fn deregister(&mut self, registry: &Registry) -> io::Result<()> {
-        SourceFd(&self.as_raw_fd()).deregister(registry)
+        SourceFd(&self.as_raw_fd()).deregister(registry)?;
+        SourceFd(&self.inner.moved_in_fd()?).deregister(registry)
     }
 }
 

@@ -5,7 +5,8 @@
 //! `next()`, the loop's `run()`, a pending drain, a spawned loop aborted)
 //! followed by a teardown that neither hangs nor leaks; tasks sharing one
 //! channel, each woken; a loop spawned from a thread outside a
-//! multi-thread runtime keeps its handlers on the runtime.
+//! multi-thread runtime keeps its handlers on the runtime; events moved
+//! in by `CmId::migrate` (which the kernel does not signal) are got.
 
 mod common;
 
@@ -519,4 +520,54 @@ fn next_over_a_burst_lets_other_tasks_run() {
         assert!(taken_before_it_ran.is_some(), "all {N} events were taken before another task ran");
     });
     assert_eq!(cm::counters().outstanding, 0);
+}
+
+/// `rdma_migrate_id` moves an id's queued events to the new channel, and
+/// the kernel raises no edge on that channel's fd for them (tokio's epoll
+/// is edge-triggered): a `next()` waiting there, a later `next()` and
+/// `poll_next` must still get every one of them, in order.
+#[test]
+fn events_moved_in_by_migrate_are_got_by_next_and_poll_next() {
+    let _s = serial();
+    let bed = common::bed();
+    let _dog = common::watchdog("migrate into an async channel", Duration::from_secs(300));
+    let a = EventChannel::new().unwrap();
+    current_thread().block_on(async {
+        let b = Arc::new(AsyncEventChannel::new(EventChannel::new().unwrap()).unwrap());
+        // Found empty: B's readiness is cleared, only an edge sets it.
+        assert!(tokio::time::timeout(Duration::from_millis(50), b.next()).await.is_err());
+        let got = |ev: rdmasafe_core::Result<cm::CmEvent>, id: &cm::CmId, how: &str| {
+            let ev = ev.unwrap_or_else(|e| panic!("{how}: {e}"));
+            assert_eq!((ev.event_type(), ev.token()), (EventType::ADDR_RESOLVED, Some(id.token())), "{how}");
+        };
+        // 1. A next() already waiting when the event is moved in.
+        let waiter = tokio::spawn({
+            let b = b.clone();
+            async move { b.next().await }
+        });
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished());
+        let mut id1 = common::cm::with_queued_event(&a, bed.addr);
+        id1.migrate(b.channel()).unwrap();
+        let ev = tokio::time::timeout(echo::STEP, waiter).await.expect("the waiting next() got the moved event");
+        got(ev.unwrap(), &id1, "waiting next()");
+        // 2. Two events moved in at once, then two next() calls, then
+        // poll_next for a third.
+        let mut id2 = common::cm::with_queued_event(&a, bed.addr);
+        let mut id3 = common::cm::with_queued_event(&a, bed.addr);
+        let mut id4 = common::cm::with_queued_event(&a, bed.addr);
+        for id in [&mut id2, &mut id3, &mut id4] {
+            id.migrate(b.channel()).unwrap();
+        }
+        got(tokio::time::timeout(echo::STEP, b.next()).await.expect("next() got the 1st of 3"), &id2, "next() 1 of 3");
+        got(tokio::time::timeout(echo::STEP, b.next()).await.expect("next() got the 2nd of 3"), &id3, "next() 2 of 3");
+        let third = std::future::poll_fn(|cx| b.poll_next(cx));
+        got(
+            tokio::time::timeout(echo::STEP, third).await.expect("poll_next got the 3rd of 3"),
+            &id4,
+            "poll_next 3 of 3",
+        );
+        assert!(a.try_get().unwrap().is_none(), "A kept nothing");
+        assert!(b.channel().try_get().unwrap().is_none(), "B had nothing more");
+    });
 }

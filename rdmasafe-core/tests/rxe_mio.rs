@@ -3,7 +3,8 @@
 //! CQs come and go while it runs, all edge-triggered: connections with
 //! private data both ways, one message per client, every completion once,
 //! drains done through the loop, a stop from another thread seen through
-//! `process_ready`.
+//! `process_ready`; an event moved in by `CmId::migrate` (which the kernel
+//! does not signal) raises an edge.
 
 mod common;
 
@@ -223,4 +224,31 @@ fn a_mio_poll_loop_drives_cm_channels_and_the_cq_loop() {
     drop(listener);
     drop((sch, cch, chan));
     assert_eq!(cm::counters().outstanding, 0);
+}
+
+/// `rdma_migrate_id` moves an id's queued events to the new channel, and
+/// the kernel raises no edge on that channel's fd for them: rdmasafe's
+/// `Source` must, or an edge-triggered poll never sees them.
+#[test]
+fn an_event_moved_in_by_migrate_raises_an_edge() {
+    let bed = common::bed();
+    let _dog = common::watchdog("migrate into a mio channel", Duration::from_secs(240));
+    let a = EventChannel::new().unwrap();
+    let mut b = EventChannel::new().unwrap();
+    let mut poll = Poll::new().unwrap();
+    poll.registry().register(&mut b, CLIENT, Interest::READABLE).unwrap();
+    let mut events = Events::with_capacity(8);
+    // Whatever edge the registration gave is consumed; B is empty.
+    poll.poll(&mut events, Some(Duration::ZERO)).unwrap();
+    assert!(b.try_get().unwrap().is_none());
+    for round in 0..2 {
+        let mut id = common::cm::with_queued_event(&a, bed.addr);
+        id.migrate(&b).unwrap();
+        poll.poll(&mut events, Some(common::cm::STEP)).unwrap();
+        assert!(events.iter().any(|e| e.token() == CLIENT && e.is_readable()), "round {round}: an edge for B");
+        let ev = b.try_get().unwrap().unwrap_or_else(|| panic!("round {round}: the moved event on B"));
+        assert_eq!((ev.event_type(), ev.token()), (EventType::ADDR_RESOLVED, Some(id.token())));
+        assert!(b.try_get().unwrap().is_none());
+    }
+    poll.registry().deregister(&mut b).unwrap();
 }

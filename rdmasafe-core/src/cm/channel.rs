@@ -11,7 +11,7 @@
 use std::marker::PhantomData;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::ptr::{null_mut, NonNull};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use super::event::{copy_raw, CmEvent, EventType};
@@ -24,6 +24,11 @@ use crate::{Error, Result};
 /// channel is destroyed only after its last id.
 pub(crate) struct ChannelInner {
     raw: NonNull<rdma_event_channel>,
+    /// Made readable by [`CmId::migrate`] into this channel, for the
+    /// edge-triggered waits (tokio, mio) that watch it beside the
+    /// channel's fd: the kernel moves a migrated id's queued events to
+    /// this channel without waking its fd. Made at the first such wait.
+    moved_in: OnceLock<sys::WakeFd>,
 }
 
 // SAFETY: librdmacm's channel calls are thread-safe (a get is one write() on
@@ -35,6 +40,28 @@ unsafe impl Sync for ChannelInner {}
 impl ChannelInner {
     pub(crate) fn raw(&self) -> *mut rdma_event_channel {
         self.raw.as_ptr()
+    }
+
+    /// The fd that becomes readable (an edge each time) when an id is
+    /// migrated into this channel; made on the first call. Never drained:
+    /// every migrate writes it again, and an edge-triggered wait sees each
+    /// write (a level-triggered one would see it readable for good).
+    pub(crate) fn moved_in_fd(&self) -> Result<RawFd> {
+        if let Some(w) = self.moved_in.get() {
+            return Ok(w.fd());
+        }
+        let w = sys::WakeFd::new().map_err(|e| Error::from(e).context("eventfd"))?;
+        // A racing first call may win: its fd is the one, ours is closed.
+        let _ = self.moved_in.set(w);
+        Ok(self.moved_in.get().map(sys::WakeFd::fd).expect("set just now"))
+    }
+
+    /// Signals the edge-triggered waits on this channel, if any, that
+    /// events may have been moved in.
+    pub(crate) fn signal_moved_in(&self) {
+        if let Some(w) = self.moved_in.get() {
+            w.wake();
+        }
     }
 }
 
@@ -88,7 +115,7 @@ impl EventChannel {
         // SAFETY: plain constructor; NULL means failure with errno set.
         let raw = unsafe { sys::rdma_create_event_channel() };
         let raw = NonNull::new(raw).ok_or_else(|| Error::last("rdma_create_event_channel"))?;
-        let inner = Arc::new(ChannelInner { raw });
+        let inner = Arc::new(ChannelInner { raw, moved_in: OnceLock::new() });
         sys::set_nonblocking(inner.fd()).map_err(|e| Error::new("fcntl", e.raw_os_error().unwrap_or(libc::EIO)))?;
         Ok(EventChannel { inner })
     }

@@ -451,13 +451,21 @@ impl CmId {
     }
 
     /// Moves the id to another rdmasafe channel (`rdma_migrate_id`); later
-    /// events of the id arrive there. librdmacm waits until every event
+    /// events of the id arrive there, and so do its events still queued
+    /// (not yet got) on the old one. librdmacm waits until every event
     /// already reported for the id is acked: rdmasafe acks at copy time, so
     /// this never waits on copies the app still holds.
+    ///
+    /// The kernel moves the queued events without making the new channel's
+    /// fd signal them (no edge for an edge-triggered epoll). rdmasafe's
+    /// own edge-triggered waits on `to`, [`crate::aio::AsyncEventChannel`]
+    /// and the `mio` `Source`, are signalled here; an epoll of the app's
+    /// own on the raw fd with `EPOLLET` is not: try a get after a migrate.
     pub fn migrate(&mut self, to: &EventChannel) -> Result<()> {
         // SAFETY: live id and live target channel.
         cvt("rdma_migrate_id", unsafe { sys::rdma_migrate_id(self.raw(), to.inner.raw()) })?;
         self._channel = to.inner.clone();
+        to.inner.signal_moved_in();
         Ok(())
     }
 

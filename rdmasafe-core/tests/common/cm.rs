@@ -19,6 +19,20 @@ pub fn device(addr: IpAddr) -> DeviceContext {
     id.device_context().unwrap()
 }
 
+/// An id on `ch` whose ADDR_RESOLVED (to `addr`, port 7) is queued on
+/// `ch`, not taken: the caller has taken every earlier event of `ch`, so
+/// its fd's readiness (a level-triggered poll) is this event's.
+pub fn with_queued_event(ch: &EventChannel, addr: IpAddr) -> CmId {
+    use std::os::fd::AsRawFd;
+    let id = ch.create_id(PortSpace::Tcp).unwrap();
+    id.resolve_addr(None, (addr, 7).into(), Duration::from_secs(10)).unwrap();
+    let mut p = libc::pollfd { fd: ch.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd.
+    let n = unsafe { libc::poll(&mut p, 1, STEP.as_millis() as i32) };
+    assert_eq!(n, 1, "ADDR_RESOLVED queued on the channel within {STEP:?}");
+    id
+}
+
 /// Gets the next event and asserts its type.
 pub fn expect(ch: &EventChannel, want: EventType) -> CmEvent {
     let ev = ch.get_timeout(STEP).unwrap_or_else(|e| panic!("waiting for {want}: {e}"));
