@@ -994,6 +994,13 @@ int rdmasafe_cq_loop_add_cq_ex(struct rdmasafe_cq_loop *cq_loop,
  *
  * Returns 0, RDMASAFE_PENDING, -EINVAL (NULL, unknown loop), -ENOENT (CQ
  * not in this loop).
+ *
+ * A CQ stays in the loop until its removal is done. A second removal asked
+ * meanwhile (twice in one callback, or while a removal from a callback or
+ * `rdmasafe_cq_loop_remove_cq_async` is pending) is accepted and then
+ * finds the CQ gone: from a callback it returns RDMASAFE_PENDING again and
+ * the failure is only logged (a warning); from another thread it returns
+ * -ENOENT once the first removal is done.
  */
 int rdmasafe_cq_loop_remove_cq(struct rdmasafe_cq_loop *cq_loop, struct ibv_cq *cq);
 
@@ -1004,7 +1011,10 @@ int rdmasafe_cq_loop_remove_cq(struct rdmasafe_cq_loop *cq_loop, struct ibv_cq *
  * loop is idle. `done` may call `ibv_destroy_cq(cq)`.
  *
  * Returns 0 (`done` will be called), -EINVAL (NULL `cq` or `done`, unknown
- * loop), -ENOENT (CQ not in this loop; `done` is not called).
+ * loop), -ENOENT (CQ not in this loop; `done` is not called). A removal
+ * asked while another removal of the CQ is pending (the CQ is still in the
+ * loop) returns 0, and its `done` is called with -ENOENT once the first
+ * removal is done.
  */
 int rdmasafe_cq_loop_remove_cq_async(struct rdmasafe_cq_loop *cq_loop,
                                      struct ibv_cq *cq,

@@ -521,6 +521,13 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_add_cq_ex(
 ///
 /// Returns 0, RDMASAFE_PENDING, -EINVAL (NULL, unknown loop), -ENOENT (CQ
 /// not in this loop).
+///
+/// A CQ stays in the loop until its removal is done. A second removal asked
+/// meanwhile (twice in one callback, or while a removal from a callback or
+/// `rdmasafe_cq_loop_remove_cq_async` is pending) is accepted and then
+/// finds the CQ gone: from a callback it returns RDMASAFE_PENDING again and
+/// the failure is only logged (a warning); from another thread it returns
+/// -ENOENT once the first removal is done.
 #[no_mangle]
 pub extern "C" fn rdmasafe_cq_loop_remove_cq(cq_loop: *mut rdmasafe_cq_loop, cq: *mut ibv_cq) -> c_int {
     guard(
@@ -543,7 +550,10 @@ pub extern "C" fn rdmasafe_cq_loop_remove_cq(cq_loop: *mut rdmasafe_cq_loop, cq:
 /// loop is idle. `done` may call `ibv_destroy_cq(cq)`.
 ///
 /// Returns 0 (`done` will be called), -EINVAL (NULL `cq` or `done`, unknown
-/// loop), -ENOENT (CQ not in this loop; `done` is not called).
+/// loop), -ENOENT (CQ not in this loop; `done` is not called). A removal
+/// asked while another removal of the CQ is pending (the CQ is still in the
+/// loop) returns 0, and its `done` is called with -ENOENT once the first
+/// removal is done.
 #[no_mangle]
 pub extern "C" fn rdmasafe_cq_loop_remove_cq_async(
     cq_loop: *mut rdmasafe_cq_loop,

@@ -959,8 +959,19 @@ static atomic_int gate_pending, gate_entered, gate_open;
 static struct {
 	int done;
 	int destroy, run, run_once, add, remove, drain, stats, fd, outstanding, stop_other;
+	int remove_again, remove_async; /* spare_cq's removal asked twice more */
+	atomic_int async_calls;
+	int async_result;
 	struct rdmasafe_cq_loop_stats st;
 } probe;
+
+static void on_probe_removed(void *ctx, void *object, int result)
+{
+	(void)ctx;
+	(void)object;
+	probe.async_result = result;
+	atomic_fetch_add(&probe.async_calls, 1);
+}
 
 static void note(struct side *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void note(struct side *s, const char *fmt, ...)
@@ -1052,6 +1063,10 @@ static void run_probes(struct cbctx *c)
 	(void)c;
 	probe.add = rdmasafe_cq_loop_add_cq(l, spare_cq, noop_cb, NULL);
 	probe.remove = rdmasafe_cq_loop_remove_cq(l, spare_cq); /* applied after the add */
+	/* spare_cq stays in the loop until the removal is applied: both are
+	 * accepted, then find it gone (the first logged, the second's done) */
+	probe.remove_again = rdmasafe_cq_loop_remove_cq(l, spare_cq);
+	probe.remove_async = rdmasafe_cq_loop_remove_cq_async(l, spare_cq, on_probe_removed, NULL);
 	probe.drain = rdmasafe_cq_loop_drain_qp(l, NULL, 0, 100);
 	probe.st.size = sizeof probe.st;
 	probe.stats = rdmasafe_cq_loop_get_stats(l, &probe.st);
@@ -1429,6 +1444,13 @@ static void stream_mode(int mode, uint64_t n, uint64_t win, int threaded, int fi
 		CHECK(probe.run_once == -EDEADLK, "rdmasafe_cq_loop_run_once from inside a callback -> %s", rname(probe.run_once));
 		CHECK(probe.add == RDMASAFE_PENDING, "rdmasafe_cq_loop_add_cq from inside a callback -> %s (RDMASAFE_PENDING)", rname(probe.add));
 		CHECK(probe.remove == RDMASAFE_PENDING, "rdmasafe_cq_loop_remove_cq from inside a callback -> %s (RDMASAFE_PENDING)", rname(probe.remove));
+		CHECK(probe.remove_again == RDMASAFE_PENDING,
+		      "rdmasafe_cq_loop_remove_cq of the same CQ again in that callback -> %s (RDMASAFE_PENDING: still in the loop)",
+		      rname(probe.remove_again));
+		CHECK(probe.remove_async == 0 && atomic_load(&probe.async_calls) == 1 && probe.async_result == -ENOENT,
+		      "rdmasafe_cq_loop_remove_cq_async of it a third time in that callback -> %s, done called %d time(s) with %s "
+		      "(0, once, -ENOENT: the first removal took it)",
+		      rname(probe.remove_async), atomic_load(&probe.async_calls), rname(probe.async_result));
 		CHECK(probe.drain == -EINVAL, "rdmasafe_cq_loop_drain_qp(NULL qp) from inside a callback -> %s", rname(probe.drain));
 		CHECK(probe.stats == 0 && probe.fd == rdmasafe_cq_loop_fd(l) && probe.outstanding == 0,
 		      "stats, fd and set_outstanding from inside a callback -> %s, %s, %s",

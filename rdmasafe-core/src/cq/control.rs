@@ -446,7 +446,11 @@ impl LoopControl {
     /// the QPs that use it first, so no completion raises a new event). From
     /// inside a handler it returns `Pending` (see [`Outcome`]). Keepalives
     /// probing through the CQ stop; drains using it end with ECANCELED.
-    /// ENOENT if the CQ is not in this loop.
+    /// ENOENT if the CQ is not in this loop. The CQ stays in the loop until
+    /// its removal is done: a second removal asked meanwhile is accepted
+    /// and finds it gone (from a handler: `Pending`, the failure logged as
+    /// a warning; from another thread: ENOENT once the first is done; by
+    /// [`LoopControl::remove_raw_cq_then`]: `done` with ENOENT).
     pub fn remove_cq(&self, cq: &Cq) -> Result<Outcome> {
         self.remove_raw_cq(cq.raw())
     }
