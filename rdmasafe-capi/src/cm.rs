@@ -145,10 +145,12 @@ unsafe fn get_first(ch: Option<ChannelRef<'_>>, event: *mut *mut rdma_cm_event, 
 /// id it is tearing down) and block in its read. For strict timeouts set
 /// O_NONBLOCK on the channel's fd. A signal ends the wait with EINTR, as
 /// with `rdma_get_cm_event`. An id moved to the channel with
-/// `rdma_migrate_id` brings its queued events without waking the fd (the
-/// kernel's doing, as with librdmacm): a poll() sees the fd readable, an
-/// edge-triggered epoll (EPOLLET) of the app's gets no edge for them, so
-/// try a get after a migrate.
+/// `rdma_migrate_id` brings its queued events without waking anyone (the
+/// kernel's doing, as with librdmacm): a get already waiting here (or a
+/// poll() or epoll of the app's on the fd) sleeps on until another event
+/// comes or its timeout ends (it finds them then), and an edge-triggered
+/// epoll (EPOLLET) gets no edge for them. A get or poll made after the
+/// migrate sees them: wake the thread that serves the new channel.
 ///
 /// Returns 0, or -1 with errno: EINVAL (NULL argument, `timeout_ms < -1`),
 /// EAGAIN (`timeout_ms == 0`, nothing ready), ETIMEDOUT (nothing within

@@ -161,7 +161,7 @@ impl AsyncEventChannel {
     /// `enable_all`): inside one built without it, tokio panics here, as
     /// its own I/O types do (and `channel` is dropped with the unwind).
     pub fn new(channel: EventChannel) -> Result<AsyncEventChannel> {
-        let moved_in = MovedIn { fd: channel.inner.moved_in_fd()?, _channel: channel.clone() };
+        let moved_in = MovedIn { fd: channel.inner.moved_in()?.fd(), _channel: channel.clone() };
         let fd = register(channel)?;
         Ok(AsyncEventChannel { fd, moved_in: register(moved_in)? })
     }

@@ -47,7 +47,7 @@ use crate::cq::CqLoop;
 /// channel's fd).
 impl Source for EventChannel {
     fn register(&mut self, registry: &Registry, token: Token, interests: Interest) -> io::Result<()> {
-        let moved_in = self.inner.moved_in_fd()?;
+        let moved_in = self.inner.moved_in()?.fd();
         SourceFd(&self.as_raw_fd()).register(registry, token, interests)?;
         SourceFd(&moved_in).register(registry, token, Interest::READABLE).inspect_err(|_| {
             let _ = SourceFd(&self.as_raw_fd()).deregister(registry);
@@ -56,12 +56,12 @@ impl Source for EventChannel {
 
     fn reregister(&mut self, registry: &Registry, token: Token, interests: Interest) -> io::Result<()> {
         SourceFd(&self.as_raw_fd()).reregister(registry, token, interests)?;
-        SourceFd(&self.inner.moved_in_fd()?).reregister(registry, token, Interest::READABLE)
+        SourceFd(&self.inner.moved_in()?.fd()).reregister(registry, token, Interest::READABLE)
     }
 
     fn deregister(&mut self, registry: &Registry) -> io::Result<()> {
         SourceFd(&self.as_raw_fd()).deregister(registry)?;
-        SourceFd(&self.inner.moved_in_fd()?).deregister(registry)
+        SourceFd(&self.inner.moved_in()?.fd()).deregister(registry)
     }
 }
 

@@ -17,6 +17,12 @@
 //!   do a keepalive's probes still out when their CQ leaves (found by an
 //!   adversarial test of the tokio API).
 //!
+//! * events moved in by `CmId::migrate` reach a thread already waiting in
+//!   a get on the new channel, and a `Dispatcher` waiting there (the
+//!   kernel moves them without waking the channel's waiters: the get
+//!   timed out, the dispatcher slept on; found by an adversarial test of
+//!   the tokio API, where the async get never saw them);
+//!
 //! (and the cases of the CQ loop below). No timing is asserted: each wait
 //! ends when its condition holds, and a generous watchdog turns a hang into
 //! a failure; where a case needs an order of events, sleeps in handlers or
@@ -889,4 +895,76 @@ fn a_keepalive_added_before_accept_waits_for_the_qp_to_send() {
         lp.stats()
     );
     drop((server, client, cch, l));
+}
+
+/// Whether thread `tid` of this process is asleep in poll(2) / ppoll(2)
+/// (from /proc: the system call it is blocked in).
+fn in_poll(tid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/self/task/{tid}/syscall"))
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|n| n.parse::<i64>().ok()))
+        .is_some_and(|n| n == libc::SYS_poll || n == libc::SYS_ppoll)
+}
+
+/// The threads of this process named `name`.
+fn threads_named(name: &str) -> Vec<i32> {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|tid| std::fs::read_to_string(format!("/proc/self/task/{tid}/comm")).is_ok_and(|c| c.trim() == name))
+        .collect()
+}
+
+#[test]
+fn events_moved_in_by_migrate_wake_a_waiting_get_and_a_dispatcher() {
+    let _s = serial();
+    let _dog = common::watchdog("migrate into a channel being waited on", Duration::from_secs(300));
+    let bed = common::bed();
+    let a = EventChannel::new().unwrap();
+    let token_of = |r: rdmasafe_core::Result<CmEvent>| r.map(|ev| (ev.event_type(), ev.token()));
+
+    // 1. A thread already asleep in a get on B. Its timeout is four times
+    // the wait for its answer: poll() rescans its fds when it times out,
+    // and would find the moved event then.
+    let b = EventChannel::new().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (rtx, rrx) = std::sync::mpsc::channel();
+    let waiter = std::thread::spawn({
+        let b = b.clone();
+        // SAFETY: gettid has no preconditions.
+        move || {
+            tx.send(unsafe { libc::gettid() }).unwrap();
+            let _ = rtx.send(token_of(b.get_timeout(4 * common::cm::STEP)));
+        }
+    });
+    let tid = rx.recv().unwrap();
+    assert!(wait_until(|| in_poll(tid)), "the getter is asleep in poll()");
+    let mut id = common::cm::with_queued_event(&a, bed.addr);
+    id.migrate(&b).unwrap();
+    assert_eq!(
+        rrx.recv_timeout(common::cm::STEP),
+        Ok(Ok((cm::EventType::ADDR_RESOLVED, Some(id.token())))),
+        "the waiting get returned the moved event"
+    );
+    waiter.join().unwrap();
+
+    // 2. A dispatcher asleep on B2.
+    let b2 = EventChannel::new().unwrap();
+    let (etx, erx) = std::sync::mpsc::channel();
+    let d = Dispatcher::with_callback(&b2, move |ev| {
+        let _ = etx.send((ev.event_type(), ev.token()));
+    })
+    .unwrap();
+    assert!(
+        wait_until(|| threads_named("rdmasafe-cm").into_iter().any(in_poll)),
+        "the dispatcher's thread is asleep in poll()"
+    );
+    let mut id2 = common::cm::with_queued_event(&a, bed.addr);
+    id2.migrate(&b2).unwrap();
+    assert_eq!(
+        erx.recv_timeout(common::cm::STEP),
+        Ok((cm::EventType::ADDR_RESOLVED, Some(id2.token()))),
+        "the dispatcher delivered the moved event"
+    );
+    d.stop().unwrap();
 }

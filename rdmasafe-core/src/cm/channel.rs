@@ -24,10 +24,11 @@ use crate::{Error, Result};
 /// channel is destroyed only after its last id.
 pub(crate) struct ChannelInner {
     raw: NonNull<rdma_event_channel>,
-    /// Made readable by [`CmId::migrate`] into this channel, for the
-    /// edge-triggered waits (tokio, mio) that watch it beside the
-    /// channel's fd: the kernel moves a migrated id's queued events to
-    /// this channel without waking its fd. Made at the first such wait.
+    /// Made readable by [`CmId::migrate`] into this channel, for the waits
+    /// that watch it beside the channel's fd: the kernel moves a migrated
+    /// id's queued events to this channel without waking the channel's
+    /// waiters (a thread asleep in poll(), an edge-triggered epoll). Made
+    /// at the first wait (a get that may wait, a dispatcher, tokio, mio).
     moved_in: OnceLock<sys::WakeFd>,
 }
 
@@ -42,18 +43,34 @@ impl ChannelInner {
         self.raw.as_ptr()
     }
 
-    /// The fd that becomes readable (an edge each time) when an id is
-    /// migrated into this channel; made on the first call. Never drained:
-    /// every migrate writes it again, and an edge-triggered wait sees each
-    /// write (a level-triggered one would see it readable for good).
-    pub(crate) fn moved_in_fd(&self) -> Result<RawFd> {
+    /// The eventfd that becomes readable (a new edge each time) when an id
+    /// is migrated into this channel; made on the first call. Each migrate
+    /// writes it: an edge-triggered wait sees every write and need not
+    /// drain it; a level-triggered wait ([`ChannelInner::poll`]) drains it
+    /// when it finds it readable.
+    pub(crate) fn moved_in(&self) -> Result<&sys::WakeFd> {
         if let Some(w) = self.moved_in.get() {
-            return Ok(w.fd());
+            return Ok(w);
         }
         let w = sys::WakeFd::new().map_err(|e| Error::from(e).context("eventfd"))?;
         // A racing first call may win: its fd is the one, ours is closed.
         let _ = self.moved_in.set(w);
-        Ok(self.moved_in.get().map(sys::WakeFd::fd).expect("set just now"))
+        Ok(self.moved_in.get().expect("set just now"))
+    }
+
+    /// poll() for the channel's fd, `also` (an fd of the caller's, e.g. a
+    /// stop eventfd; -1: none) and the moved-in signal, which it drains:
+    /// `[channel, also]`, the channel's readable also when an id was
+    /// migrated in (a get may then find an event). Without a moved-in fd
+    /// (no eventfd could be made) only the two are watched.
+    pub(crate) fn poll(&self, also: RawFd, wait: Wait, retry_eintr: bool) -> std::io::Result<[bool; 2]> {
+        let moved = self.moved_in().ok();
+        let [ch, also, moved_in] =
+            sys::poll_readable_ex([self.fd(), also, moved.map_or(-1, sys::WakeFd::fd)], wait, retry_eintr)?;
+        if moved_in {
+            moved.expect("polled").drain();
+        }
+        Ok([ch || moved_in, also])
     }
 
     /// Signals the edge-triggered waits on this channel, if any, that
@@ -94,6 +111,10 @@ impl Drop for ChannelInner {
 /// An event channel that rdmasafe created and owns.
 ///
 /// Its fd is non-blocking (the get calls wait with poll() when asked to).
+/// From its first wait (a get that may wait, a [`super::Dispatcher`], an
+/// async or `mio` registration) it also holds an eventfd that
+/// [`CmId::migrate`] into the channel writes: the kernel does not wake
+/// the channel's waiters for the events a migrated id brings.
 /// It can be shared between threads (`&EventChannel` is enough to get), and
 /// clones share the channel.
 ///
@@ -161,10 +182,6 @@ impl EventChannel {
     /// `out` grows only if its capacity is too small.
     pub fn get_batch(&self, out: &mut Vec<CmEvent>, max: usize, wait: Wait) -> Result<usize> {
         self.getter().batch_with(out, max, wait, Some(&self.inner))
-    }
-
-    pub(crate) fn inner_fd(&self) -> RawFd {
-        self.inner.fd()
     }
 
     /// Creates an id on this channel; see [`CmId::new`].
@@ -490,9 +507,12 @@ impl<'a> ChannelRef<'a> {
 
     fn get_with(&self, wait: Wait, owner: Option<&Arc<ChannelInner>>) -> Result<CmEvent> {
         let poll = |left: Wait| {
-            sys::poll_readable_ex([self.fd()], left, self.retry_eintr)
-                .map(|[ready]| ready)
-                .map_err(|e| Error::new("poll", e.raw_os_error().unwrap_or(libc::EIO)))
+            match owner {
+                // An owned channel: an id migrated in wakes the wait too.
+                Some(o) => o.poll(-1, left, self.retry_eintr).map(|[ready, _]| ready),
+                None => sys::poll_readable_ex([self.fd()], left, self.retry_eintr).map(|[ready]| ready),
+            }
+            .map_err(|e| Error::new("poll", e.raw_os_error().unwrap_or(libc::EIO)))
         };
         self.wait_and_get(wait, poll, || self.fetch(owner))
     }

@@ -15,7 +15,8 @@
 //!   ([`DispatcherStats::storage_waits`]), and goes on.
 //! * Stop is prompt: the thread waits in poll() on the channel fd and an
 //!   eventfd, and [`Dispatcher::stop`] (or a [`StopHandle`], also usable
-//!   from inside the callback) writes the eventfd.
+//!   from inside the callback) writes the eventfd. (It watches the
+//!   channel's moved-in eventfd too: see [`super::CmId::migrate`].)
 
 use std::sync::atomic::{AtomicU64, Ordering::*};
 use std::sync::Arc;
@@ -379,7 +380,10 @@ fn run(ch: EventChannel, mut sink: Sink, h: StopHandle) -> Result<()> {
     let mut storage_wait = STORAGE_WAIT_FIRST;
     let result = (|| {
         while !stopped() {
-            let [_, woken] = sys::poll_readable([ch.inner_fd(), h.wake.fd()], Wait::Forever)
+            // (An id migrated into the channel wakes it too.)
+            let [_, woken] = ch
+                .inner
+                .poll(h.wake.fd(), Wait::Forever, true)
                 .map_err(|e| Error::new("poll", e.raw_os_error().unwrap_or(libc::EIO)))?;
             if woken {
                 h.wake.drain();

@@ -456,11 +456,12 @@ impl CmId {
     /// already reported for the id is acked: rdmasafe acks at copy time, so
     /// this never waits on copies the app still holds.
     ///
-    /// The kernel moves the queued events without making the new channel's
-    /// fd signal them (no edge for an edge-triggered epoll). rdmasafe's
-    /// own edge-triggered waits on `to`, [`crate::aio::AsyncEventChannel`]
-    /// and the `mio` `Source`, are signalled here; an epoll of the app's
-    /// own on the raw fd with `EPOLLET` is not: try a get after a migrate.
+    /// The kernel moves the queued events without waking the new channel's
+    /// waiters (a thread asleep in poll() on its fd, an edge-triggered
+    /// epoll). rdmasafe's own waits on `to` are woken here: its get calls,
+    /// a [`super::Dispatcher`], [`crate::aio::AsyncEventChannel`] and the
+    /// `mio` `Source`. A wait of the app's own on the raw fd is not: try a
+    /// get after a migrate.
     pub fn migrate(&mut self, to: &EventChannel) -> Result<()> {
         // SAFETY: live id and live target channel.
         cvt("rdma_migrate_id", unsafe { sys::rdma_migrate_id(self.raw(), to.inner.raw()) })?;
