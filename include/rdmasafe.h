@@ -740,9 +740,11 @@ const char *rdmasafe_async_event_str(uint32_t event_type);
  * Returns 0, or -1 with errno: EINVAL (`channel` or `event` NULL), EAGAIN
  * (non-blocking fd, nothing ready), EINTR (a signal interrupted the wait),
  * ENOBUFS (`rdmasafe_cm_set_limit` copies are held: the event stays in the
- * kernel), ENOMEM, or the error of `rdma_get_cm_event`. errno is left
- * untouched on success, as librdmacm does. `*event` is left untouched on
- * failure.
+ * kernel), ENOMEM (no storage for the copy, or, with an ack deadline, the
+ * thread that keeps the deadlines could not be started: the event stays
+ * in the kernel either way), or the error of `rdma_get_cm_event`. errno is
+ * left untouched on success, as librdmacm does. `*event` is left untouched
+ * on failure.
  *
  * # Safety
  * `channel` must be NULL or a live channel from `rdma_create_event_channel`; `event` NULL or writable.
@@ -868,7 +870,10 @@ const char *rdmasafe_event_str(int event);
  * held). With a deadline, a thread that destroys an event's id before it
  * frees the copy waits in `rdma_destroy_id` until the deadline (where
  * librdmacm would wait forever): free first, or set 0. The deadlines are
- * kept by one thread for the process: a thread cancelled inside
+ * kept by one thread for the process, started by the first get with a
+ * deadline (a get that cannot start it fails with ENOMEM and takes
+ * nothing, so no original is ever held without its deadline): a thread
+ * cancelled inside
  * `rdma_destroy_id` leaves that id's mutex locked, and once the ack thread
  * blocks on it no other deadline is kept (header conventions). Applies to
  * gets from now on. The default is 1000 ms, or

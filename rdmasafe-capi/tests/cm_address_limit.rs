@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use rdmasafe::{rdmasafe_event_free, rdmasafe_get_event};
 use rdmasafe_core::cm::SyntheticEvent;
 use rdmasafe_core::sys::{self, rdma_cm_event, rdma_event_channel, CmEventCalls};
-use standin::{channel, ready, take_ready};
+use standin::{channel, ready, take_ready, vm_size};
 
 static EVENT: AtomicUsize = AtomicUsize::new(0);
 
@@ -32,13 +32,6 @@ unsafe extern "C-unwind" fn fake_get(ch: *mut rdma_event_channel, ev: *mut *mut 
 
 unsafe extern "C" fn fake_ack(_ev: *mut rdma_cm_event) -> c_int {
     0
-}
-
-/// This process's address space in use now (VmSize), in bytes.
-fn vm_size() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let line = status.lines().find(|l| l.starts_with("VmSize:")).expect("VmSize in /proc/self/status");
-    line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024
 }
 
 #[test]

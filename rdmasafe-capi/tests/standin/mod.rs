@@ -5,8 +5,9 @@
 #![allow(dead_code)]
 
 use std::os::raw::c_int;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
-use rdmasafe_core::sys::rdma_event_channel;
+use rdmasafe_core::sys::{rdma_cm_event, rdma_event_channel};
 
 /// A stand-in channel and its pipe's write end.
 pub fn channel() -> (Box<rdma_event_channel>, c_int) {
@@ -41,4 +42,58 @@ pub fn get_copy(ch: &mut rdma_event_channel, w: c_int) -> *mut rdmasafe_core::sy
     // SAFETY: a live stand-in channel; ev is writable.
     assert_eq!(unsafe { rdmasafe::rdmasafe_get_event(ch, &mut ev) }, 0);
     ev
+}
+
+/// The one event the stand-in get of [`install_calls`] hands out (a zeroed
+/// event: no id, no private data), and the acks of it so far.
+static EVENT: AtomicUsize = AtomicUsize::new(0);
+pub static ACKS: AtomicUsize = AtomicUsize::new(0);
+
+unsafe extern "C-unwind" fn standin_get(ch: *mut rdma_event_channel, ev: *mut *mut rdma_cm_event) -> c_int {
+    // SAFETY: ch is a test's stand-in channel.
+    if !unsafe { take_ready(ch) } {
+        return -1;
+    }
+    // SAFETY: ev is writable (rdmasafe's contract with librdmacm's call).
+    unsafe { *ev = EVENT.load(Relaxed) as *mut rdma_cm_event };
+    0
+}
+
+unsafe extern "C" fn standin_ack(_ev: *mut rdma_cm_event) -> c_int {
+    ACKS.fetch_add(1, Relaxed);
+    0
+}
+
+/// Replaces librdmacm's two event calls with the stand-in pair: a get
+/// takes one ready byte off the channel and hands out a zeroed event, an
+/// ack counts in [`ACKS`]. Call first, before any CM call of the process.
+pub fn install_calls() {
+    EVENT.store(Box::into_raw(rdmasafe_core::cm::SyntheticEvent::zeroed()) as usize, Relaxed);
+    // SAFETY: the pair behaves as librdmacm's for one zeroed event, from
+    // any thread.
+    unsafe {
+        rdmasafe_core::sys::set_cm_event_calls(rdmasafe_core::sys::CmEventCalls { get: standin_get, ack: standin_ack })
+    }
+    .expect("first CM use of this process");
+}
+
+/// This process's address space in use now (VmSize), in bytes.
+pub fn vm_size() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmSize:")).expect("VmSize in /proc/self/status");
+    line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024
+}
+
+/// Sets the soft address-space limit (RLIMIT_AS) to `bytes`
+/// (`libc::RLIM_INFINITY` lifts it); the hard limit, which the system may
+/// set, stays.
+pub fn set_address_space_limit(bytes: u64) {
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: r is a valid rlimit to fill.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut r) }, 0);
+    assert!(r.rlim_max == libc::RLIM_INFINITY || r.rlim_max >= bytes, "a hard limit below the test's: {}", r.rlim_max);
+    r.rlim_cur = bytes;
+    // SAFETY: a valid rlimit; moving the soft limit up to the hard one
+    // needs no privilege.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_AS, &r) }, 0);
 }

@@ -317,7 +317,7 @@ impl<'a> ChannelRef<'a> {
     /// [`ChannelRef::fetch`]; `COUNT` as for [`pool::LimitUnit::take`].
     #[inline(always)]
     fn fetch_counting<const COUNT: bool>(&self, owner: Option<&Arc<ChannelInner>>) -> Result<CmEvent> {
-        let (mut slot, ev, alive) = self.take_event::<COUNT>()?;
+        let (mut slot, ev, alive, deadline_ms) = self.take_event::<COUNT>()?;
         let request = match owner {
             Some(owner) if EventType(slot.raw().event) == EventType::CONNECT_REQUEST && !slot.raw().id.is_null() => {
                 let token = IdToken::next();
@@ -334,26 +334,42 @@ impl<'a> ChannelRef<'a> {
             }
             _ => None,
         };
-        self.settle(&mut slot, ev, alive);
+        self.settle(&mut slot, ev, alive, deadline_ms);
         Ok(CmEvent::new(slot, request))
     }
 
-    /// Storage and a unit of the limit for one get: taken before
-    /// librdmacm is asked, so a failure here leaves the event in the kernel.
+    /// The ack deadline of this channel's gets, in ms (0: ack at once).
     #[inline(always)]
-    fn reserve<const COUNT: bool>(&self) -> Result<pool::SlotBox> {
+    fn deadline_ms(&self) -> u64 {
+        match self.ack_deadline {
+            Some(d) => d.as_millis().min(u64::MAX as u128) as u64,
+            None => pool::ack_deadline_ms(),
+        }
+    }
+
+    /// Storage, a unit of the limit and (with a deadline) the deadline
+    /// thread for one get: made sure of before librdmacm is asked, so a
+    /// failure here leaves the event in the kernel. Returns the slot and
+    /// the get's ack deadline in ms (read once, here: the thread is there
+    /// for the deadline the get will use).
+    #[inline(always)]
+    fn reserve<const COUNT: bool>(&self) -> Result<(pool::SlotBox, u64)> {
+        let deadline_ms = self.deadline_ms();
+        if deadline_ms != 0 {
+            pool::ensure_deadline_thread()?;
+        }
         let unit = pool::LimitUnit::take::<COUNT>()?;
         let mut slot = pool::take()?;
         slot.keep_unit(unit);
-        Ok(slot)
+        Ok((slot, deadline_ms))
     }
 
     /// The limit, a slot, one `rdma_get_cm_event`, the copy: the slot,
     /// librdmacm's original, not acked yet (see [`ChannelRef::settle`]),
-    /// and the copies alive now.
+    /// the copies alive now and the get's ack deadline.
     #[inline]
-    fn take_event<const COUNT: bool>(&self) -> Result<(pool::SlotBox, *mut rdma_cm_event, u64)> {
-        let mut slot = self.reserve::<COUNT>()?;
+    fn take_event<const COUNT: bool>(&self) -> Result<(pool::SlotBox, *mut rdma_cm_event, u64, u64)> {
+        let (mut slot, deadline_ms) = self.reserve::<COUNT>()?;
         let mut ev = null_mut();
         loop {
             // SAFETY: raw is a live channel; ev receives an event pointer.
@@ -368,20 +384,17 @@ impl<'a> ChannelRef<'a> {
         // SAFETY: ev is a fresh, unacked librdmacm event: ids live, private
         // data readable in its own buffer, as copy_raw requires.
         let alive = unsafe { copy_raw(ev, &mut slot) };
-        Ok((slot, ev, alive))
+        Ok((slot, ev, alive, deadline_ms))
     }
 
     /// The original `ev` of the copy in `slot` (fresh from
     /// [`ChannelRef::take_event`], un-acked, nothing read from it any more):
-    /// acked at once, or held by the slot until the copy is freed or the
-    /// ack deadline passes. Then the get path's log lines (the trace of
-    /// the copy, the "many copies held" warning for `alive` copies).
+    /// acked at once (`deadline_ms` 0), or held by the slot until the copy
+    /// is freed or `deadline_ms` passes. Then the get path's log lines (the
+    /// trace of the copy, the "many copies held" warning for `alive`
+    /// copies).
     #[inline]
-    fn settle(&self, slot: &mut pool::SlotBox, ev: *mut rdma_cm_event, alive: u64) {
-        let deadline_ms = match self.ack_deadline {
-            Some(d) => d.as_millis().min(u64::MAX as u128) as u64,
-            None => pool::ack_deadline_ms(),
-        };
+    fn settle(&self, slot: &mut pool::SlotBox, ev: *mut rdma_cm_event, alive: u64, deadline_ms: u64) {
         if deadline_ms == 0 {
             // SAFETY: ev came from rdma_get_cm_event and is acked exactly
             // once; nothing reads it afterwards (the copy is complete).
@@ -467,7 +480,7 @@ impl<'a> ChannelRef<'a> {
             // and the slot then leaks.
             let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| pending.abandon()));
         }
-        let pending = no_panic(|| self.reserve::<true>().map(pool::SlotBox::into_pending))?;
+        let (pending, deadline_ms) = no_panic(|| self.reserve::<true>().map(|(s, d)| (s.into_pending(), d)))?;
         let mut ev = null_mut();
         // SAFETY: raw is a live channel, ev receives the event; give_back
         // gets the address of `pending`, which lives in this frame until
@@ -490,7 +503,7 @@ impl<'a> ChannelRef<'a> {
             // SAFETY: ev is a fresh, unacked librdmacm event (as in
             // take_event).
             let alive = unsafe { copy_raw(ev, &mut slot) };
-            self.settle(&mut slot, ev, alive);
+            self.settle(&mut slot, ev, alive, deadline_ms);
             Ok(slot.into_c())
         })
     }

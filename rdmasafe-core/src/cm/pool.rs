@@ -148,8 +148,10 @@ unsafe impl Sync for Arena {}
 /// `new`). Sequences compare as the low 32 bits of the 64-bit positions
 /// (N divides 2^32).
 struct FreeRing<const N: usize = RING> {
-    /// A fixed-size array: a masked position needs no bounds check.
-    cells: Box<[AtomicU64; N]>,
+    /// A fixed-size array: a masked position needs no bounds check. The
+    /// arena's rings are statics (zero pages until used: nothing to
+    /// allocate, so nothing that fails, when the storage is set up).
+    cells: &'static [AtomicU64; N],
     head: AtomicU64,
     tail: AtomicU64,
 }
@@ -157,18 +159,14 @@ struct FreeRing<const N: usize = RING> {
 impl<const N: usize> FreeRing<N> {
     const POWER_OF_TWO: () = assert!(N.is_power_of_two() && N <= 1 << 31);
 
-    fn new() -> FreeRing<N> {
+    /// An empty ring on `cells`, which only this ring uses from now on.
+    fn new(cells: &'static [AtomicU64; N]) -> FreeRing<N> {
         #[allow(clippy::let_unit_value)]
         let () = Self::POWER_OF_TWO;
-        FreeRing {
-            cells: (0..N as u64)
-                .map(|k| AtomicU64::new(k << 32))
-                .collect::<Box<[AtomicU64]>>()
-                .try_into()
-                .unwrap_or_else(|_| unreachable!("N cells were collected")),
-            head: AtomicU64::new(0),
-            tail: AtomicU64::new(0),
+        for (k, c) in cells.iter().enumerate() {
+            c.store((k as u64) << 32, Relaxed);
         }
+        FreeRing { cells, head: AtomicU64::new(0), tail: AtomicU64::new(0) }
     }
 
     #[inline]
@@ -254,6 +252,9 @@ impl<const N: usize> FreeRing<N> {
 #[inline]
 fn arena() -> &'static Arena {
     static A: OnceLock<Arena> = OnceLock::new();
+    /// The rings' cells, each used by the one arena only.
+    static FREE_CELLS: [AtomicU64; RING] = [const { AtomicU64::new(0) }; RING];
+    static READY_CELLS: [AtomicU64; READY_RING] = [const { AtomicU64::new(0) }; READY_RING];
     A.get_or_init(|| {
         let (base, max_slots) = reserve_arena();
         Arena {
@@ -262,10 +263,10 @@ fn arena() -> &'static Arena {
             allocated: AtomicUsize::new(0),
             committed: AtomicUsize::new(0),
             grow: Mutex::new(()),
-            free: FreeRing::new(),
+            free: FreeRing::new(&FREE_CELLS),
             overflow: Mutex::new(std::collections::VecDeque::new()),
             overflow_len: AtomicUsize::new(0),
-            ready: FreeRing::new(),
+            ready: FreeRing::new(&READY_CELLS),
         }
     })
 }
@@ -920,7 +921,10 @@ fn held_originals() -> u64 {
 struct Reaper {
     m: Mutex<()>,
     cv: Condvar,
+    /// Set (Release) once the thread runs; never cleared.
     started: AtomicBool,
+    /// Held while the thread is being started (one start at a time).
+    starting: Mutex<()>,
     /// The thread sleeps until a get holds an original.
     idle: AtomicBool,
 }
@@ -930,17 +934,38 @@ const IDLE_SCANS: u32 = 8;
 
 #[inline]
 fn reaper() -> &'static Reaper {
-    static R: Reaper =
-        Reaper { m: Mutex::new(()), cv: Condvar::new(), started: AtomicBool::new(false), idle: AtomicBool::new(false) };
+    static R: Reaper = Reaper {
+        m: Mutex::new(()),
+        cv: Condvar::new(),
+        started: AtomicBool::new(false),
+        starting: Mutex::new(()),
+        idle: AtomicBool::new(false),
+    };
     &R
 }
 
+/// Makes sure the deadline thread runs, before a get takes an event whose
+/// original it will hold: ENOMEM if the thread cannot be started (the get
+/// then fails before it takes anything, rather than hold an original with
+/// no deadline).
+#[inline]
+pub(crate) fn ensure_deadline_thread() -> crate::Result<()> {
+    let r = reaper();
+    if r.started.load(Acquire) {
+        return Ok(());
+    }
+    r.start()
+}
+
 impl Reaper {
-    /// An original is held: make sure the thread runs.
+    /// An original is held: wake the thread if it sleeps (started by
+    /// [`ensure_deadline_thread`] before the get).
     #[inline]
     fn kick(&'static self) {
         if !self.started.load(Relaxed) {
-            return self.start();
+            // Not reached through the get calls; kept for safety.
+            let _ = self.start();
+            return;
         }
         // SeqCst: after the DEFERRED increment (hold_original), paired with
         // the thread's store of `idle` and its load of DEFERRED: either it
@@ -951,14 +976,22 @@ impl Reaper {
     }
 
     #[cold]
-    fn start(&'static self) {
-        if !self.started.swap(true, AcqRel) {
-            let spawned = std::thread::Builder::new().name("rdmasafe-ack".into()).spawn(move || self.run());
-            if let Err(e) = spawned {
-                // Without the thread, originals are still acked when their
-                // copies are freed; only the deadline is lost.
-                log::error!(target: "rdmasafe", "cannot start the CM ack deadline thread: {e}");
-                self.started.store(false, Relaxed);
+    fn start(&'static self) -> crate::Result<()> {
+        let _one = self.starting.lock().unwrap_or_else(|e| e.into_inner());
+        if self.started.load(Acquire) {
+            return Ok(());
+        }
+        match std::thread::Builder::new().name("rdmasafe-ack".into()).spawn(move || self.run()) {
+            Ok(_) => {
+                self.started.store(true, Release);
+                Ok(())
+            }
+            Err(e) => {
+                log::warn!(
+                    target: "rdmasafe",
+                    "cannot start the CM ack deadline thread ({e}): gets that would hold an original fail with ENOMEM"
+                );
+                Err(crate::Error::new("rdmasafe: starting the CM ack deadline thread", libc::ENOMEM))
             }
         }
     }
@@ -1356,7 +1389,8 @@ mod tests {
     /// threads at once.
     #[test]
     fn free_ring_fifo_and_concurrent() {
-        let r = FreeRing::<RING>::new();
+        let cells = || Box::leak(Box::new([const { AtomicU64::new(0) }; RING]));
+        let r = FreeRing::<RING>::new(cells());
         assert_eq!(r.pop(), None);
         for lap in 0..5u32 {
             for i in 0..RING as u32 {
@@ -1369,7 +1403,7 @@ mod tests {
             }
             assert_eq!(r.pop(), None, "empty");
         }
-        let r = std::sync::Arc::new(FreeRing::<RING>::new());
+        let r = std::sync::Arc::new(FreeRing::<RING>::new(cells()));
         let per = 20_000u32;
         let seen: Vec<u32> = std::thread::scope(|sc| {
             for t in 0..2u32 {
