@@ -73,8 +73,8 @@ impl ChannelInner {
         Ok([ch || moved_in, also])
     }
 
-    /// Signals the edge-triggered waits on this channel, if any, that
-    /// events may have been moved in.
+    /// Wakes the waits on this channel that watch the moved-in eventfd, if
+    /// any: events may have been moved in.
     pub(crate) fn signal_moved_in(&self) {
         if let Some(w) = self.moved_in.get() {
             w.wake();

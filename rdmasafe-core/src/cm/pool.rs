@@ -149,8 +149,8 @@ unsafe impl Sync for Arena {}
 /// (N divides 2^32).
 struct FreeRing<const N: usize = RING> {
     /// A fixed-size array: a masked position needs no bounds check. The
-    /// arena's rings are statics (zero pages until used: nothing to
-    /// allocate, so nothing that fails, when the storage is set up).
+    /// arena's rings are statics: setting up the storage allocates nothing
+    /// for them, so nothing there can fail.
     cells: &'static [AtomicU64; N],
     head: AtomicU64,
     tail: AtomicU64,
@@ -962,11 +962,7 @@ impl Reaper {
     /// [`ensure_deadline_thread`] before the get).
     #[inline]
     fn kick(&'static self) {
-        if !self.started.load(Relaxed) {
-            // Not reached through the get calls; kept for safety.
-            let _ = self.start();
-            return;
-        }
+        debug_assert!(self.started.load(Relaxed), "ensure_deadline_thread comes before a hold");
         // SeqCst: after the DEFERRED increment (hold_original), paired with
         // the thread's store of `idle` and its load of DEFERRED: either it
         // sees the original, or this sees it idle and wakes it.
