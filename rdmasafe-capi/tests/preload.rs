@@ -1259,7 +1259,8 @@ fn cmtime_races_do_not_count_against_rpings_caps() {
 }
 
 /// A setting the preload cannot honour (an unknown RDMASAFE_CHECK or
-/// RDMASAFE_LOG value, a RDMASAFE_CHECK_HOLD_MS that is no number) is said
+/// RDMASAFE_LOG value, a RDMASAFE_CHECK_HOLD_MS or RDMASAFE_ACK_DEADLINE_MS
+/// that is no number; the latter was taken silently as 1000) is said
 /// on stderr even with logging off: it
 /// changes what the preload does. On the host: the preload reads its
 /// settings at a program's first CM call, before librdmacm is asked (which
@@ -1301,6 +1302,11 @@ fn an_unknown_rdmasafe_check_value_is_said_with_logging_off() {
     assert_eq!(run(&[("RDMASAFE_CHECK", "0")]), "", "a known value, logging off: nothing said");
     let err = run(&[("RDMASAFE_CHECK", "1"), ("RDMASAFE_CHECK_HOLD_MS", "10s")]);
     assert!(err.contains("RDMASAFE_CHECK_HOLD_MS=\"10s\""), "stderr: {err:?}");
+    for bad in ["5s", "-5", "99999999999999999999"] {
+        let err = run(&[("RDMASAFE_ACK_DEADLINE_MS", bad)]);
+        assert!(err.contains(&format!("RDMASAFE_ACK_DEADLINE_MS={bad:?}")) && err.contains("1000"), "stderr: {err:?}");
+    }
+    assert_eq!(run(&[("RDMASAFE_ACK_DEADLINE_MS", " 250 ")]), "", "a number (blanks around it are fine): nothing said");
     let err = run(&[("RDMASAFE_LOG", "verbose")]);
     assert!(err.contains("RDMASAFE_LOG=\"verbose\""), "stderr: {err:?}");
     assert_eq!(run(&[("RDMASAFE_LOG", "off")]), "", "off is a level: nothing said");

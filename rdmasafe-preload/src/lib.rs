@@ -102,7 +102,13 @@ fn init() -> State {
                 "cannot reach librdmacm's rdma_get_cm_event / rdma_ack_cm_event: CM events pass through uncopied",
             );
             mode = Mode::Pass;
-        } else if rdmasafe_core::cm::capacity() == 0 {
+        } else if let Err(v) = rdmasafe_core::cm::ack_deadline_env() {
+            out::setup_error(&format!(
+                "RDMASAFE_ACK_DEADLINE_MS={v:?} is no number of milliseconds: {}",
+                rdmasafe_core::cm::DEFAULT_ACK_DEADLINE.as_millis()
+            ));
+        }
+        if matches!(mode, Mode::Copy) && rdmasafe_core::cm::capacity() == 0 {
             out::setup_error(
                 "no address space for CM event copies (ulimit -v too small?): CM events pass through uncopied",
             );

@@ -881,12 +881,31 @@ pub(crate) fn ack_deadline_ms() -> u64 {
     }
 }
 
+/// `RDMASAFE_ACK_DEADLINE_MS` as the environment has it: `Ok(None)` unset,
+/// `Ok(Some(ms))` a number of milliseconds (blanks around it allowed),
+/// `Err(value)` anything else, for which [`ack_deadline`] is the default
+/// (and says so once, at warning level).
+pub fn ack_deadline_env() -> std::result::Result<Option<u64>, String> {
+    match std::env::var("RDMASAFE_ACK_DEADLINE_MS") {
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(v)) => Err(v.to_string_lossy().into_owned()),
+        Ok(s) => s.trim().parse::<u64>().map(Some).map_err(|_| s),
+    }
+}
+
 #[cold]
 fn read_ack_deadline_env() -> u64 {
-    let d = std::env::var("RDMASAFE_ACK_DEADLINE_MS")
-        .ok()
-        .and_then(|s| s.trim().parse::<u64>().ok())
-        .map_or(DEFAULT_ACK_DEADLINE, Duration::from_millis);
+    let d = match ack_deadline_env() {
+        Ok(ms) => ms.map_or(DEFAULT_ACK_DEADLINE, Duration::from_millis),
+        Err(v) => {
+            log::warn!(
+                target: "rdmasafe",
+                "RDMASAFE_ACK_DEADLINE_MS={v:?} is no number of milliseconds: the default, {} ms",
+                DEFAULT_ACK_DEADLINE.as_millis()
+            );
+            DEFAULT_ACK_DEADLINE
+        }
+    };
     let _ =
         ACK_DEADLINE_MS.compare_exchange(u64::MAX, d.as_millis().min(u64::MAX as u128 - 1) as u64, Relaxed, Relaxed);
     ACK_DEADLINE_MS.load(Relaxed)
