@@ -366,6 +366,35 @@ fn read_counter(fd: c_int) {
     unsafe { libc::syscall(libc::SYS_read, fd as libc::c_long, (&mut v as *mut u64).cast::<c_void>(), 8usize) };
 }
 
+/// A zero-filled page of memory that the kernel zero-fills again in a
+/// forked child (`MADV_WIPEONFORK`, Linux 4.14): for state that must not
+/// outlive a fork (a thread's, which the child does not have). Never
+/// unmapped. None if it cannot be mapped or marked.
+pub fn wipe_on_fork_page() -> Option<NonNull<u8>> {
+    const PAGE: usize = 4096;
+    // SAFETY: an anonymous private mapping at an address the kernel picks.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            PAGE,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return None;
+    }
+    // SAFETY: the mapping just made (its length rounds up to the page size).
+    if unsafe { libc::madvise(p, PAGE, libc::MADV_WIPEONFORK) } != 0 {
+        // SAFETY: the mapping just made, unmapped once, never used.
+        unsafe { libc::munmap(p, PAGE) };
+        return None;
+    }
+    NonNull::new(p.cast())
+}
+
 /// An fd returned by a call that creates one, or the errno.
 fn owned_fd(fd: c_int) -> std::io::Result<std::os::fd::OwnedFd> {
     use std::os::fd::FromRawFd;

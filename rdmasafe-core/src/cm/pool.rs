@@ -34,8 +34,8 @@
 
 use std::cell::UnsafeCell;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
-use std::sync::{Condvar, Mutex, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering::*};
+use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use crate::sys::{self, rdma_cm_event, RDMA_MAX_PRIVATE_DATA};
@@ -931,36 +931,70 @@ fn held_originals() -> u64 {
 /// Acks originals whose deadline passed: one lazily started thread that
 /// scans the slots (O(slots ever allocated), a few times per deadline)
 /// for held originals past their deadline. A get that holds an original
-/// touches nothing of it but two atomics (`started`, `idle`) in the common
+/// touches nothing of it but two atomics (`state`, `idle`) in the common
 /// case: no lock, no queue, no system call. An original is acked at most a
 /// quarter of the shortest deadline in use (at most 250 ms) after its own
 /// deadline. After [`IDLE_SCANS`] scans without any original held, the
-/// thread sleeps until the next get that holds one wakes it (a condition
-/// variable: the one lock, taken only on that wakeup).
+/// thread parks until the next get that holds one unparks it.
+///
+/// Its state lives in a page the kernel zeroes in a forked child
+/// (`MADV_WIPEONFORK`), and all zeros is "not started": the thread does
+/// not survive a fork, so a child starts its own at its next get with a
+/// deadline (it would otherwise hold originals with nobody to keep their
+/// deadlines). Where that page cannot be made (a kernel before 4.14, no
+/// memory), a static: a child forked after the thread started then keeps
+/// no deadlines.
 struct Reaper {
-    m: Mutex<()>,
-    cv: Condvar,
-    /// Set (Release) once the thread runs; never cleared.
-    started: AtomicBool,
-    /// Held while the thread is being started (one start at a time).
-    starting: Mutex<()>,
-    /// The thread sleeps until a get holds an original.
+    /// [`NOT_STARTED`], [`STARTING`] or [`RUNNING`].
+    state: AtomicU8,
+    /// The thread parks until a get holds an original.
     idle: AtomicBool,
+    /// The running thread's handle (stored by the thread, leaked: one per
+    /// thread ever started in the process), to unpark it.
+    thread: AtomicPtr<std::thread::Thread>,
 }
+
+const NOT_STARTED: u8 = 0;
+const STARTING: u8 = 1;
+const RUNNING: u8 = 2;
 
 /// Scans with nothing held before the reaper goes idle.
 const IDLE_SCANS: u32 = 8;
 
 #[inline]
 fn reaper() -> &'static Reaper {
-    static R: Reaper = Reaper {
-        m: Mutex::new(()),
-        cv: Condvar::new(),
-        started: AtomicBool::new(false),
-        starting: Mutex::new(()),
-        idle: AtomicBool::new(false),
+    static R: AtomicPtr<Reaper> = AtomicPtr::new(std::ptr::null_mut());
+    let p = R.load(Acquire);
+    if p.is_null() {
+        return init_reaper(&R);
+    }
+    // SAFETY: set once, by init_reaper, to a Reaper that lives (and is
+    // valid: all zeros is a valid Reaper) for the process's life.
+    unsafe { &*p }
+}
+
+#[cold]
+fn init_reaper(r: &AtomicPtr<Reaper>) -> &'static Reaper {
+    static FALLBACK: Reaper =
+        Reaper { state: AtomicU8::new(0), idle: AtomicBool::new(false), thread: AtomicPtr::new(std::ptr::null_mut()) };
+    const _: () = assert!(std::mem::size_of::<Reaper>() <= 4096);
+    let fresh = match sys::wipe_on_fork_page() {
+        Some(page) => page.as_ptr().cast::<Reaper>(),
+        None => {
+            log::debug!(target: "rdmasafe", "no wipe-on-fork page: a forked child keeps no CM ack deadlines");
+            std::ptr::from_ref(&FALLBACK).cast_mut()
+        }
     };
-    &R
+    // A racing first call may win: its Reaper is the one (ours, a page,
+    // stays mapped and unused).
+    let p = match r.compare_exchange(std::ptr::null_mut(), fresh, AcqRel, Acquire) {
+        Ok(_) => fresh,
+        Err(won) => won,
+    };
+    // SAFETY: a zeroed page (a valid Reaper: atomics are their integers and
+    // pointer, zero is "not started", not idle, no thread), or the static;
+    // never unmapped.
+    unsafe { &*p }
 }
 
 /// Makes sure the deadline thread runs, before a get takes an event whose
@@ -970,7 +1004,7 @@ fn reaper() -> &'static Reaper {
 #[inline]
 pub(crate) fn ensure_deadline_thread() -> crate::Result<()> {
     let r = reaper();
-    if r.started.load(Acquire) {
+    if r.state.load(Acquire) == RUNNING {
         return Ok(());
     }
     r.start()
@@ -980,8 +1014,8 @@ impl Reaper {
     /// An original is held: wake the thread if it sleeps (started by
     /// [`ensure_deadline_thread`] before the get).
     #[inline]
-    fn kick(&'static self) {
-        debug_assert!(self.started.load(Relaxed), "ensure_deadline_thread comes before a hold");
+    fn kick(&self) {
+        debug_assert_eq!(self.state.load(Relaxed), RUNNING, "ensure_deadline_thread comes before a hold");
         // SeqCst: after the DEFERRED increment (hold_original), paired with
         // the thread's store of `idle` and its load of DEFERRED: either it
         // sees the original, or this sees it idle and wakes it.
@@ -992,16 +1026,21 @@ impl Reaper {
 
     #[cold]
     fn start(&'static self) -> crate::Result<()> {
-        let _one = self.starting.lock().unwrap_or_else(|e| e.into_inner());
-        if self.started.load(Acquire) {
-            return Ok(());
+        loop {
+            match self.state.compare_exchange(NOT_STARTED, STARTING, Acquire, Acquire) {
+                Ok(_) => break,
+                Err(RUNNING) => return Ok(()),
+                // Another get is starting it: wait for the outcome.
+                Err(_) => std::thread::yield_now(),
+            }
         }
         match std::thread::Builder::new().name("rdmasafe-ack".into()).spawn(move || self.run()) {
             Ok(_) => {
-                self.started.store(true, Release);
+                self.state.store(RUNNING, Release);
                 Ok(())
             }
             Err(e) => {
+                self.state.store(NOT_STARTED, Release);
                 log::warn!(
                     target: "rdmasafe",
                     "cannot start the CM ack deadline thread ({e}): gets that would hold an original fail with ENOMEM"
@@ -1014,8 +1053,12 @@ impl Reaper {
     #[cold]
     fn wake(&self) {
         if self.idle.swap(false, SeqCst) {
-            let _g = self.m.lock().unwrap_or_else(|e| e.into_inner());
-            self.cv.notify_one();
+            let t = self.thread.load(Acquire);
+            // SAFETY: stored by the running thread before it ever set
+            // `idle`, leaked, never freed.
+            if let Some(t) = unsafe { t.as_ref() } {
+                t.unpark();
+            }
         }
     }
 
@@ -1025,6 +1068,8 @@ impl Reaper {
     }
 
     fn run(&self) {
+        // Before `idle` is ever set: a wake finds the handle.
+        self.thread.store(Box::into_raw(Box::new(std::thread::current())), Release);
         let mut empty_scans = 0;
         loop {
             std::thread::sleep(Self::tick());
@@ -1038,15 +1083,19 @@ impl Reaper {
                 continue;
             }
             empty_scans = 0;
-            let g = self.m.lock().unwrap_or_else(|e| e.into_inner());
             self.idle.store(true, SeqCst);
             if held_originals() > 0 {
                 // Held meanwhile; whoever held it may have seen `idle`
-                // already (then its wakeup just finds us running).
+                // already (then its unpark just finds us running, and
+                // leaves a token that ends a later park at once: harmless).
                 self.idle.store(false, SeqCst);
                 continue;
             }
-            drop(self.cv.wait_while(g, |_| self.idle.load(SeqCst)).unwrap_or_else(|e| e.into_inner()));
+            // An unpark before the park leaves a token: no wakeup is lost;
+            // a spurious return finds `idle` still set.
+            while self.idle.load(SeqCst) {
+                std::thread::park();
+            }
         }
     }
 }
