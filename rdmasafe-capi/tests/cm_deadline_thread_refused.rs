@@ -25,7 +25,9 @@ fn a_get_that_cannot_start_the_deadline_thread_fails_and_takes_nothing() {
     assert!(rdmasafe_cm_reserve(64) >= 1, "storage for copies, made before the limit");
     assert_eq!(rdmasafe_cm_set_ack_deadline(50), 1000, "the default deadline (none set yet)");
     standin::ready(w);
-    // 1 MiB above what the process uses: no room for a thread's 2 MiB stack.
+    // 1 MiB above what the process uses: no room for a thread's 2 MiB stack
+    // (glibc would reuse a cached stack of an exited thread: none has
+    // exited in this process before this get).
     standin::set_address_space_limit(standin::vm_size() + (1 << 20));
     let mut ev = null_mut();
     // SAFETY: a live stand-in channel; ev is writable.

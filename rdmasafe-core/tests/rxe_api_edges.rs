@@ -897,13 +897,19 @@ fn a_keepalive_added_before_accept_waits_for_the_qp_to_send() {
     drop((server, client, cch, l));
 }
 
+/// The system calls of poll(): ppoll, and poll where the architecture has it.
+#[cfg(target_arch = "x86_64")]
+const POLLS: &[i64] = &[libc::SYS_poll, libc::SYS_ppoll];
+#[cfg(not(target_arch = "x86_64"))]
+const POLLS: &[i64] = &[libc::SYS_ppoll];
+
 /// Whether thread `tid` of this process is asleep in poll(2) / ppoll(2)
 /// (from /proc: the system call it is blocked in).
 fn in_poll(tid: i32) -> bool {
     std::fs::read_to_string(format!("/proc/self/task/{tid}/syscall"))
         .ok()
         .and_then(|s| s.split_whitespace().next().and_then(|n| n.parse::<i64>().ok()))
-        .is_some_and(|n| n == libc::SYS_poll || n == libc::SYS_ppoll)
+        .is_some_and(|n| POLLS.contains(&n))
 }
 
 /// The threads of this process named `name`.

@@ -10,7 +10,7 @@ mod common;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use common::cm::{assert_data, pattern};
@@ -43,6 +43,12 @@ struct Server {
     _cq: Cq,
 }
 
+/// The CM copy counters are process-wide: one test at a time.
+fn serial() -> MutexGuard<'static, ()> {
+    static L: Mutex<()> = Mutex::new(());
+    L.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn hello(i: usize) -> Vec<u8> {
     pattern(12, i as u8)
 }
@@ -53,6 +59,7 @@ fn welcome(i: usize) -> Vec<u8> {
 
 #[test]
 fn a_mio_poll_loop_drives_cm_channels_and_the_cq_loop() {
+    let _s = serial();
     let bed = common::bed();
     let _dog = common::watchdog("mio loop", Duration::from_secs(240));
     let t0 = Instant::now();
@@ -231,6 +238,7 @@ fn a_mio_poll_loop_drives_cm_channels_and_the_cq_loop() {
 /// `Source` must, or an edge-triggered poll never sees them.
 #[test]
 fn an_event_moved_in_by_migrate_raises_an_edge() {
+    let _s = serial();
     let bed = common::bed();
     let _dog = common::watchdog("migrate into a mio channel", Duration::from_secs(240));
     let a = EventChannel::new().unwrap();
