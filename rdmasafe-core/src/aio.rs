@@ -157,7 +157,9 @@ impl std::os::fd::AsRawFd for MovedIn {
 
 impl AsyncEventChannel {
     /// Registers `channel` with the current runtime's I/O driver. EINVAL
-    /// outside a runtime. The runtime needs its I/O driver (`enable_io` /
+    /// outside a runtime; the error of `eventfd(2)` (EMFILE, ...) if the
+    /// channel's eventfd for migrated ids (see [`CmId::migrate`]) cannot
+    /// be made. The runtime needs its I/O driver (`enable_io` /
     /// `enable_all`): inside one built without it, tokio panics here, as
     /// its own I/O types do (and `channel` is dropped with the unwind).
     pub fn new(channel: EventChannel) -> Result<AsyncEventChannel> {

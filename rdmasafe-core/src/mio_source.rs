@@ -44,7 +44,8 @@ use crate::cq::CqLoop;
 /// event is ready; and, under the same token, the channel's moved-in
 /// eventfd, which [`CmId::migrate`](crate::cm::CmId::migrate) into the
 /// channel makes readable (its moved events raise no edge on the
-/// channel's fd).
+/// channel's fd). `register` fails with the error of `eventfd(2)`
+/// (EMFILE, ...) if that eventfd cannot be made.
 impl Source for EventChannel {
     fn register(&mut self, registry: &Registry, token: Token, interests: Interest) -> io::Result<()> {
         let moved_in = self.inner.moved_in()?.fd();

@@ -24,11 +24,12 @@ use crate::{Error, Result};
 /// channel is destroyed only after its last id.
 pub(crate) struct ChannelInner {
     raw: NonNull<rdma_event_channel>,
-    /// Made readable by [`CmId::migrate`] into this channel, for the waits
-    /// that watch it beside the channel's fd: the kernel moves a migrated
-    /// id's queued events to this channel without waking the channel's
-    /// waiters (a thread asleep in poll(), an edge-triggered epoll). Made
-    /// at the first wait (a get that may wait, a dispatcher, tokio, mio).
+    /// Made readable by [`CmId::migrate`] into this channel, for the
+    /// edge-triggered waits (tokio, mio) that watch it beside the channel's
+    /// fd: the kernel moves a migrated id's queued events to this channel
+    /// without waking the channel's waiters. Made at the first such
+    /// registration. (rdmasafe's level-triggered waits, a get or a
+    /// dispatcher asleep in poll(), watch [`moved_in_any`] instead.)
     moved_in: OnceLock<sys::WakeFd>,
 }
 
@@ -44,10 +45,9 @@ impl ChannelInner {
     }
 
     /// The eventfd that becomes readable (a new edge each time) when an id
-    /// is migrated into this channel; made on the first call. Each migrate
-    /// writes it: an edge-triggered wait sees every write and need not
-    /// drain it; a level-triggered wait ([`ChannelInner::poll`]) drains it
-    /// when it finds it readable.
+    /// is migrated into this channel, for edge-triggered waits; made on the
+    /// first call. Each migrate writes it, and nobody drains it: an
+    /// edge-triggered wait sees every write.
     pub(crate) fn moved_in(&self) -> Result<&sys::WakeFd> {
         if let Some(w) = self.moved_in.get() {
             return Ok(w);
@@ -59,27 +59,53 @@ impl ChannelInner {
     }
 
     /// poll() for the channel's fd, `also` (an fd of the caller's, e.g. a
-    /// stop eventfd; -1: none) and the moved-in signal, which it drains:
+    /// stop eventfd; -1: none) and [`moved_in_any`], which it drains:
     /// `[channel, also]`, the channel's readable also when an id was
-    /// migrated in (a get may then find an event). Without a moved-in fd
-    /// (no eventfd could be made) only the two are watched.
+    /// migrated in anywhere (a get may then find an event here; if not, the
+    /// caller polls again). Without that eventfd (none could be made) only
+    /// the two are watched.
     pub(crate) fn poll(&self, also: RawFd, wait: Wait, retry_eintr: bool) -> std::io::Result<[bool; 2]> {
-        let moved = self.moved_in().ok();
-        let [ch, also, moved_in] =
-            sys::poll_readable_ex([self.fd(), also, moved.map_or(-1, sys::WakeFd::fd)], wait, retry_eintr)?;
-        if moved_in {
-            moved.expect("polled").drain();
+        let any = moved_in_any();
+        let [ch, also, moved] =
+            sys::poll_readable_ex([self.fd(), also, any.map_or(-1, sys::WakeFd::fd)], wait, retry_eintr)?;
+        if moved {
+            any.expect("polled").drain();
         }
-        Ok([ch || moved_in, also])
+        Ok([ch || moved, also])
     }
 
-    /// Wakes the waits on this channel that watch the moved-in eventfd, if
-    /// any: events may have been moved in.
+    /// Wakes the waits that may be on this channel: its edge-triggered
+    /// ones (its own eventfd, if made) and every level-triggered one
+    /// ([`moved_in_any`], if made): events may have been moved in.
     pub(crate) fn signal_moved_in(&self) {
         if let Some(w) = self.moved_in.get() {
             w.wake();
         }
+        if let Some(w) = MOVED_IN_ANY.get().and_then(Option::as_ref) {
+            w.wake();
+        }
     }
+}
+
+static MOVED_IN_ANY: OnceLock<Option<sys::WakeFd>> = OnceLock::new();
+
+/// One eventfd for the whole process that every [`CmId::migrate`] writes,
+/// watched by rdmasafe's level-triggered waits on any channel (a get or a
+/// dispatcher asleep in poll(); the kernel does not wake a channel's
+/// waiters for the events a migrated id brings): made at the first such
+/// wait, one fd however many channels there are. A write wakes every such
+/// wait, which finds its own channel's fd readable if the events came to
+/// it (poll() rescans its fds after a wakeup), so whichever drains it
+/// takes nothing from the others. None if it could not be made (then
+/// those waits sleep through a migrate, as librdmacm's do); not retried.
+fn moved_in_any() -> Option<&'static sys::WakeFd> {
+    MOVED_IN_ANY
+        .get_or_init(|| {
+            sys::WakeFd::new()
+                .inspect_err(|e| log::debug!(target: "rdmasafe", "no eventfd for migrate wakeups: {e}"))
+                .ok()
+        })
+        .as_ref()
 }
 
 impl Drop for ChannelInner {
@@ -111,10 +137,11 @@ impl Drop for ChannelInner {
 /// An event channel that rdmasafe created and owns.
 ///
 /// Its fd is non-blocking (the get calls wait with poll() when asked to).
-/// From its first wait (a get that may wait, a [`super::Dispatcher`], an
-/// async or `mio` registration) it also holds an eventfd that
-/// [`CmId::migrate`] into the channel writes: the kernel does not wake
-/// the channel's waiters for the events a migrated id brings.
+/// Registered with tokio ([`crate::aio::AsyncEventChannel`]) or `mio`, it
+/// also holds an eventfd that [`CmId::migrate`] into the channel writes:
+/// the kernel does not wake the channel's waiters for the events a
+/// migrated id brings. (Its gets and a [`super::Dispatcher`] watch one
+/// eventfd for the whole process instead.)
 /// It can be shared between threads (`&EventChannel` is enough to get), and
 /// clones share the channel.
 ///

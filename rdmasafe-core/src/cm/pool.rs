@@ -34,7 +34,7 @@
 
 use std::cell::UnsafeCell;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering::*};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
@@ -945,8 +945,11 @@ fn held_originals() -> u64 {
 /// memory), a static: a child forked after the thread started then keeps
 /// no deadlines.
 struct Reaper {
-    /// [`NOT_STARTED`], [`STARTING`] or [`RUNNING`].
-    state: AtomicU8,
+    /// [`NOT_STARTED`], [`RUNNING`], or [`STARTING`] with the starting
+    /// process's pid in the bits above the low 8 (a fork while a thread
+    /// starts it, with the state in the static: the child sees another
+    /// pid's start, which no thread of its own will finish).
+    state: AtomicU64,
     /// The thread parks until a get holds an original.
     idle: AtomicBool,
     /// The running thread's handle (stored by the thread, leaked: one per
@@ -954,9 +957,9 @@ struct Reaper {
     thread: AtomicPtr<std::thread::Thread>,
 }
 
-const NOT_STARTED: u8 = 0;
-const STARTING: u8 = 1;
-const RUNNING: u8 = 2;
+const NOT_STARTED: u64 = 0;
+const STARTING: u64 = 1;
+const RUNNING: u64 = 2;
 
 /// Scans with nothing held before the reaper goes idle.
 const IDLE_SCANS: u32 = 8;
@@ -976,7 +979,7 @@ fn reaper() -> &'static Reaper {
 #[cold]
 fn init_reaper(r: &AtomicPtr<Reaper>) -> &'static Reaper {
     static FALLBACK: Reaper =
-        Reaper { state: AtomicU8::new(0), idle: AtomicBool::new(false), thread: AtomicPtr::new(std::ptr::null_mut()) };
+        Reaper { state: AtomicU64::new(0), idle: AtomicBool::new(false), thread: AtomicPtr::new(std::ptr::null_mut()) };
     const _: () = assert!(std::mem::size_of::<Reaper>() <= 4096);
     let fresh = match sys::wipe_on_fork_page() {
         Some(page) => page.as_ptr().cast::<Reaper>(),
@@ -1014,8 +1017,13 @@ impl Reaper {
     /// An original is held: wake the thread if it sleeps (started by
     /// [`ensure_deadline_thread`] before the get).
     #[inline]
-    fn kick(&self) {
-        debug_assert_eq!(self.state.load(Relaxed), RUNNING, "ensure_deadline_thread comes before a hold");
+    fn kick(&'static self) {
+        if self.state.load(Relaxed) != RUNNING {
+            // Every hold comes after ensure_deadline_thread; only a child
+            // forked (from a signal handler) in between gets here.
+            let _ = self.start();
+            return;
+        }
         // SeqCst: after the DEFERRED increment (hold_original), paired with
         // the thread's store of `idle` and its load of DEFERRED: either it
         // sees the original, or this sees it idle and wakes it.
@@ -1026,12 +1034,19 @@ impl Reaper {
 
     #[cold]
     fn start(&'static self) -> crate::Result<()> {
+        let me = (std::process::id() as u64) << 8 | STARTING;
         loop {
-            match self.state.compare_exchange(NOT_STARTED, STARTING, Acquire, Acquire) {
+            match self.state.compare_exchange(NOT_STARTED, me, Acquire, Acquire) {
                 Ok(_) => break,
                 Err(RUNNING) => return Ok(()),
-                // Another get is starting it: wait for the outcome.
-                Err(_) => std::thread::yield_now(),
+                // Another get of this process is starting it: wait for the
+                // outcome (a sleep, not a spin: the starter may have a
+                // lower priority).
+                Err(s) if s == me => std::thread::sleep(Duration::from_millis(1)),
+                // A start of the parent's, cut off by a fork: none here.
+                Err(s) => {
+                    let _ = self.state.compare_exchange(s, NOT_STARTED, AcqRel, Acquire);
+                }
             }
         }
         match std::thread::Builder::new().name("rdmasafe-ack".into()).spawn(move || self.run()) {
@@ -1041,10 +1056,15 @@ impl Reaper {
             }
             Err(e) => {
                 self.state.store(NOT_STARTED, Release);
-                log::warn!(
-                    target: "rdmasafe",
-                    "cannot start the CM ack deadline thread ({e}): gets that would hold an original fail with ENOMEM"
-                );
+                // Once per process: an app may retry its get in a loop.
+                static SAID: AtomicBool = AtomicBool::new(false);
+                if !SAID.swap(true, Relaxed) {
+                    log::warn!(
+                        target: "rdmasafe",
+                        "cannot start the CM ack deadline thread ({e}): gets that would hold an original fail \
+                         with ENOMEM until it can (or set the deadline to 0)"
+                    );
+                }
                 Err(crate::Error::new("rdmasafe: starting the CM ack deadline thread", libc::ENOMEM))
             }
         }
