@@ -48,6 +48,7 @@ impl ChannelInner {
     /// is migrated into this channel, for edge-triggered waits; made on the
     /// first call. Each migrate writes it, and nobody drains it: an
     /// edge-triggered wait sees every write.
+    #[cfg(any(feature = "tokio", feature = "mio"))]
     pub(crate) fn moved_in(&self) -> Result<&sys::WakeFd> {
         if let Some(w) = self.moved_in.get() {
             return Ok(w);
