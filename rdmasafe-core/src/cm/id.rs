@@ -456,6 +456,11 @@ impl CmId {
     /// already reported for the id is acked: rdmasafe acks at copy time, so
     /// this never waits on copies the app still holds.
     ///
+    /// A listening id is the exception: a CONNECT_REQUEST still queued for
+    /// it is lost in the move (librdmacm's get on the new channel consumes
+    /// it and reports nothing; the same with librdmacm alone, seen on
+    /// rxe): migrate a listener only with no connect request pending.
+    ///
     /// The kernel moves the queued events without waking the new channel's
     /// waiters (a thread asleep in poll() on its fd, an edge-triggered
     /// epoll). rdmasafe's own waits on `to` are woken here: its get calls,
