@@ -9,51 +9,21 @@
 
 mod standin;
 
-use std::os::raw::c_int;
 use std::ptr::null_mut;
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
 use rdmasafe::{rdmasafe_event_free, rdmasafe_get_event};
-use rdmasafe_core::cm::SyntheticEvent;
-use rdmasafe_core::sys::{self, rdma_cm_event, rdma_event_channel, CmEventCalls};
-use standin::{channel, ready, take_ready, vm_size};
-
-static EVENT: AtomicUsize = AtomicUsize::new(0);
-
-unsafe extern "C-unwind" fn fake_get(ch: *mut rdma_event_channel, ev: *mut *mut rdma_cm_event) -> c_int {
-    // SAFETY: ch is the test's channel.
-    if !unsafe { take_ready(ch) } {
-        return -1;
-    }
-    // SAFETY: ev is writable (rdmasafe's contract with librdmacm's call).
-    unsafe { *ev = EVENT.load(Relaxed) as *mut rdma_cm_event };
-    0
-}
-
-unsafe extern "C" fn fake_ack(_ev: *mut rdma_cm_event) -> c_int {
-    0
-}
+use rdmasafe_core::sys;
+use standin::{channel, ready, vm_size};
 
 #[test]
 fn copies_work_under_an_address_space_limit_and_leave_the_app_its_memory() {
-    // SAFETY: fake_get / fake_ack behave as one librdmacm's pair for one
-    // zeroed event (no id, no private data), from any thread.
-    unsafe { sys::set_cm_event_calls(CmEventCalls { get: fake_get, ack: fake_ack }) }
-        .expect("first CM use of this process");
-    EVENT.store(Box::into_raw(SyntheticEvent::zeroed()) as usize, Relaxed);
+    standin::install_calls();
     let (mut ch, w) = channel();
 
     // 768 MiB more than in use now: below the old 1 GiB reservation.
     let headroom: u64 = 768 << 20;
     let limit = vm_size() + headroom;
-    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: r is a valid rlimit to fill.
-    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut r) }, 0);
-    assert!(r.rlim_max == libc::RLIM_INFINITY || r.rlim_max >= limit, "a hard limit below the test's: {}", r.rlim_max);
-    // Only the soft limit moves (the hard one may be set by the system).
-    r.rlim_cur = limit;
-    // SAFETY: a valid rlimit; lowering the soft limit needs no privilege.
-    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_AS, &r) }, 0);
+    standin::set_address_space_limit(limit);
 
     let cap = rdmasafe_core::cm::capacity();
     assert!(cap > 0, "no storage for copies under a {limit}-byte limit");

@@ -28,12 +28,7 @@ fn a_get_that_cannot_start_the_deadline_thread_fails_and_takes_nothing() {
     // 1 MiB above what the process uses: no room for a thread's 2 MiB stack
     // (glibc would reuse a cached stack of an exited thread: none has
     // exited in this process before this get).
-    standin::set_address_space_limit(standin::vm_size() + (1 << 20));
-    let mut ev = null_mut();
-    // SAFETY: a live stand-in channel; ev is writable.
-    let rc = unsafe { rdmasafe_get_event(&mut *ch, &mut ev) };
-    let errno = sys::errno_raw();
-    standin::set_address_space_limit(libc::RLIM_INFINITY);
+    let (rc, errno, _) = standin::get_with_headroom(&mut ch, 1 << 20);
     assert_eq!((rc, errno), (-1, libc::ENOMEM), "the get that could not start the deadline thread");
     assert_eq!(standin::ACKS.load(Relaxed), 0, "nothing was taken, so nothing acked");
 

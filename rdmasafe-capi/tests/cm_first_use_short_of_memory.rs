@@ -11,10 +11,7 @@
 
 mod standin;
 
-use std::ptr::null_mut;
-
-use rdmasafe::{rdmasafe_cm_set_ack_deadline, rdmasafe_event_free, rdmasafe_get_event};
-use rdmasafe_core::sys;
+use rdmasafe::{rdmasafe_cm_set_ack_deadline, rdmasafe_event_free};
 
 fn main() {
     standin::install_calls();
@@ -23,12 +20,7 @@ fn main() {
     rdmasafe_cm_set_ack_deadline(0);
     let (mut ch, w) = standin::channel();
     standin::ready(w);
-    standin::set_address_space_limit(standin::vm_size() + (64 << 10));
-    let mut ev = null_mut();
-    // SAFETY: a live stand-in channel; ev is writable.
-    let rc = unsafe { rdmasafe_get_event(&mut *ch, &mut ev) };
-    let errno = sys::errno_raw();
-    standin::set_address_space_limit(libc::RLIM_INFINITY);
+    let (rc, errno, ev) = standin::get_with_headroom(&mut ch, 64 << 10);
     if rc == 0 {
         // SAFETY: the copy just got, freed once.
         assert_eq!(unsafe { rdmasafe_event_free(ev) }, 0);

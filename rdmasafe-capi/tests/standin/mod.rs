@@ -97,3 +97,17 @@ pub fn set_address_space_limit(bytes: u64) {
     // needs no privilege.
     assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_AS, &r) }, 0);
 }
+
+/// One `rdmasafe_get_event` on `ch` with the address space limited to
+/// `headroom` bytes above what the process uses now; the limit is lifted
+/// before this returns. Returns the get's result, errno as the get left
+/// it, and the event pointer it wrote (null if none).
+pub fn get_with_headroom(ch: &mut rdma_event_channel, headroom: u64) -> (c_int, c_int, *mut rdma_cm_event) {
+    set_address_space_limit(vm_size() + headroom);
+    let mut ev = std::ptr::null_mut();
+    // SAFETY: a live stand-in channel; ev is writable.
+    let rc = unsafe { rdmasafe::rdmasafe_get_event(ch, &mut ev) };
+    let errno = rdmasafe_core::sys::errno_raw();
+    set_address_space_limit(libc::RLIM_INFINITY);
+    (rc, errno, ev)
+}
