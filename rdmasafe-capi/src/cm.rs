@@ -357,8 +357,9 @@ pub extern "C" fn rdmasafe_event_str(event: c_int) -> *const c_char {
 /// `rdma_destroy_id` leaves that id's mutex locked, and once the ack thread
 /// blocks on it no other deadline is kept (header conventions). Applies to
 /// gets from now on. The default is 1000 ms, or
-/// RDMASAFE_ACK_DEADLINE_MS from the environment (a value that is no
-/// number of milliseconds is logged as a warning, and 1000 ms is used).
+/// RDMASAFE_ACK_DEADLINE_MS from the environment, read at the first get
+/// unless this is called before it (a value that is no number of
+/// milliseconds is then logged as a warning, and 1000 ms is used).
 /// Thread-safe.
 ///
 /// Returns the previous value in ms (>= 0), or -EINVAL for `ms < 0`.

@@ -1307,6 +1307,9 @@ fn an_unknown_rdmasafe_check_value_is_said_with_logging_off() {
         assert!(err.contains(&format!("RDMASAFE_ACK_DEADLINE_MS={bad:?}")) && err.contains("1000"), "stderr: {err:?}");
     }
     assert_eq!(run(&[("RDMASAFE_ACK_DEADLINE_MS", " 250 ")]), "", "a number (blanks around it are fine): nothing said");
+    // Said once, with the library's warnings on as well.
+    let err = run(&[("RDMASAFE_ACK_DEADLINE_MS", "5s"), ("RDMASAFE_LOG", "warn")]);
+    assert_eq!(err.matches("RDMASAFE_ACK_DEADLINE_MS").count(), 1, "stderr: {err:?}");
     let err = run(&[("RDMASAFE_LOG", "verbose")]);
     assert!(err.contains("RDMASAFE_LOG=\"verbose\""), "stderr: {err:?}");
     assert_eq!(run(&[("RDMASAFE_LOG", "off")]), "", "off is a level: nothing said");

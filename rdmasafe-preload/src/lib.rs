@@ -107,6 +107,9 @@ fn init() -> State {
                 "RDMASAFE_ACK_DEADLINE_MS={v:?} is no number of milliseconds: {}",
                 rdmasafe_core::cm::DEFAULT_ACK_DEADLINE.as_millis()
             ));
+            // Said: the library, which would read the variable at the first
+            // get and warn again, takes the default from here.
+            rdmasafe_core::cm::set_ack_deadline(rdmasafe_core::cm::DEFAULT_ACK_DEADLINE);
         }
         if matches!(mode, Mode::Copy) && rdmasafe_core::cm::capacity() == 0 {
             out::setup_error(

@@ -884,7 +884,8 @@ pub(crate) fn ack_deadline_ms() -> u64 {
 /// `RDMASAFE_ACK_DEADLINE_MS` as the environment has it: `Ok(None)` unset,
 /// `Ok(Some(ms))` a number of milliseconds (blanks around it allowed),
 /// `Err(value)` anything else, for which [`ack_deadline`] is the default
-/// (and says so once, at warning level).
+/// (and says so once, at warning level, unless [`set_ack_deadline`] came
+/// first).
 pub fn ack_deadline_env() -> std::result::Result<Option<u64>, String> {
     match std::env::var("RDMASAFE_ACK_DEADLINE_MS") {
         Err(std::env::VarError::NotPresent) => Ok(None),
@@ -895,27 +896,38 @@ pub fn ack_deadline_env() -> std::result::Result<Option<u64>, String> {
 
 #[cold]
 fn read_ack_deadline_env() -> u64 {
-    let d = match ack_deadline_env() {
-        Ok(ms) => ms.map_or(DEFAULT_ACK_DEADLINE, Duration::from_millis),
-        Err(v) => {
-            log::warn!(
-                target: "rdmasafe",
-                "RDMASAFE_ACK_DEADLINE_MS={v:?} is no number of milliseconds: the default, {} ms",
-                DEFAULT_ACK_DEADLINE.as_millis()
-            );
-            DEFAULT_ACK_DEADLINE
-        }
-    };
-    let _ =
-        ACK_DEADLINE_MS.compare_exchange(u64::MAX, d.as_millis().min(u64::MAX as u128 - 1) as u64, Relaxed, Relaxed);
+    let _ = ACK_DEADLINE_MS.compare_exchange(u64::MAX, env_ack_deadline_ms(true), Relaxed, Relaxed);
     ACK_DEADLINE_MS.load(Relaxed)
 }
 
+/// The deadline the environment sets (ms, below `u64::MAX`): the default
+/// if unset or no number (said at warning level if `warn`).
+fn env_ack_deadline_ms(warn: bool) -> u64 {
+    let d = match ack_deadline_env() {
+        Ok(ms) => ms.map_or(DEFAULT_ACK_DEADLINE, Duration::from_millis),
+        Err(v) => {
+            if warn {
+                log::warn!(
+                    target: "rdmasafe",
+                    "RDMASAFE_ACK_DEADLINE_MS={v:?} is no number of milliseconds: the default, {} ms",
+                    DEFAULT_ACK_DEADLINE.as_millis()
+                );
+            }
+            DEFAULT_ACK_DEADLINE
+        }
+    };
+    d.as_millis().min(u64::MAX as u128 - 1) as u64
+}
+
 /// Sets [`ack_deadline`] for gets from now on; returns the previous value.
+/// Set before any get, the environment's value is never used: the
+/// previous value returned is then what it would have been (the default
+/// for one that is no number, which is then not warned of).
 pub fn set_ack_deadline(d: Duration) -> Duration {
-    let old = ack_deadline();
-    ACK_DEADLINE_MS.store(d.as_millis().min(u64::MAX as u128 - 1) as u64, Relaxed);
-    old
+    match ACK_DEADLINE_MS.swap(d.as_millis().min(u64::MAX as u128 - 1) as u64, Relaxed) {
+        u64::MAX => Duration::from_millis(env_ack_deadline_ms(false)),
+        old => Duration::from_millis(old),
+    }
 }
 
 /// The shortest ack deadline any copy was held with (ms): the reaper scans
