@@ -67,13 +67,12 @@
  *
  * Fork: a child forked while other threads may be inside rdmasafe
  * (rdmasafe's own CM ack thread included, once CM events were copied) may
- * only call async-signal-safe functions, exec or _exit. rdmasafe installs
- * no pthread_atfork handlers. The CM ack thread does not survive a fork:
- * its state lives in memory the kernel clears in the child
- * (MADV_WIPEONFORK), so a child that goes on getting CM events anyway
- * starts its own at its first get with a deadline and keeps the deadlines
- * (on a kernel before 4.14 it keeps none: a held copy then holds
- * rdma_destroy_id of its id until it is freed).
+ * only call async-signal-safe functions, exec or _exit. The CM ack thread
+ * does not survive a fork: its state lives in memory the kernel clears in
+ * the child (MADV_WIPEONFORK; before Linux 4.14, a pthread_atfork child
+ * handler clears it, the only one rdmasafe installs), so a child that goes
+ * on getting CM events anyway starts its own at its first get with a
+ * deadline and keeps the deadlines.
  *
  * Struct sizes: every struct rdmasafe reads or fills starts with
  * `uint32_t size`, which the caller sets to sizeof the struct as this header

@@ -395,6 +395,24 @@ pub fn wipe_on_fork_page() -> Option<NonNull<u8>> {
     NonNull::new(p.cast())
 }
 
+/// Has `child` run in the child of every later `fork()` (glibc's
+/// `pthread_atfork`; a child made by the raw system call or `vfork` runs
+/// no handler). Handlers are never unregistered. False if there was no
+/// memory to register it.
+pub fn at_fork_child(child: unsafe extern "C" fn()) -> bool {
+    extern "C" {
+        fn pthread_atfork(
+            prepare: Option<unsafe extern "C" fn()>,
+            parent: Option<unsafe extern "C" fn()>,
+            child: Option<unsafe extern "C" fn()>,
+        ) -> c_int;
+    }
+    // SAFETY: registers a function pointer that lives as long as this
+    // library (its code); the caller's `child` runs in a single-threaded
+    // child, where it must do only what is async-signal-safe.
+    unsafe { pthread_atfork(None, None, Some(child)) == 0 }
+}
+
 /// An fd returned by a call that creates one, or the errno.
 fn owned_fd(fd: c_int) -> std::io::Result<std::os::fd::OwnedFd> {
     use std::os::fd::FromRawFd;

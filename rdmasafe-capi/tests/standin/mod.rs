@@ -6,6 +6,7 @@
 
 use std::os::raw::c_int;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::time::{Duration, Instant};
 
 use rdmasafe_core::sys::{rdma_cm_event, rdma_event_channel};
 
@@ -110,4 +111,114 @@ pub fn get_with_headroom(ch: &mut rdma_event_channel, headroom: u64) -> (c_int, 
     let errno = rdmasafe_core::sys::errno_raw();
     set_address_space_limit(libc::RLIM_INFINITY);
     (rc, errno, ev)
+}
+
+/// Waits until the stand-in pair counted more than `n` acks, at most
+/// `patience`; the count then.
+fn acks_above(n: usize, patience: Duration) -> usize {
+    let end = Instant::now() + patience;
+    while ACKS.load(Relaxed) <= n && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    ACKS.load(Relaxed)
+}
+
+/// The parent starts the ack-deadline thread (20 ms deadline, an original
+/// held past it), then forks; the child gets a copy and holds it: its
+/// original must be acked at the deadline, by a thread of the child's.
+/// Installs the stand-in pair: call first, one call per process.
+pub fn forked_child_keeps_the_deadline() {
+    install_calls();
+    let (mut ch, w) = channel();
+    rdmasafe::rdmasafe_cm_set_ack_deadline(20);
+    // The parent holds an original past its deadline: the thread runs.
+    let ev = get_copy(&mut ch, w);
+    assert_eq!(acks_above(0, Duration::from_secs(60)), 1, "the parent's original acked at the deadline");
+    // SAFETY: the copy got above, freed once.
+    assert_eq!(unsafe { rdmasafe::rdmasafe_event_free(ev) }, 0);
+
+    // SAFETY: the child runs only the closure below, then _exit (never
+    // back into the test harness).
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork");
+    if pid == 0 {
+        let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let before = ACKS.load(Relaxed);
+            let ev = get_copy(&mut ch, w);
+            let after = acks_above(before, Duration::from_secs(20));
+            // SAFETY: the copy got above, freed once.
+            unsafe { rdmasafe::rdmasafe_event_free(ev) };
+            if after > before {
+                0
+            } else {
+                1
+            }
+        }))
+        .unwrap_or(2);
+        // SAFETY: ends the child without running the parent's exit work.
+        unsafe { libc::_exit(code) };
+    }
+    let mut status = 0;
+    // SAFETY: our child; status is writable.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(libc::WIFEXITED(status), "the child ended by signal: status {status:#x}");
+    assert_eq!(
+        libc::WEXITSTATUS(status),
+        0,
+        "the child's held original acked at the deadline (1: not within 20 s; 2: the child panicked)"
+    );
+}
+
+/// Makes every later `madvise(..., MADV_WIPEONFORK)` of this process (all
+/// its threads, and children) fail with EINVAL, as on a kernel before
+/// 4.14: a seccomp filter (no privilege needed after `no_new_privs`).
+pub fn refuse_wipe_on_fork() {
+    use libc::{sock_filter, sock_fprog, BPF_ABS, BPF_JEQ, BPF_JMP, BPF_K, BPF_LD, BPF_RET, BPF_W};
+    const fn stmt(code: u32, k: u32) -> sock_filter {
+        sock_filter { code: code as u16, jt: 0, jf: 0, k }
+    }
+    const fn jump(code: u32, k: u32, jt: u8, jf: u8) -> sock_filter {
+        sock_filter { code: code as u16, jt, jf, k }
+    }
+    // seccomp_data: nr at 0, arch at 4, ip at 8, args[i] at 16 + 8 i; the
+    // low half of args[2] (the advice) comes first on a little-endian CPU.
+    const ADVICE: u32 = if cfg!(target_endian = "little") { 32 } else { 36 };
+    let prog = [
+        stmt(BPF_LD | BPF_W | BPF_ABS, 0),
+        jump(BPF_JMP | BPF_JEQ | BPF_K, libc::SYS_madvise as u32, 0, 3),
+        stmt(BPF_LD | BPF_W | BPF_ABS, ADVICE),
+        jump(BPF_JMP | BPF_JEQ | BPF_K, libc::MADV_WIPEONFORK as u32, 0, 1),
+        stmt(BPF_RET | BPF_K, libc::SECCOMP_RET_ERRNO | libc::EINVAL as u32),
+        stmt(BPF_RET | BPF_K, libc::SECCOMP_RET_ALLOW),
+    ];
+    let fprog = sock_fprog { len: prog.len() as u16, filter: prog.as_ptr().cast_mut() };
+    // SAFETY: plain prctl calls; fprog points to a live filter for the
+    // call's duration (the kernel copies it).
+    unsafe {
+        assert_eq!(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), 0, "no_new_privs");
+        assert_eq!(
+            libc::prctl(libc::PR_SET_SECCOMP, libc::SECCOMP_MODE_FILTER, &fprog as *const sock_fprog),
+            0,
+            "seccomp filter: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    // The filter holds: a fresh page cannot be marked.
+    // SAFETY: an anonymous mapping at an address the kernel picks, marked,
+    // then unmapped once.
+    unsafe {
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            4096,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        );
+        assert_ne!(p, libc::MAP_FAILED);
+        let rc = libc::madvise(p, 4096, libc::MADV_WIPEONFORK);
+        let errno = rdmasafe_core::sys::errno_raw();
+        libc::munmap(p, 4096);
+        assert_eq!((rc, errno), (-1, libc::EINVAL), "MADV_WIPEONFORK refused");
+    }
 }

@@ -954,8 +954,9 @@ fn held_originals() -> u64 {
 /// not survive a fork, so a child starts its own at its next get with a
 /// deadline (it would otherwise hold originals with nobody to keep their
 /// deadlines). Where that page cannot be made (a kernel before 4.14, no
-/// memory), a static: a child forked after the thread started then keeps
-/// no deadlines.
+/// memory), a static that a `pthread_atfork` child handler sets to all
+/// zeros: the same for a child of `fork()` (one made by the raw system
+/// call runs no handler, and keeps no deadlines).
 struct Reaper {
     /// [`NOT_STARTED`], [`RUNNING`], or [`STARTING`] with the starting
     /// process's pid in the bits above the low 8 (a fork while a thread
@@ -988,16 +989,31 @@ fn reaper() -> &'static Reaper {
     unsafe { &*p }
 }
 
+/// The reaper where no wipe-on-fork page can be made.
+static FALLBACK_REAPER: Reaper =
+    Reaper { state: AtomicU64::new(0), idle: AtomicBool::new(false), thread: AtomicPtr::new(std::ptr::null_mut()) };
+
+/// In a child of `fork()`: [`FALLBACK_REAPER`] as a wiped page would be
+/// (its thread was not forked). Atomic stores only: async-signal-safe.
+unsafe extern "C" fn fallback_reaper_forked() {
+    FALLBACK_REAPER.state.store(NOT_STARTED, Relaxed);
+    FALLBACK_REAPER.idle.store(false, Relaxed);
+    FALLBACK_REAPER.thread.store(std::ptr::null_mut(), Relaxed);
+}
+
 #[cold]
 fn init_reaper(r: &AtomicPtr<Reaper>) -> &'static Reaper {
-    static FALLBACK: Reaper =
-        Reaper { state: AtomicU64::new(0), idle: AtomicBool::new(false), thread: AtomicPtr::new(std::ptr::null_mut()) };
     const _: () = assert!(std::mem::size_of::<Reaper>() <= 4096);
     let fresh = match sys::wipe_on_fork_page() {
         Some(page) => page.as_ptr().cast::<Reaper>(),
         None => {
-            log::debug!(target: "rdmasafe", "no wipe-on-fork page: a forked child keeps no CM ack deadlines");
-            std::ptr::from_ref(&FALLBACK).cast_mut()
+            // Registered once: only the first call gets here (the pointer
+            // set below is never null again), or racing first calls (a
+            // second registration resets the same zeros again).
+            if !sys::at_fork_child(fallback_reaper_forked) {
+                log::warn!(target: "rdmasafe", "no wipe-on-fork page, no fork handler: a forked child keeps no CM ack deadlines");
+            }
+            std::ptr::from_ref(&FALLBACK_REAPER).cast_mut()
         }
     };
     // A racing first call may win: its Reaper is the one (ours, a page,
