@@ -123,17 +123,45 @@ fn acks_above(n: usize, patience: Duration) -> usize {
     ACKS.load(Relaxed)
 }
 
+/// Log lines "held past its ack deadline" seen by [`count_late_lines`].
+static LATE_LINES: AtomicUsize = AtomicUsize::new(0);
+
+unsafe extern "C" fn count_late_lines(
+    _ctx: *mut std::os::raw::c_void,
+    _level: c_int,
+    msg: *const std::os::raw::c_char,
+) {
+    // SAFETY: msg is a NUL-terminated string for the call's duration.
+    if unsafe { std::ffi::CStr::from_ptr(msg) }.to_string_lossy().contains("held past its ack deadline") {
+        LATE_LINES.fetch_add(1, Relaxed);
+    }
+}
+
+/// Waits until [`LATE_LINES`] is above `n`, at most `patience`; the count then.
+fn late_lines_above(n: usize, patience: Duration) -> usize {
+    let end = Instant::now() + patience;
+    while LATE_LINES.load(Relaxed) <= n && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    LATE_LINES.load(Relaxed)
+}
+
 /// The parent starts the ack-deadline thread (20 ms deadline, an original
-/// held past it), then forks; the child gets a copy and holds it: its
-/// original must be acked at the deadline, by a thread of the child's.
-/// Installs the stand-in pair: call first, one call per process.
+/// held past it, warned of at warn level), then forks; the child gets a
+/// copy and holds it: its original must be acked at the deadline, by a
+/// thread of the child's, and warned of in the child as well (the first
+/// in that process). Installs the stand-in pair: call first, one call per
+/// process.
 pub fn forked_child_keeps_the_deadline() {
     install_calls();
     let (mut ch, w) = channel();
     rdmasafe::rdmasafe_cm_set_ack_deadline(20);
+    assert_eq!(rdmasafe::rdmasafe_set_log_callback(Some(count_late_lines), std::ptr::null_mut()), 0);
+    assert_eq!(rdmasafe::rdmasafe_set_log_level(2), 0, "warn");
     // The parent holds an original past its deadline: the thread runs.
     let ev = get_copy(&mut ch, w);
     assert_eq!(acks_above(0, Duration::from_secs(60)), 1, "the parent's original acked at the deadline");
+    assert_eq!(late_lines_above(0, Duration::from_secs(60)), 1, "the parent's late ack warned of");
     // SAFETY: the copy got above, freed once.
     assert_eq!(unsafe { rdmasafe::rdmasafe_event_free(ev) }, 0);
 
@@ -146,12 +174,13 @@ pub fn forked_child_keeps_the_deadline() {
             let before = ACKS.load(Relaxed);
             let ev = get_copy(&mut ch, w);
             let after = acks_above(before, Duration::from_secs(20));
+            let warned = late_lines_above(1, Duration::from_secs(20)) > 1;
             // SAFETY: the copy got above, freed once.
             unsafe { rdmasafe::rdmasafe_event_free(ev) };
-            if after > before {
-                0
-            } else {
-                1
+            match (after > before, warned) {
+                (true, true) => 0,
+                (false, _) => 1,
+                (true, false) => 3,
             }
         }))
         .unwrap_or(2);
@@ -165,7 +194,8 @@ pub fn forked_child_keeps_the_deadline() {
     assert_eq!(
         libc::WEXITSTATUS(status),
         0,
-        "the child's held original acked at the deadline (1: not within 20 s; 2: the child panicked)"
+        "the child's held original acked at the deadline and warned of (1: not acked within 20 s; 2: the child \
+         panicked; 3: acked, no warning within 20 s)"
     );
 }
 

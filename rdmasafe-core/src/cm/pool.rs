@@ -32,7 +32,7 @@
 //! scans the slots a few times per deadline (see [`Reaper`]) and sleeps
 //! for good when nothing has been held for a while.
 
-use std::cell::UnsafeCell;
+use std::cell::{OnceCell, UnsafeCell};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
 use std::sync::{Mutex, OnceLock};
@@ -863,8 +863,10 @@ static ACK_DEADLINE_MS: AtomicU64 = AtomicU64::new(u64::MAX);
 /// How long a copy got through a [`super::ChannelRef`] (an app channel, as
 /// in the C API) keeps librdmacm's original un-acked: until the copy is
 /// freed or this long after the get, whichever comes first (the reaper
-/// thread acks it within a quarter of the shortest deadline in use, at most
-/// 250 ms, after the deadline). Default
+/// thread acks it after the deadline, within its scan period: a quarter of
+/// the shortest deadline any get of the process has used so far, 1 to
+/// 250 ms; up to 250 ms for the first get with a deadline shorter than any
+/// before). Default
 /// [`DEFAULT_ACK_DEADLINE`], or `RDMASAFE_ACK_DEADLINE_MS` from the
 /// environment; zero acks at once. Copies from an [`super::EventChannel`]
 /// are always acked at once.
@@ -945,7 +947,7 @@ fn held_originals() -> u64 {
 /// for held originals past their deadline. A get that holds an original
 /// touches nothing of it but two atomics (`state`, `idle`) in the common
 /// case: no lock, no queue, no system call. An original is acked at most a
-/// quarter of the shortest deadline in use (at most 250 ms) after its own
+/// quarter of the shortest deadline used so far (1 to 250 ms) after its own
 /// deadline. After [`IDLE_SCANS`] scans without any original held, the
 /// thread parks until the next get that holds one unparks it.
 ///
@@ -1188,7 +1190,7 @@ fn scan(now: u64) {
                      original, so rdma_destroy_id / rdma_migrate_id of {waited} no longer wait for it (the \
                      copy stays valid; its {field} may be destroyed from now on)"
                 );
-                (if WARNED_LATE.swap(true, Relaxed) { log::Level::Debug } else { log::Level::Warn }, line)
+                (if WARNED_LATE.replace(true) { log::Level::Debug } else { log::Level::Warn }, line)
             };
             if log::log_enabled!(target: "rdmasafe", level) {
                 log_off_the_reaper(level, line);
@@ -1197,8 +1199,12 @@ fn scan(now: u64) {
     }
 }
 
-/// A copy held past its deadline was warned of (later ones: debug lines).
-static WARNED_LATE: AtomicBool = AtomicBool::new(false);
+thread_local! {
+    /// A copy held past its deadline was warned of (later ones: debug
+    /// lines). The reaper's thread's: one per process, and a forked
+    /// child's own thread warns again.
+    static WARNED_LATE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
 
 /// True if the copy in `slot` is what librdmacm keeps as `id`'s current
 /// event ([`sys::current_event`]: a synchronous id's own get, which an
@@ -1241,22 +1247,29 @@ const REAPER_LINES: usize = 256;
 /// a thread in `rdma_destroy_id` holds, and that destroy (or any other
 /// one) may be waiting for the reaper's next ack. The reaper never waits
 /// for a log callback. A line that finds [`REAPER_LINES`] waiting (a
-/// callback blocked that long), or no thread, is dropped.
+/// callback blocked that long), or no thread, is dropped. Called by the
+/// reaper's thread only: the writer is that thread's (a forked child,
+/// which has neither, starts both anew; a writer inherited through a
+/// static would take the child's lines and never write them).
 fn log_off_the_reaper(level: log::Level, line: String) {
     type Lines = std::sync::mpsc::SyncSender<(log::Level, String)>;
-    static LINES: OnceLock<Option<Lines>> = OnceLock::new();
-    let lines = LINES.get_or_init(|| {
-        let (tx, rx) = std::sync::mpsc::sync_channel::<(log::Level, String)>(REAPER_LINES);
-        let writer = move || {
-            for (level, line) in rx {
-                log::log!(target: "rdmasafe", level, "{line}");
-            }
-        };
-        std::thread::Builder::new().name("rdmasafe-cm-log".into()).spawn(writer).ok().map(|_| tx)
-    });
-    if let Some(tx) = lines {
-        let _ = tx.try_send((level, line));
+    thread_local! {
+        static LINES: OnceCell<Option<Lines>> = const { OnceCell::new() };
     }
+    LINES.with(|lines| {
+        let lines = lines.get_or_init(|| {
+            let (tx, rx) = std::sync::mpsc::sync_channel::<(log::Level, String)>(REAPER_LINES);
+            let writer = move || {
+                for (level, line) in rx {
+                    log::log!(target: "rdmasafe", level, "{line}");
+                }
+            };
+            std::thread::Builder::new().name("rdmasafe-cm-log".into()).spawn(writer).ok().map(|_| tx)
+        });
+        if let Some(tx) = lines {
+            let _ = tx.try_send((level, line));
+        }
+    });
 }
 
 /// Allocates slots up front so that the next `n` copies (at most
