@@ -713,15 +713,20 @@ const char *rdmasafe_async_event_str(uint32_t event_type);
  * destroys an id while another thread finishes handling its event keeps
  * working after the rename. Unlike librdmacm, a copy that is held (in a
  * queue, by a slow worker, forgotten) blocks them at most the deadline;
- * then its original is acked (logged once at warn level), and the copy
- * stays valid.
+ * then its original is acked (logged: the first time in the process at
+ * warn level, later ones at debug level; `acked_at_deadline` of
+ * `rdmasafe_cm_get_counters` counts them all), and the copy stays valid.
  *
  * Ids: `ev->id` and `ev->listen_id` are the application's ids, as with
  * librdmacm: a CONNECT_REQUEST's new id must still be accepted, or
  * rejected and destroyed, by the app. They may be dereferenced while the
  * copy is held and its original is un-acked (the id cannot be destroyed
  * before), i.e. until the ack deadline; after it, only while the app knows
- * the id is alive. To route a copy that outlives that (a queue, a
+ * the id is alive. Except a CONNECT_REQUEST's `ev->id`, the new id:
+ * librdmacm charges the request to the listening id, whose destroy is the
+ * one that waits (`ev->listen_id` is protected as above), so the new id
+ * can be rejected and destroyed by any thread while the copy is held, and
+ * is only alive while the app knows it is. To route a copy that outlives that (a queue, a
  * worker), use the ids' contexts captured at copy time:
  * `rdmasafe_event_get_contexts`.
  *
@@ -764,8 +769,11 @@ int rdmasafe_get_event(struct rdma_event_channel *channel,
  * On a blocking-mode fd the timeout bounds the wait for the fd to become
  * readable; librdmacm may then consume an internal event (e.g. one for an
  * id it is tearing down) and block in its read. For strict timeouts set
- * O_NONBLOCK on the channel's fd. A signal ends the wait with EINTR, as
- * with `rdma_get_cm_event`. An id moved to the channel with
+ * O_NONBLOCK on the channel's fd. A signal whose handler runs ends the
+ * wait with EINTR, even one installed with SA_RESTART (the wait is a
+ * poll(), which the kernel never restarts: signal(7)), where
+ * `rdma_get_cm_event` on a blocking fd would be restarted; the same for
+ * `rdmasafe_get_events`. An id moved to the channel with
  * `rdma_migrate_id` brings its queued events without waking anyone (the
  * kernel's doing, as with librdmacm): a get already waiting here (or a
  * poll() or epoll of the app's on the fd) sleeps on until another event
@@ -865,13 +873,15 @@ const char *rdmasafe_event_str(int event);
 /**
  * Sets how long librdmacm's original event stays un-acked after a get
  * (the destroy barrier, see `rdmasafe_get_event`): until the copy is
- * freed, at most `ms` milliseconds (a background thread acks it within a
- * quarter of the shortest deadline in use after that, at most 250 ms
- * later; a get takes no lock for it). 0 acks at once (a held copy then never
+ * freed, at most `ms` milliseconds (a background thread acks it after
+ * that, within its scan period: a quarter of the shortest deadline any get
+ * of the process has used so far, 1 to 250 ms; up to 250 ms for the first
+ * get with a deadline shorter than any before; a get takes no lock for it). 0 acks at once (a held copy then never
  * delays `rdma_destroy_id`, and `ev->id` may be destroyed while the copy is
  * held). With a deadline, a thread that destroys an event's id before it
  * frees the copy waits in `rdma_destroy_id` until the deadline (where
- * librdmacm would wait forever): free first, or set 0. The deadlines are
+ * librdmacm would wait forever; for a CONNECT_REQUEST the listening id's
+ * destroy waits, not the new id's): free first, or set 0. The deadlines are
  * kept by one thread for the process, started by the first get with a
  * deadline (a get that cannot start it fails with ENOMEM and takes
  * nothing, so no original is ever held without its deadline): a thread
@@ -910,7 +920,8 @@ int rdmasafe_cm_set_limit(uint64_t max_outstanding);
 /**
  * Reads the CM copy counters into `*out` (set `out->size` first). Never
  * blocks; thread-safe. The oldest copy's age is found by a scan of
- * rdmasafe's storage (proportional to `high_water`).
+ * rdmasafe's storage (proportional to `slots_allocated`, the slots ever
+ * allocated, which `rdmasafe_cm_reserve` raises).
  *
  * Returns 0, or -EINVAL if `out` is NULL or its size is not set.
  *
@@ -1090,11 +1101,13 @@ int rdmasafe_cq_loop_run(struct rdmasafe_cq_loop *cq_loop);
  *
  * Returns the number of completions delivered to callbacks (>= 0; the
  * loop's own keepalive probes and drain markers are not counted), -EINTR (a signal
- * interrupted the wait), -EINVAL (unknown loop, `timeout_ms < -1`),
+ * handler ran during the wait, even one installed with SA_RESTART: the
+ * wait is never restarted, unlike `ibv_get_cq_event`'s read), -EINVAL (unknown loop, `timeout_ms < -1`),
  * -EBUSY (another thread runs it), -EDEADLK (from a callback), or a
  * negative errno.
  */
-int rdmasafe_cq_loop_run_once(struct rdmasafe_cq_loop *cq_loop, int timeout_ms);
+int rdmasafe_cq_loop_run_once(struct rdmasafe_cq_loop *cq_loop,
+                              int timeout_ms);
 
 /**
  * The loop's own epoll fd, for the app's poll/epoll: readable whenever

@@ -698,7 +698,8 @@ pub extern "C" fn rdmasafe_cq_loop_run(cq_loop: *mut rdmasafe_cq_loop) -> c_int 
 ///
 /// Returns the number of completions delivered to callbacks (>= 0; the
 /// loop's own keepalive probes and drain markers are not counted), -EINTR (a signal
-/// interrupted the wait), -EINVAL (unknown loop, `timeout_ms < -1`),
+/// handler ran during the wait, even one installed with SA_RESTART: the
+/// wait is never restarted, unlike `ibv_get_cq_event`'s read), -EINVAL (unknown loop, `timeout_ms < -1`),
 /// -EBUSY (another thread runs it), -EDEADLK (from a callback), or a
 /// negative errno.
 #[no_mangle]

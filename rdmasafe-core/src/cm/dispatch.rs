@@ -8,7 +8,7 @@
 //!   copy it has and stops pulling; further events wait in the kernel. They
 //!   are not lost, with one exception the kernel imposes: connect requests
 //!   beyond the listener's backlog (see [`super::CmId::listen`]) are dropped
-//!   by the kernel, and those clients end in UNREACHABLE after ~70 s.
+//!   by the kernel, and those clients end in UNREACHABLE after ~100 s.
 //!   The same when no copy can be made (the copy limit of
 //!   [`super::set_limit`] is reached, or memory is short): the thread
 //!   waits for copies to be freed, retrying every few milliseconds

@@ -382,8 +382,8 @@ impl CmId {
 
     /// `rdma_listen`. The kernel holds at most `backlog` connect requests
     /// that nobody fetched yet; further requests are dropped silently and
-    /// their clients end in UNREACHABLE (about 70 s of retries). Size it for
-    /// your bursts.
+    /// their clients end in UNREACHABLE (about 100 s of retries; 102 s
+    /// measured on Soft-RoCE). Size it for your bursts.
     pub fn listen(&self, backlog: i32) -> Result<()> {
         // SAFETY: live id.
         cvt("rdma_listen", unsafe { sys::rdma_listen(self.raw(), backlog) })

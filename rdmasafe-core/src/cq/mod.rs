@@ -1,6 +1,6 @@
 //! Completion queue notification, done right: see [`CqLoop`].
 //!
-//! * [`CqLoop`]: one completion channel, many CQs, three modes, batched
+//! * [`CqLoop`]: one completion channel, many CQs, four modes, batched
 //!   acks to the CQ each event names, re-arm before the final drain, CQs
 //!   added and removed while it runs (from any thread, or from a handler),
 //!   per-CQ options (solicited-only, a per-cycle budget), an fd for the
