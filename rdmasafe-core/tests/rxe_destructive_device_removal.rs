@@ -14,7 +14,9 @@
 //! `rdma link delete rxe0` in the background; DEVICE_REMOVAL on all three
 //! ids; `cm::devices()` (librdmacm notices the removal, marks rxe0 dead and
 //! from now on closes its context with the last reference); then everything is
-//! dropped, ids first, in safe code. Checked: the async thread ends with
+//! dropped, ids first, in safe code, but for a control of a CQ loop on
+//! the client's channel, kept past the loop (it kept the device open: the
+//! delete never completed). Checked: the async thread ends with
 //! Ok (rxe cannot disassociate, so it reports no DEVICE_FATAL: the thread
 //! is stopped; on hardware it ends by itself after DEVICE_FATAL); `rdma
 //! link delete`, which
@@ -33,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use common::cm::{expect, listen, params, resolved};
 use rdmasafe_core::cm::{self, EventType as E, PortSpace, QpCaps};
-use rdmasafe_core::cq::{AsyncEventType, AsyncEvents};
+use rdmasafe_core::cq::{AsyncEventType, AsyncEvents, CqLoop, LoopOptions};
 use rdmasafe_core::verbs::{CompChannel, Cq, Mr, Pd};
 
 const INNER: &str = "RDMASAFE_REMOVAL_SCENARIO";
@@ -103,6 +105,12 @@ fn scenario(addr: std::net::IpAddr) {
     expect(&cch, E::ESTABLISHED);
     expect(&l.ch, E::ESTABLISHED);
     drop(req);
+    // A CQ loop on the client's channel, and a control of it that the app
+    // keeps past the loop (in a connection's struct, another loop's
+    // handler): it must not keep the device open once the loop is dropped.
+    let lp = CqLoop::new(&comp, LoopOptions::default()).unwrap();
+    lp.add_cq(&ccq, |_, _| {}).unwrap();
+    let ctl = lp.control();
     let seen: Arc<Mutex<Vec<AsyncEventType>>> = Arc::default();
     let s2 = seen.clone();
     let async_thread = AsyncEvents::new(&ctx).spawn(move |ev| s2.lock().unwrap().push(ev.event_type)).unwrap();
@@ -132,6 +140,7 @@ fn scenario(addr: std::net::IpAddr) {
     drop(client);
     drop(server);
     drop(l);
+    drop(lp);
     drop((ccq, scq, cmr, smr, pd, spd, comp, ctx, sctx));
     let r = async_thread.stop();
     println!("scenario: async events seen {:?}, thread ended with {r:?}", seen.lock().unwrap());
@@ -163,6 +172,9 @@ fn scenario(addr: std::net::IpAddr) {
     };
     println!("scenario: rdma link delete finished ({st}) {:?} after the last drop", t1.elapsed());
     assert!(st.success(), "rdma link delete: {st}");
+    // The control outlived all of it, and answers that the loop is gone.
+    assert!(!ctl.is_running(), "the loop was dropped");
+    drop(ctl);
     println!("scenario: done");
 }
 

@@ -12,7 +12,10 @@
 //!   state): queued only; the loop applies it as soon as that handler
 //!   returns, before calling any other handler ([`Outcome::Pending`]);
 //! * from any other thread: queued, the loop is woken (its fd becomes
-//!   readable), and the caller waits until the command is done. If nobody
+//!   readable), and for a removal or a drain the caller waits until the
+//!   command is done (an add returns once it is queued: it cannot fail
+//!   then, and the loop applies it before its next cycle, in order with
+//!   the other changes). If nobody
 //!   drives the loop, the caller takes the state and applies the command
 //!   itself (for a drain: runs the loop until it is done, or until a thread
 //!   wants to run it: then it hands the loop over after its current cycle
@@ -48,7 +51,11 @@ use crate::{Error, Result};
 /// How a change requested with [`LoopControl`] went.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Outcome {
-    /// Done when the call returned.
+    /// Done when the call returned; for an add from another thread while
+    /// a thread drives the loop: queued, which it cannot fail once it is
+    /// (the loop applies it before its next cycle, after the changes
+    /// queued before it and before those queued after it: the loop's
+    /// figures count it from then on).
     Done,
     /// Requested from inside one of the loop's handlers: done as soon as
     /// that handler returns, before the loop calls any other handler (the
@@ -398,6 +405,8 @@ impl LoopControl {
 
     /// Adds a CQ (kept alive by the loop) with its handler and options. The
     /// loop arms it and drains what it already holds before its next sleep.
+    /// Never waits for the loop: from another thread while the loop runs
+    /// it returns once the add is queued (see [`Outcome::Done`]).
     /// Errors at once: EINVAL (CQ of another channel or device context),
     /// EBUSY (the CQ is in a loop already).
     pub fn add_cq<F>(&self, cq: &Cq, opts: CqOptions, handler: F) -> Result<Outcome>

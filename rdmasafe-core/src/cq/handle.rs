@@ -93,10 +93,11 @@ impl CqEvent {
     }
 }
 
-/// The completion channel the loop reads: alive as long as this value.
+/// The completion channel the loop reads: alive as long as this value,
+/// until [`LiveChannel::release`].
 pub(crate) struct LiveChannel {
     raw: NonNull<ibv_comp_channel>,
-    _keep: Option<CompChannel>,
+    keep: Option<CompChannel>,
 }
 
 // SAFETY: channel calls may come from any thread.
@@ -107,7 +108,7 @@ unsafe impl Sync for LiveChannel {}
 impl LiveChannel {
     /// A channel the loop keeps alive itself.
     pub(crate) fn owned(ch: &CompChannel) -> LiveChannel {
-        LiveChannel { raw: NonNull::new(ch.raw()).expect("a CompChannel is never NULL"), _keep: Some(ch.clone()) }
+        LiveChannel { raw: NonNull::new(ch.raw()).expect("a CompChannel is never NULL"), keep: Some(ch.clone()) }
     }
 
     /// A channel the app owns (the C API).
@@ -115,11 +116,20 @@ impl LiveChannel {
     /// # Safety
     /// `raw` must be a live completion channel that outlives the value.
     pub(crate) unsafe fn borrowed(raw: NonNull<ibv_comp_channel>) -> LiveChannel {
-        LiveChannel { raw, _keep: None }
+        LiveChannel { raw, keep: None }
     }
 
     pub(crate) fn addr(&self) -> usize {
         self.raw.as_ptr() as usize
+    }
+
+    /// Lets go of the channel the loop kept alive, and with it of its
+    /// device context: the loop is torn down ([`super::core::Core::shutdown`]),
+    /// but a `LoopControl` may keep the loop's shared state (and this)
+    /// for long after, and an open context keeps the device from being
+    /// removed. Nothing may use the value afterwards but [`Self::addr`].
+    pub(crate) fn release(&mut self) {
+        self.keep = None;
     }
 
     pub(crate) fn fd(&self) -> i32 {
