@@ -150,11 +150,13 @@ unsafe fn get_first(ch: Option<ChannelRef<'_>>, event: *mut *mut rdma_cm_event, 
 /// On a blocking-mode fd the timeout bounds the wait for the fd to become
 /// readable; librdmacm may then consume an internal event (e.g. one for an
 /// id it is tearing down) and block in its read. For strict timeouts set
-/// O_NONBLOCK on the channel's fd. A signal whose handler runs ends the
-/// wait with EINTR, even one installed with SA_RESTART (the wait is a
-/// poll(), which the kernel never restarts: signal(7)), where
-/// `rdma_get_cm_event` on a blocking fd would be restarted; the same for
-/// `rdmasafe_get_events`. An id moved to the channel with
+/// O_NONBLOCK on the channel's fd. Signals: with `timeout_ms` -1 on a
+/// blocking fd the wait is `rdma_get_cm_event`'s own, which a signal
+/// handler installed without SA_RESTART ends with EINTR, and one with
+/// SA_RESTART restarts. Every other wait (another timeout, or an
+/// O_NONBLOCK fd) is a poll(), which the kernel never restarts
+/// (signal(7)): any signal whose handler runs ends it with EINTR,
+/// SA_RESTART or not. The same for `rdmasafe_get_events`. An id moved to the channel with
 /// `rdma_migrate_id` brings its queued events without waking anyone (the
 /// kernel's doing, as with librdmacm): a get already waiting here (or a
 /// poll() or epoll of the app's on the fd) sleeps on until another event

@@ -138,7 +138,7 @@ impl Drop for ChannelInner {
 /// An event channel that rdmasafe created and owns.
 ///
 /// Its fd is non-blocking (the get calls wait with poll() when asked to).
-/// Registered with tokio ([`crate::aio::AsyncEventChannel`]) or `mio`, it
+/// Registered with tokio (`aio::AsyncEventChannel`, feature `tokio`) or `mio`, it
 /// also holds an eventfd that [`CmId::migrate`] into the channel writes:
 /// the kernel does not wake the channel's waiters for the events a
 /// migrated id brings. (Its gets and a [`super::Dispatcher`] watch one

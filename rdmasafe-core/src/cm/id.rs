@@ -464,7 +464,7 @@ impl CmId {
     /// The kernel moves the queued events without waking the new channel's
     /// waiters (a thread asleep in poll() on its fd, an edge-triggered
     /// epoll). rdmasafe's own waits on `to` are woken here: its get calls,
-    /// a [`super::Dispatcher`], [`crate::aio::AsyncEventChannel`] and the
+    /// a [`super::Dispatcher`], `aio::AsyncEventChannel` (feature `tokio`) and the
     /// `mio` `Source`. A wait of the app's own on the raw fd is not: try a
     /// get after a migrate.
     pub fn migrate(&mut self, to: &EventChannel) -> Result<()> {

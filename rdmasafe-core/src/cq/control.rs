@@ -607,7 +607,7 @@ impl LoopControl {
     /// queue completes in order: the old drain's come first).
     ///
     /// From another thread this waits (running the loop itself if nobody
-    /// does; a live [`crate::aio::AsyncCqLoop::run`] on another thread
+    /// does; a live `aio::AsyncCqLoop::run` (feature `tokio`) on another thread
     /// counts as somebody while it cycles: the wait is for it, and it
     /// enforces `timeout`) until done or `timeout` (ETIMEDOUT). From inside
     /// a handler it
