@@ -215,7 +215,10 @@
  * IBV_SEND_SOLICITED and for errors; the CQ is drained (everything in it)
  * when one comes. Successful send completions raise no event, so a send
  * CQ armed so is drained only then (and before a keepalive probe on its
- * QP is judged overdue): size it for the sends in between. Nor, on rxe,
+ * QP is judged overdue: such a keepalive sees its probe's completion only
+ * then, so it probes less often than once per period, up to once per
+ * bound, and still declares a dead peer within period + bound): size it
+ * for the sends in between. Nor, on rxe,
  * does a send queue's flush (its QP moved to the error state): a
  * keepalive that declares the peer dead drains the QP itself, so that
  * flush is delivered; after moving a QP to the error state yourself,

@@ -145,7 +145,10 @@ pub struct CqOptions {
     /// completions of messages sent with IBV_SEND_SOLICITED, and for
     /// errors. The CQ is drained when such an event comes (everything in it
     /// then, unsolicited completions included) and, for a QP with a
-    /// keepalive, before a probe is judged overdue. Successful send
+    /// keepalive, before a probe is judged overdue (a keepalive whose send
+    /// CQ is armed so sees its probe's completion only then: it probes
+    /// less often than once per `period`, up to once per `bound`, and still
+    /// declares a dead peer within `period` + `bound`). Successful send
     /// completions raise no event: a send CQ armed so is only drained by
     /// those, so size it for the sends between two of them. Nor, on rxe,
     /// does a send queue's flush (its QP moved to the error state): a
