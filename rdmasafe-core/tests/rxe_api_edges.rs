@@ -974,3 +974,61 @@ fn events_moved_in_by_migrate_wake_a_waiting_get_and_a_dispatcher() {
     );
     d.stop().unwrap();
 }
+
+/// A `Dispatcher` stopped while it holds a copy (its queue full) leaves
+/// that copy in the queue, after the queued ones, and a dispatcher started
+/// on the queue later opens it again and feeds it the rest (found by an
+/// adversarial test: the held copy was dropped, a CONNECT_REQUEST among
+/// them a rejected client; the queue stayed closed for good, so
+/// `pop_timeout` returned `None` at once; and the figures counted the held
+/// copy as delivered). Five ids' ADDR_RESOLVED events, a queue of two.
+#[test]
+fn a_stopped_dispatcher_leaves_its_held_copy_in_the_queue_which_reopens() {
+    let bed = common::bed();
+    let _s = serial();
+    let _dog = common::watchdog("dispatcher stopped with a full queue", Duration::from_secs(300));
+    let ch = EventChannel::new().unwrap();
+    let ids: Vec<CmId> = (0..5)
+        .map(|_| {
+            let id = ch.create_id(PortSpace::Tcp).unwrap();
+            id.resolve_addr(None, (bed.addr, 7).into(), Duration::from_secs(10)).unwrap();
+            id
+        })
+        .collect();
+    let queue = cm::WorkQueue::new(2);
+    let d = Dispatcher::with_queue(&ch, queue.clone()).unwrap();
+    let end = Instant::now() + PATIENCE;
+    while d.stats().queue_full_waits == 0 && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let st = d.stats();
+    assert!(st.queue_full_waits > 0, "the dispatcher holds a copy, its queue full: {st:?}");
+    assert_eq!((st.events, queue.len()), (2, 2), "two copies delivered (queued), the third held: {st:?}");
+    assert!(st.wakeups >= 1 && st.max_batch >= 1, "a stalled dispatcher's figures show it woke: {st:?}");
+    d.stop_handle().stop();
+    while queue.len() < 3 && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(queue.len(), 3, "the held copy is left in the queue at the stop");
+    assert_eq!(d.stats().events, 3, "delivered: the queued ones and the one left");
+    drop(d);
+    let mut got: Vec<CmEvent> = std::iter::from_fn(|| queue.try_pop()).collect();
+    assert_eq!(got.len(), 3, "the workers get all three");
+    assert!(queue.pop_timeout(Duration::from_secs(3600)).is_none(), "closed and empty: None at once");
+
+    // Another dispatcher on the same queue opens it and feeds it the rest.
+    let d = Dispatcher::with_queue(&ch, queue.clone()).unwrap();
+    while got.len() < 5 && Instant::now() < end {
+        match queue.pop_timeout(Duration::from_millis(100)) {
+            Some(ev) => got.push(ev),
+            None => assert!(Instant::now() < end, "the reopened queue gets the other two"),
+        }
+    }
+    drop(d);
+    let mut seen: Vec<_> = got.iter().map(|e| e.token()).collect();
+    let mut want: Vec<_> = ids.iter().map(|id| Some(id.token())).collect();
+    seen.sort_unstable();
+    want.sort_unstable();
+    assert_eq!(seen, want, "each id's ADDR_RESOLVED once");
+    assert!(got.iter().all(|e| e.event_type() == cm::EventType::ADDR_RESOLVED));
+}

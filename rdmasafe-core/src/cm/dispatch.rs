@@ -5,8 +5,10 @@
 //! * Acks never wait on the app: each event is acked the moment it is
 //!   copied, before the callback runs or the copy is queued.
 //! * Backpressure: when the [`WorkQueue`] is full the thread holds the one
-//!   copy it has and stops pulling; further events wait in the kernel. They
-//!   are not lost, with one exception the kernel imposes: connect requests
+//!   copy it has and stops pulling; further events wait in the kernel. A
+//!   stop leaves that copy in the queue, after the ones queued (see
+//!   [`Dispatcher::stop`]). They are not lost, with one exception the
+//!   kernel imposes: connect requests
 //!   beyond the listener's backlog (see [`super::CmId::listen`]) are dropped
 //!   by the kernel, and those clients end in UNREACHABLE after ~100 s.
 //!   The same when no copy can be made (the copy limit of
@@ -96,6 +98,14 @@ pub struct WorkQueue {
     sleeping_consumers: AtomicUsize,
     sleeping_producers: AtomicUsize,
     closed: AtomicBool,
+    /// Dispatchers feeding the queue now: the last to stop closes it, the
+    /// first to start opens it (again).
+    producers: std::sync::Mutex<usize>,
+    /// The copies stopped dispatchers held when the queue was full (one
+    /// each): popped after the queued ones, or queued first by the next
+    /// dispatcher.
+    held: std::sync::Mutex<std::collections::VecDeque<CmEvent>>,
+    has_held: std::sync::atomic::AtomicBool,
 }
 
 impl WorkQueue {
@@ -109,17 +119,63 @@ impl WorkQueue {
             sleeping_consumers: AtomicUsize::new(0),
             sleeping_producers: AtomicUsize::new(0),
             closed: AtomicBool::new(false),
+            producers: std::sync::Mutex::new(0),
+            held: std::sync::Mutex::new(std::collections::VecDeque::new()),
+            has_held: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
     /// Copies queued now.
     pub fn len(&self) -> usize {
-        self.q.len()
+        let held =
+            if self.has_held.load(SeqCst) { self.held.lock().unwrap_or_else(|e| e.into_inner()).len() } else { 0 };
+        self.q.len() + held
     }
 
     /// True if no copy is queued.
     pub fn is_empty(&self) -> bool {
-        self.q.is_empty()
+        self.len() == 0
+    }
+
+    /// A copy a stopped dispatcher left, if any (the oldest first).
+    fn take_held(&self) -> Option<CmEvent> {
+        if !self.has_held.load(SeqCst) {
+            return None;
+        }
+        let mut h = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        let ev = h.pop_front();
+        self.has_held.store(!h.is_empty(), SeqCst);
+        ev
+    }
+
+    /// Keeps a copy a stopping dispatcher could not queue: after the
+    /// others left, or (`first`: one taken back for want of room) before.
+    fn keep_held(&self, ev: CmEvent, first: bool) {
+        let mut h = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        if first {
+            h.push_front(ev);
+        } else {
+            h.push_back(ev);
+        }
+        self.has_held.store(true, SeqCst);
+    }
+
+    /// A dispatcher starts feeding the queue: opens it if it was closed.
+    fn producer_started(&self) {
+        let mut n = self.producers.lock().unwrap_or_else(|e| e.into_inner());
+        if *n == 0 {
+            self.closed.store(false, SeqCst);
+        }
+        *n += 1;
+    }
+
+    /// A dispatcher stopped feeding the queue: the last one closes it.
+    fn producer_stopped(&self) {
+        let mut n = self.producers.lock().unwrap_or_else(|e| e.into_inner());
+        *n -= 1;
+        if *n == 0 {
+            self.close();
+        }
     }
 
     /// The queue's capacity.
@@ -139,7 +195,9 @@ impl WorkQueue {
 
     /// Takes a copy without waiting.
     pub fn try_pop(&self) -> Option<CmEvent> {
-        let ev = self.q.pop()?;
+        let Some(ev) = self.q.pop() else {
+            return self.take_held();
+        };
         self.wake(&self.sleeping_producers, &self.not_full);
         Some(ev)
     }
@@ -154,7 +212,7 @@ impl WorkQueue {
         let mut g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             self.sleeping_consumers.fetch_add(1, SeqCst);
-            let got = self.q.pop();
+            let got = self.q.pop().or_else(|| self.take_held());
             if got.is_some() || self.closed.load(SeqCst) {
                 self.sleeping_consumers.fetch_sub(1, SeqCst);
                 drop(g);
@@ -205,7 +263,8 @@ impl WorkQueue {
     }
 
     /// Marks the queue closed: consumers drain what is queued, then
-    /// `pop_timeout` returns `None` at once.
+    /// `pop_timeout` returns `None` at once (until a dispatcher starts on
+    /// it again).
     pub fn close(&self) {
         self.closed.store(true, SeqCst);
         let _g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
@@ -219,7 +278,8 @@ impl WorkQueue {
 pub struct DispatcherStats {
     /// Times the thread woke up with events to take.
     pub wakeups: u64,
-    /// Events copied, acked and delivered.
+    /// Events copied, acked and delivered (handed to the callback, or
+    /// queued; a copy left in the queue at a stop counts: workers get it).
     pub events: u64,
     /// Most events taken in one wakeup.
     pub max_batch: u64,
@@ -285,10 +345,18 @@ impl Dispatcher {
     }
 
     /// Starts a thread that pushes every event copy of `channel` into
-    /// `queue`, for worker threads to [`WorkQueue::pop_timeout`]. The queue
-    /// is closed when the dispatcher stops.
+    /// `queue`, for worker threads to [`WorkQueue::pop_timeout`]. Several
+    /// dispatchers (of several channels) may feed one queue. The queue is
+    /// closed when the last dispatcher feeding it stops; one started on it
+    /// later opens it again, and first queues the copy a stopped one left
+    /// (see [`Dispatcher::stop`]) unless a worker took it meanwhile.
     pub fn with_queue(channel: &EventChannel, queue: Arc<WorkQueue>) -> Result<Dispatcher> {
-        Self::start(channel, Sink::Queue(queue.clone()), Some(queue))
+        queue.producer_started();
+        let d = Self::start(channel, Sink::Queue(queue.clone()), Some(queue.clone()));
+        if d.is_err() {
+            queue.producer_stopped();
+        }
+        d
     }
 
     fn start(channel: &EventChannel, sink: Sink, queue: Option<Arc<WorkQueue>>) -> Result<Dispatcher> {
@@ -322,9 +390,11 @@ impl Dispatcher {
 
     /// Stops the thread and waits for it. Events not yet fetched stay in
     /// the kernel (a new dispatcher or a get on the channel finds them); a
-    /// copy the thread held because the queue was full is dropped (already
-    /// acked, so nothing blocks). Returns the thread's error, if it ended on
-    /// one (e.g. the channel failed).
+    /// copy the thread held because the queue was full is left in the
+    /// queue: workers get it after the copies queued before it (it used to
+    /// be dropped, and a CONNECT_REQUEST dropped is a rejected client).
+    /// Returns the thread's error, if it ended on one (e.g. the channel
+    /// failed).
     pub fn stop(mut self) -> Result<()> {
         self.stop_and_join()
     }
@@ -379,6 +449,16 @@ fn run(ch: EventChannel, mut sink: Sink, h: StopHandle) -> Result<()> {
     let stopped = || s.stop.load(SeqCst);
     let mut storage_wait = STORAGE_WAIT_FIRST;
     let result = (|| {
+        // Copies stopped dispatchers left in the queue go before any event
+        // of ours (they came first).
+        if let Sink::Queue(q) = &sink {
+            while let Some(ev) = q.take_held() {
+                if let Err(ev) = q.push_wait(ev, &stopped, &s.full_waits) {
+                    q.keep_held(ev, true);
+                    return Ok(());
+                }
+            }
+        }
         while !stopped() {
             // (An id migrated into the channel wakes it too.)
             let [_, woken] = ch
@@ -404,26 +484,34 @@ fn run(ch: EventChannel, mut sink: Sink, h: StopHandle) -> Result<()> {
                     }
                     Err(e) => return Err(e),
                 };
+                // Counted as taken, before a full queue may hold the thread
+                // (a stalled dispatcher's figures show what it took).
                 batch += 1;
-                s.events.fetch_add(1, Relaxed);
+                if batch == 1 {
+                    s.wakeups.fetch_add(1, Relaxed);
+                }
+                s.max_batch.fetch_max(batch, Relaxed);
                 match &mut sink {
-                    Sink::Callback(f) => f(ev),
+                    Sink::Callback(f) => {
+                        s.events.fetch_add(1, Relaxed);
+                        f(ev)
+                    }
                     Sink::Queue(q) => {
-                        if q.push_wait(ev, &stopped, &s.full_waits).is_err() {
-                            break; // stopping; the held copy drops here
+                        let r = q.push_wait(ev, &stopped, &s.full_waits);
+                        s.events.fetch_add(1, Relaxed);
+                        if let Err(ev) = r {
+                            // Stopping: the workers get it after the queued ones.
+                            q.keep_held(ev, false);
+                            break;
                         }
                     }
                 }
-            }
-            if batch > 0 {
-                s.wakeups.fetch_add(1, Relaxed);
-                s.max_batch.fetch_max(batch, Relaxed);
             }
         }
         Ok(())
     })();
     if let Sink::Queue(q) = &sink {
-        q.close();
+        q.producer_stopped();
     }
     result
 }

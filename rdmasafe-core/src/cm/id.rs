@@ -670,6 +670,8 @@ impl std::fmt::Debug for CmId {
 /// [`super::CmEvent::take_request`]. Create a QP on it ([`ConnectRequest::id_mut`]),
 /// then [`accept`](ConnectRequest::accept) or [`reject`](ConnectRequest::reject).
 /// Dropped without either, the request is rejected and the id destroyed.
+/// (A TCP-port-space client then sees REJECTED; a UDP one, UNREACHABLE:
+/// the kernel reports a rejected UD request so.)
 pub struct ConnectRequest {
     id: Option<CmId>,
 }
@@ -702,7 +704,8 @@ impl ConnectRequest {
         }
     }
 
-    /// Rejects with private data (`rdma_reject`) and destroys the id.
+    /// Rejects with private data (`rdma_reject`) and destroys the id. (A
+    /// UDP-port-space client sees UNREACHABLE, not REJECTED.)
     pub fn reject(mut self, private_data: &[u8]) -> Result<()> {
         let id = self.id.take().expect("ConnectRequest holds its id until consumed");
         id.reject_raw(private_data)
