@@ -1120,7 +1120,11 @@ int rdmasafe_cq_loop_run_once(struct rdmasafe_cq_loop *cq_loop,
  * keepalive, watchdog or drain deadline; an adaptive loop still polling;
  * a CQ left over its budget; after a call that ended with an error other
  * than -EINTR, the CQs to arm again). Call `rdmasafe_cq_loop_run_once(l, 0)`
- * when it is. Not the completion channel's fd. Thread-safe.
+ * when it is. Watch it level-triggered (no EPOLLET): a call may leave
+ * work for the next (a CQ over its budget, an adaptive loop still
+ * polling), and the fd stays readable for it, which an edge-triggered
+ * epoll does not report again (it may then sleep with completions
+ * waiting). Not the completion channel's fd. Thread-safe.
  *
  * Returns the fd (>= 0) or -EINVAL.
  */
@@ -1155,8 +1159,12 @@ int rdmasafe_cq_loop_next_timeout_ms(struct rdmasafe_cq_loop *cq_loop, int *time
 int rdmasafe_cq_loop_stop(struct rdmasafe_cq_loop *cq_loop);
 
 /**
- * Reports how much work the app has outstanding (for the watchdog).
- * Thread-safe. Returns 0 or -EINVAL.
+ * Reports how much work the app has outstanding (for the watchdog). From
+ * none to some, it wakes the loop (its fd turns readable: an embedding app
+ * calls `rdmasafe_cq_loop_run_once`, after which
+ * `rdmasafe_cq_loop_next_timeout_ms` has the watchdog's deadline), so a
+ * loop asleep without a deadline starts its watchdog. Thread-safe.
+ * Returns 0 or -EINVAL.
  */
 int rdmasafe_cq_loop_set_outstanding(struct rdmasafe_cq_loop *cq_loop, uint64_t n);
 

@@ -378,6 +378,46 @@ fn watchdog_polls_when_work_is_outstanding() {
     assert!((1..=most).contains(&polls), "{polls} watchdog polls in {took:?} (1..={most})");
 }
 
+/// Outstanding work reported to an idle loop starts its watchdog: the
+/// loop's fd turns readable, the call it asks for sets the watchdog's
+/// deadline, and the watchdog polls. Before, `set_outstanding` only stored
+/// the number, and a loop asleep without a deadline never started the
+/// watchdog: the fd stayed quiet and `next_timeout` said none, so an app
+/// that followed them slept for good with work outstanding (found by an
+/// adversarial test of the C API, with completions of a CQ armed
+/// solicited-only, which raise no event).
+#[test]
+fn outstanding_work_reported_to_an_idle_loop_starts_its_watchdog() {
+    use std::os::fd::AsRawFd;
+    let bed = common::bed();
+    let _dog = common::watchdog("watchdog started by set_outstanding", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let cq = Cq::new(&ctx, 4, Some(&chan)).unwrap();
+    let opts = LoopOptions { watchdog: Some(Duration::from_millis(20)), ..Default::default() };
+    let lp = CqLoop::new(&chan, opts).unwrap();
+    lp.add_cq(&cq, |_, _| {}).unwrap();
+    lp.process_once(Wait::None).unwrap(); // arms the CQ: idle from here
+    assert_eq!(lp.next_timeout(), None, "idle with nothing outstanding: no deadline");
+    let readable = |ms: i32| {
+        let mut p = libc::pollfd { fd: lp.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd.
+        unsafe { libc::poll(&mut p, 1, ms) == 1 }
+    };
+    assert!(!readable(0), "idle with nothing outstanding: the fd is quiet");
+    lp.control().set_outstanding(1);
+    assert!(readable(30_000), "work reported: the fd asks for a call");
+    let mut calls = 0;
+    while lp.stats().watchdog_polls == 0 {
+        lp.process_once(Wait::None).unwrap();
+        calls += 1;
+        let t = lp.next_timeout();
+        assert!(t.is_some(), "after call {calls}: the watchdog's deadline is the loop's next timeout");
+        assert!(readable(30_000), "the fd turns readable at that deadline");
+    }
+    assert!(lp.stats().watchdog_polls >= 1);
+}
+
 /// Embedding: the app's own epoll watches the loop's fd and calls
 /// process_once(Wait::None) when it is readable.
 #[test]

@@ -374,8 +374,12 @@ impl LoopControl {
     }
 
     /// Tells the watchdog how much work the app has outstanding (0: none).
+    /// From none to some, it wakes the loop (its fd turns readable), so a
+    /// loop asleep without a deadline starts its watchdog.
     pub fn set_outstanding(&self, n: u64) {
-        self.0.outstanding.store(n, Relaxed);
+        if self.0.outstanding.swap(n, SeqCst) == 0 && n > 0 {
+            self.0.wake();
+        }
     }
 
     /// The loop's figures now.
