@@ -70,7 +70,8 @@
  * only call async-signal-safe functions, exec or _exit. The CM ack thread
  * does not survive a fork: its state lives in memory the kernel clears in
  * the child (MADV_WIPEONFORK; before Linux 4.14, a pthread_atfork child
- * handler clears it, the only one rdmasafe installs), so a child that goes
+ * handler clears it, the only one rdmasafe installs, which a child made
+ * by the raw fork system call or vfork does not run), so a child that goes
  * on getting CM events anyway starts its own at its first get with a
  * deadline and keeps the deadlines.
  *

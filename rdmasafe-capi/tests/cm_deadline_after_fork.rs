@@ -12,4 +12,5 @@ mod standin;
 #[test]
 fn a_child_forked_after_the_deadline_thread_started_keeps_the_deadline() {
     standin::forked_child_keeps_the_deadline();
+    assert_eq!(standin::NO_WIPE_LINES.load(std::sync::atomic::Ordering::Relaxed), 0, "the wipe-on-fork page was used");
 }

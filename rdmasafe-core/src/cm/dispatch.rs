@@ -4,11 +4,10 @@
 //! Contract:
 //! * Acks never wait on the app: each event is acked the moment it is
 //!   copied, before the callback runs or the copy is queued.
-//! * Backpressure: when the [`WorkQueue`] is full the thread holds the one
-//!   copy it has and stops pulling; further events wait in the kernel. A
-//!   stop leaves that copy in the queue, after the ones queued (see
-//!   [`Dispatcher::stop`]). They are not lost, with one exception the
-//!   kernel imposes: connect requests
+//! * Backpressure: the thread takes an event only once it has room for its
+//!   copy in the [`WorkQueue`]; while the queue is full, events wait in the
+//!   kernel (a stop never leaves a copy behind). They are not lost, with
+//!   one exception the kernel imposes: connect requests
 //!   beyond the listener's backlog (see [`super::CmId::listen`]) are dropped
 //!   by the kernel, and those clients end in UNREACHABLE after ~100 s.
 //!   The same when no copy can be made (the copy limit of
@@ -90,6 +89,8 @@ const DRAIN_PER_WAKEUP: usize = 64;
 /// A bounded multi-producer multi-consumer queue of event copies. Push and
 /// pop are lock-free; a mutex/condvar pair is touched only to put a thread
 /// to sleep on an empty (consumer) or full (producer) queue and to wake it.
+/// A dispatcher reserves room before it takes an event from its channel,
+/// so it never holds a copy it cannot queue.
 pub struct WorkQueue {
     q: ArrayQueue<CmEvent>,
     lock: Mutex<()>,
@@ -98,14 +99,13 @@ pub struct WorkQueue {
     sleeping_consumers: AtomicUsize,
     sleeping_producers: AtomicUsize,
     closed: AtomicBool,
+    /// Copies queued plus room reserved by producers about to take an
+    /// event: at most the capacity, so a reserved push always fits (a pop
+    /// frees its place in `q` before it gives the room back here).
+    used: AtomicUsize,
     /// Dispatchers feeding the queue now: the last to stop closes it, the
     /// first to start opens it (again).
-    producers: std::sync::Mutex<usize>,
-    /// The copies stopped dispatchers held when the queue was full (one
-    /// each): popped after the queued ones, or queued first by the next
-    /// dispatcher.
-    held: std::sync::Mutex<std::collections::VecDeque<CmEvent>>,
-    has_held: std::sync::atomic::AtomicBool,
+    producers: Mutex<usize>,
 }
 
 impl WorkQueue {
@@ -119,63 +119,19 @@ impl WorkQueue {
             sleeping_consumers: AtomicUsize::new(0),
             sleeping_producers: AtomicUsize::new(0),
             closed: AtomicBool::new(false),
-            producers: std::sync::Mutex::new(0),
-            held: std::sync::Mutex::new(std::collections::VecDeque::new()),
-            has_held: std::sync::atomic::AtomicBool::new(false),
+            used: AtomicUsize::new(0),
+            producers: Mutex::new(0),
         })
     }
 
     /// Copies queued now.
     pub fn len(&self) -> usize {
-        let held =
-            if self.has_held.load(SeqCst) { self.held.lock().unwrap_or_else(|e| e.into_inner()).len() } else { 0 };
-        self.q.len() + held
+        self.q.len()
     }
 
     /// True if no copy is queued.
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// A copy a stopped dispatcher left, if any (the oldest first).
-    fn take_held(&self) -> Option<CmEvent> {
-        if !self.has_held.load(SeqCst) {
-            return None;
-        }
-        let mut h = self.held.lock().unwrap_or_else(|e| e.into_inner());
-        let ev = h.pop_front();
-        self.has_held.store(!h.is_empty(), SeqCst);
-        ev
-    }
-
-    /// Keeps a copy a stopping dispatcher could not queue: after the
-    /// others left, or (`first`: one taken back for want of room) before.
-    fn keep_held(&self, ev: CmEvent, first: bool) {
-        let mut h = self.held.lock().unwrap_or_else(|e| e.into_inner());
-        if first {
-            h.push_front(ev);
-        } else {
-            h.push_back(ev);
-        }
-        self.has_held.store(true, SeqCst);
-    }
-
-    /// A dispatcher starts feeding the queue: opens it if it was closed.
-    fn producer_started(&self) {
-        let mut n = self.producers.lock().unwrap_or_else(|e| e.into_inner());
-        if *n == 0 {
-            self.closed.store(false, SeqCst);
-        }
-        *n += 1;
-    }
-
-    /// A dispatcher stopped feeding the queue: the last one closes it.
-    fn producer_stopped(&self) {
-        let mut n = self.producers.lock().unwrap_or_else(|e| e.into_inner());
-        *n -= 1;
-        if *n == 0 {
-            self.close();
-        }
+        self.q.is_empty()
     }
 
     /// The queue's capacity.
@@ -183,11 +139,43 @@ impl WorkQueue {
         self.q.capacity()
     }
 
+    /// A dispatcher starts feeding the queue: opens it if it was closed
+    /// (true then).
+    fn producer_started(&self) -> bool {
+        let mut n = self.producers.lock().unwrap_or_else(|e| e.into_inner());
+        *n += 1;
+        *n == 1 && self.closed.swap(false, SeqCst)
+    }
+
+    /// A dispatcher stopped feeding the queue: the last one closes it.
+    fn producer_stopped(&self) {
+        let mut n = self.producers.lock().unwrap_or_else(|e| e.into_inner());
+        *n -= 1;
+        if *n == 0 {
+            drop(n);
+            self.close();
+        }
+    }
+
+    /// A dispatcher that never started: as if it had not come (a queue it
+    /// opened is closed again; one that was open stays open).
+    fn producer_abandoned(&self, opened: bool) {
+        let mut n = self.producers.lock().unwrap_or_else(|e| e.into_inner());
+        *n -= 1;
+        if *n == 0 && opened {
+            drop(n);
+            self.close();
+        }
+    }
+
     fn wake(&self, sleepers: &AtomicUsize, cv: &Condvar) {
         // Pairs with the SeqCst increment in the sleeper: either the sleeper
         // sees our change of the queue, or we see it asleep and notify it.
+        // (A read-modify-write reads the latest count, and orders after our
+        // change: loom checks the protocol with it, as it would not with a
+        // plain load, whose SeqCst loom models as acquire.)
         fence(SeqCst);
-        if sleepers.load(SeqCst) > 0 {
+        if sleepers.fetch_add(0, SeqCst) > 0 {
             let _g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
             cv.notify_all();
         }
@@ -195,11 +183,16 @@ impl WorkQueue {
 
     /// Takes a copy without waiting.
     pub fn try_pop(&self) -> Option<CmEvent> {
-        let Some(ev) = self.q.pop() else {
-            return self.take_held();
-        };
-        self.wake(&self.sleeping_producers, &self.not_full);
+        let ev = self.q.pop()?;
+        self.room_freed();
         Some(ev)
+    }
+
+    /// After a pop: gives its room back and wakes a producer waiting for
+    /// room.
+    fn room_freed(&self) {
+        self.used.fetch_sub(1, SeqCst);
+        self.wake(&self.sleeping_producers, &self.not_full);
     }
 
     /// Takes a copy, waiting at most `timeout`. `None` on timeout, or at once
@@ -212,12 +205,12 @@ impl WorkQueue {
         let mut g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             self.sleeping_consumers.fetch_add(1, SeqCst);
-            let got = self.q.pop().or_else(|| self.take_held());
+            let got = self.q.pop();
             if got.is_some() || self.closed.load(SeqCst) {
                 self.sleeping_consumers.fetch_sub(1, SeqCst);
                 drop(g);
                 if got.is_some() {
-                    self.wake(&self.sleeping_producers, &self.not_full);
+                    self.room_freed();
                 }
                 return got;
             }
@@ -231,35 +224,66 @@ impl WorkQueue {
         }
     }
 
-    /// Pushes, waiting while the queue is full until there is room or
-    /// `give_up()` says stop; then the copy is handed back.
-    fn push_wait(
-        &self,
-        mut ev: CmEvent,
-        give_up: &dyn Fn() -> bool,
-        full_waits: &AtomicU64,
-    ) -> std::result::Result<(), CmEvent> {
+    /// Reserves room for one copy, without waiting.
+    fn try_reserve(&self) -> bool {
+        let cap = self.q.capacity();
+        self.used.fetch_update(SeqCst, SeqCst, |u| (u < cap).then_some(u + 1)).is_ok()
+    }
+
+    /// Reserves room for one copy, waiting while the queue is full until
+    /// there is room (true) or `give_up()` says stop (false).
+    fn reserve_wait(&self, give_up: &dyn Fn() -> bool, full_waits: &AtomicU64) -> bool {
         loop {
-            match self.q.push(ev) {
-                Ok(()) => {
-                    self.wake(&self.sleeping_consumers, &self.not_empty);
-                    return Ok(());
-                }
-                Err(back) => ev = back,
+            if self.try_reserve() {
+                return true;
             }
             if give_up() {
-                return Err(ev);
+                return false;
             }
             full_waits.fetch_add(1, Relaxed);
             let g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+            // SeqCst, paired with `room_freed`: either the pop's room is
+            // seen below, or the pop sees a sleeper and notifies (under the
+            // lock, which this holds until it waits).
             self.sleeping_producers.fetch_add(1, SeqCst);
-            if self.q.is_full() && !give_up() {
+            // A read-modify-write: the latest count (see `wake`).
+            if self.used.fetch_add(0, SeqCst) >= self.q.capacity() && !give_up() {
                 // Woken by a pop or by stop; the timeout only bounds a missed
                 // stop check, it is not needed for correctness.
                 let _ = self.not_full.wait_timeout(g, Duration::from_millis(100));
             }
             self.sleeping_producers.fetch_sub(1, SeqCst);
         }
+    }
+
+    /// Gives back room reserved for a copy that did not come.
+    fn unreserve(&self) {
+        self.room_freed();
+    }
+
+    /// Queues a copy into room reserved for it.
+    fn push_reserved(&self, ev: CmEvent) {
+        // `used` counts the reserved room, and a pop frees its place in
+        // `q` before it gives room back: `q` has room.
+        let r = self.q.push(ev);
+        debug_assert!(r.is_ok(), "a reserved push always fits");
+        self.wake(&self.sleeping_consumers, &self.not_empty);
+    }
+
+    /// Pushes, waiting while the queue is full until there is room or
+    /// `give_up()` says stop; then the copy is handed back.
+    #[cfg(test)]
+    fn push_wait(
+        &self,
+        ev: CmEvent,
+        give_up: &dyn Fn() -> bool,
+        full_waits: &AtomicU64,
+    ) -> std::result::Result<(), CmEvent> {
+        if !self.reserve_wait(give_up, full_waits) {
+            return Err(ev);
+        }
+        self.push_reserved(ev);
+        Ok(())
     }
 
     /// Marks the queue closed: consumers drain what is queued, then
@@ -279,11 +303,12 @@ pub struct DispatcherStats {
     /// Times the thread woke up with events to take.
     pub wakeups: u64,
     /// Events copied, acked and delivered (handed to the callback, or
-    /// queued; a copy left in the queue at a stop counts: workers get it).
+    /// queued).
     pub events: u64,
     /// Most events taken in one wakeup.
     pub max_batch: u64,
-    /// Times the thread found the work queue full and waited.
+    /// Times the thread found the work queue full and waited (taking no
+    /// event meanwhile).
     pub queue_full_waits: u64,
     /// Times a get was refused for want of storage (the copy limit of
     /// [`super::set_limit`] reached: ENOBUFS; no memory: ENOMEM) and the
@@ -348,13 +373,12 @@ impl Dispatcher {
     /// `queue`, for worker threads to [`WorkQueue::pop_timeout`]. Several
     /// dispatchers (of several channels) may feed one queue. The queue is
     /// closed when the last dispatcher feeding it stops; one started on it
-    /// later opens it again, and first queues the copy a stopped one left
-    /// (see [`Dispatcher::stop`]) unless a worker took it meanwhile.
+    /// later opens it again.
     pub fn with_queue(channel: &EventChannel, queue: Arc<WorkQueue>) -> Result<Dispatcher> {
-        queue.producer_started();
+        let opened = queue.producer_started();
         let d = Self::start(channel, Sink::Queue(queue.clone()), Some(queue.clone()));
         if d.is_err() {
-            queue.producer_stopped();
+            queue.producer_abandoned(opened);
         }
         d
     }
@@ -389,12 +413,10 @@ impl Dispatcher {
     }
 
     /// Stops the thread and waits for it. Events not yet fetched stay in
-    /// the kernel (a new dispatcher or a get on the channel finds them); a
-    /// copy the thread held because the queue was full is left in the
-    /// queue: workers get it after the copies queued before it (it used to
-    /// be dropped, and a CONNECT_REQUEST dropped is a rejected client).
-    /// Returns the thread's error, if it ended on one (e.g. the channel
-    /// failed).
+    /// the kernel (a new dispatcher or a get on the channel finds them; the
+    /// thread takes no event it has no room for, so a full queue leaves
+    /// none in its hands). Returns the thread's error, if it ended on one
+    /// (e.g. the channel failed).
     pub fn stop(mut self) -> Result<()> {
         self.stop_and_join()
     }
@@ -444,76 +466,80 @@ fn wait_for_storage(h: &StopHandle, e: &Error, wait: Duration) -> Duration {
     (wait * 2).min(STORAGE_WAIT_LAST)
 }
 
+/// Ends a dispatcher's feeding of its queue however its thread ends.
+struct Feeding<'a>(&'a WorkQueue);
+
+impl Drop for Feeding<'_> {
+    fn drop(&mut self) {
+        self.0.producer_stopped();
+    }
+}
+
 fn run(ch: EventChannel, mut sink: Sink, h: StopHandle) -> Result<()> {
     let s = &h.shared;
     let stopped = || s.stop.load(SeqCst);
     let mut storage_wait = STORAGE_WAIT_FIRST;
-    let result = (|| {
-        // Copies stopped dispatchers left in the queue go before any event
-        // of ours (they came first).
-        if let Sink::Queue(q) = &sink {
-            while let Some(ev) = q.take_held() {
-                if let Err(ev) = q.push_wait(ev, &stopped, &s.full_waits) {
-                    q.keep_held(ev, true);
-                    return Ok(());
-                }
-            }
+    let queue = match &sink {
+        Sink::Queue(q) => Some(q.clone()),
+        Sink::Callback(_) => None,
+    };
+    let _feeding = queue.as_deref().map(Feeding);
+    while !stopped() {
+        // (An id migrated into the channel wakes it too.)
+        let [_, woken] = ch
+            .inner
+            .poll(h.wake.fd(), Wait::Forever, true)
+            .map_err(|e| Error::new("poll", e.raw_os_error().unwrap_or(libc::EIO)))?;
+        if woken {
+            h.wake.drain();
         }
-        while !stopped() {
-            // (An id migrated into the channel wakes it too.)
-            let [_, woken] = ch
-                .inner
-                .poll(h.wake.fd(), Wait::Forever, true)
-                .map_err(|e| Error::new("poll", e.raw_os_error().unwrap_or(libc::EIO)))?;
-            if woken {
-                h.wake.drain();
-            }
-            let mut batch = 0u64;
-            while batch < DRAIN_PER_WAKEUP as u64 && !stopped() {
-                let ev = match ch.try_get() {
-                    Ok(Some(ev)) => {
-                        storage_wait = STORAGE_WAIT_FIRST;
-                        ev
-                    }
-                    Ok(None) => break,
-                    // No storage for a copy: the event stays in the kernel
-                    // until copies are freed. Any other error ends the thread.
-                    Err(e) if no_storage_yet(&e) => {
-                        storage_wait = wait_for_storage(&h, &e, storage_wait);
+        let mut batch = 0u64;
+        while batch < DRAIN_PER_WAKEUP as u64 && !stopped() {
+            // Room first: an event is taken only when its copy can be
+            // queued, so a stop never leaves one in the thread's hands.
+            if let Some(q) = &queue {
+                if !q.try_reserve() {
+                    s.max_batch.fetch_max(batch, Relaxed);
+                    if !q.reserve_wait(&stopped, &s.full_waits) {
                         break;
                     }
-                    Err(e) => return Err(e),
-                };
-                // Counted as taken, before a full queue may hold the thread
-                // (a stalled dispatcher's figures show what it took).
-                batch += 1;
-                if batch == 1 {
-                    s.wakeups.fetch_add(1, Relaxed);
-                }
-                s.max_batch.fetch_max(batch, Relaxed);
-                match &mut sink {
-                    Sink::Callback(f) => {
-                        s.events.fetch_add(1, Relaxed);
-                        f(ev)
-                    }
-                    Sink::Queue(q) => {
-                        let r = q.push_wait(ev, &stopped, &s.full_waits);
-                        s.events.fetch_add(1, Relaxed);
-                        if let Err(ev) = r {
-                            // Stopping: the workers get it after the queued ones.
-                            q.keep_held(ev, false);
-                            break;
-                        }
-                    }
                 }
             }
+            let ev = match ch.try_get() {
+                Ok(Some(ev)) => {
+                    storage_wait = STORAGE_WAIT_FIRST;
+                    ev
+                }
+                other => {
+                    if let Some(q) = &queue {
+                        q.unreserve();
+                    }
+                    match other {
+                        Ok(_) => break,
+                        // No storage for a copy: the event stays in the
+                        // kernel until copies are freed. Any other error
+                        // ends the thread.
+                        Err(e) if no_storage_yet(&e) => {
+                            storage_wait = wait_for_storage(&h, &e, storage_wait);
+                            break;
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+            };
+            batch += 1;
+            if batch == 1 {
+                s.wakeups.fetch_add(1, Relaxed);
+            }
+            s.events.fetch_add(1, Relaxed);
+            match &mut sink {
+                Sink::Callback(f) => f(ev),
+                Sink::Queue(q) => q.push_reserved(ev),
+            }
         }
-        Ok(())
-    })();
-    if let Sink::Queue(q) = &sink {
-        q.producer_stopped();
+        s.max_batch.fetch_max(batch, Relaxed);
     }
-    result
+    Ok(())
 }
 
 #[cfg(test)]
@@ -552,6 +578,26 @@ mod tests {
         assert_eq!(q.pop_timeout(Duration::from_millis(10)).map(|e| e.status()), None);
         q.close();
         assert!(q.pop_timeout(Duration::from_secs(30)).is_none(), "closed and empty returns at once");
+    }
+
+    /// The last dispatcher feeding a queue closes it, the next opens it
+    /// again; one that never started leaves the queue as it found it.
+    #[test]
+    fn the_last_producer_closes_the_queue_and_the_next_opens_it() {
+        let q = WorkQueue::new(1);
+        let closed = || q.closed.load(SeqCst);
+        assert!(!q.producer_started() && !q.producer_started(), "a new queue is open");
+        q.producer_stopped();
+        assert!(!closed(), "one producer still feeds it");
+        q.producer_stopped();
+        assert!(closed(), "the last one stopped");
+        assert!(q.producer_started() && !closed(), "reopened");
+        q.producer_abandoned(true);
+        assert!(closed(), "closed again: its opener never started");
+        let fresh = WorkQueue::new(1);
+        let opened = fresh.producer_started();
+        fresh.producer_abandoned(opened);
+        assert!(!fresh.closed.load(SeqCst), "a queue open before stays open");
     }
 
     #[test]
@@ -611,6 +657,20 @@ mod loom_tests {
             let b = q.pop_timeout(Duration::from_secs(3600)).map(|e| e.status());
             assert!(t.join().unwrap());
             assert_eq!((a, b), (Some(1), Some(2)));
+        });
+    }
+
+    /// Room reserved and given back (the channel had no event for it)
+    /// wakes a producer waiting for room.
+    #[test]
+    fn room_given_back_wakes_a_waiting_producer() {
+        loom::model(|| {
+            let q = WorkQueue::new(1);
+            assert!(q.try_reserve());
+            let q2 = q.clone();
+            let t = loom::thread::spawn(move || q2.reserve_wait(&|| false, &AtomicU64::new(0)));
+            q.unreserve();
+            assert!(t.join().unwrap());
         });
     }
 

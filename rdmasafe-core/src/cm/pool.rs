@@ -991,16 +991,29 @@ fn reaper() -> &'static Reaper {
     unsafe { &*p }
 }
 
+impl Reaper {
+    /// All zeros: not started, not idle, no thread (what a wiped page
+    /// reads as).
+    const fn zero() -> Reaper {
+        Reaper { state: AtomicU64::new(0), idle: AtomicBool::new(false), thread: AtomicPtr::new(std::ptr::null_mut()) }
+    }
+
+    /// Back to [`Reaper::zero`]. Atomic stores only: async-signal-safe.
+    fn reset(&self) {
+        let Reaper { state, idle, thread } = self;
+        state.store(0, Relaxed);
+        idle.store(false, Relaxed);
+        thread.store(std::ptr::null_mut(), Relaxed);
+    }
+}
+
 /// The reaper where no wipe-on-fork page can be made.
-static FALLBACK_REAPER: Reaper =
-    Reaper { state: AtomicU64::new(0), idle: AtomicBool::new(false), thread: AtomicPtr::new(std::ptr::null_mut()) };
+static FALLBACK_REAPER: Reaper = Reaper::zero();
 
 /// In a child of `fork()`: [`FALLBACK_REAPER`] as a wiped page would be
-/// (its thread was not forked). Atomic stores only: async-signal-safe.
+/// (its thread was not forked).
 unsafe extern "C" fn fallback_reaper_forked() {
-    FALLBACK_REAPER.state.store(NOT_STARTED, Relaxed);
-    FALLBACK_REAPER.idle.store(false, Relaxed);
-    FALLBACK_REAPER.thread.store(std::ptr::null_mut(), Relaxed);
+    FALLBACK_REAPER.reset();
 }
 
 #[cold]
@@ -1012,7 +1025,9 @@ fn init_reaper(r: &AtomicPtr<Reaper>) -> &'static Reaper {
             // Registered once: only the first call gets here (the pointer
             // set below is never null again), or racing first calls (a
             // second registration resets the same zeros again).
-            if !sys::at_fork_child(fallback_reaper_forked) {
+            if sys::at_fork_child(fallback_reaper_forked) {
+                log::debug!(target: "rdmasafe", "no wipe-on-fork page: a fork handler resets the CM ack thread's state");
+            } else {
                 log::warn!(target: "rdmasafe", "no wipe-on-fork page, no fork handler: a forked child keeps no CM ack deadlines");
             }
             std::ptr::from_ref(&FALLBACK_REAPER).cast_mut()

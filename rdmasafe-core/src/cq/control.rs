@@ -14,8 +14,8 @@
 //! * from any other thread: queued, the loop is woken (its fd becomes
 //!   readable), and for a removal or a drain the caller waits until the
 //!   command is done (an add returns once it is queued: it cannot fail
-//!   then, and the loop applies it before its next cycle, in order with
-//!   the other changes). If nobody
+//!   then, unless the loop is dropped first, and the loop applies it
+//!   before its next cycle, in order with the other changes). If nobody
 //!   drives the loop, the caller takes the state and applies the command
 //!   itself (for a drain: runs the loop until it is done, or until a thread
 //!   wants to run it: then it hands the loop over after its current cycle
@@ -52,10 +52,10 @@ use crate::{Error, Result};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Outcome {
     /// Done when the call returned; for an add from another thread while
-    /// a thread drives the loop: queued, which it cannot fail once it is
-    /// (the loop applies it before its next cycle, after the changes
-    /// queued before it and before those queued after it: the loop's
-    /// figures count it from then on).
+    /// a thread drives the loop: queued, which it cannot fail once it is,
+    /// unless the loop is dropped first (the loop applies it before its
+    /// next cycle, after the changes queued before it and before those
+    /// queued after it: the loop's figures count it from then on).
     Done,
     /// Requested from inside one of the loop's handlers: done as soon as
     /// that handler returns, before the loop calls any other handler (the

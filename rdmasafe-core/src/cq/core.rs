@@ -376,7 +376,6 @@ impl Core {
     pub(super) fn read_events(&mut self, ctl: &LoopControl) -> Result<usize> {
         let sh = &*ctl.0;
         let mut read = 0;
-        debug_assert!(!self.shut, "the channel may be gone once the loop is torn down");
         loop {
             // Each arm raises at most one event: once every armed CQ has
             // fired, the read could only say EAGAIN.
@@ -760,8 +759,14 @@ impl Core {
         self.keepalives.park_all();
         self.keepalives = Keepalives::default();
         let _ = sys::set_fd_flags(self.chan.fd(), self.orig_flags);
-        // Last use of the channel (`shut` bars every other): a control the
-        // app keeps must not keep the device context open.
+    }
+
+    /// After [`Core::shutdown`] and once the loop's claims are released
+    /// (no new loop on a channel at the same address is refused meanwhile):
+    /// lets go of the channel, so that a control the app keeps does not
+    /// keep the device context open.
+    pub(super) fn release_channel(&mut self) {
+        debug_assert!(self.shut);
         self.chan.release();
     }
 }

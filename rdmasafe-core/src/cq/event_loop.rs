@@ -557,6 +557,7 @@ impl Drop for CqLoop {
         // blocked in a change are woken (they see ECANCELED).
         drop(Held::new(&self.sh, c, self.control()));
         registry::release_loop(self.sh.id);
+        self.sh.core.lock().unwrap_or_else(|e| e.into_inner()).release_channel();
     }
 }
 

@@ -98,6 +98,8 @@ impl CqEvent {
 pub(crate) struct LiveChannel {
     raw: NonNull<ibv_comp_channel>,
     keep: Option<CompChannel>,
+    /// Let go of ([`LiveChannel::release`]): `raw` may be freed.
+    released: bool,
 }
 
 // SAFETY: channel calls may come from any thread.
@@ -108,7 +110,11 @@ unsafe impl Sync for LiveChannel {}
 impl LiveChannel {
     /// A channel the loop keeps alive itself.
     pub(crate) fn owned(ch: &CompChannel) -> LiveChannel {
-        LiveChannel { raw: NonNull::new(ch.raw()).expect("a CompChannel is never NULL"), keep: Some(ch.clone()) }
+        LiveChannel {
+            raw: NonNull::new(ch.raw()).expect("a CompChannel is never NULL"),
+            keep: Some(ch.clone()),
+            released: false,
+        }
     }
 
     /// A channel the app owns (the C API).
@@ -116,7 +122,7 @@ impl LiveChannel {
     /// # Safety
     /// `raw` must be a live completion channel that outlives the value.
     pub(crate) unsafe fn borrowed(raw: NonNull<ibv_comp_channel>) -> LiveChannel {
-        LiveChannel { raw, keep: None }
+        LiveChannel { raw, keep: None, released: false }
     }
 
     pub(crate) fn addr(&self) -> usize {
@@ -127,13 +133,18 @@ impl LiveChannel {
     /// device context: the loop is torn down ([`super::core::Core::shutdown`]),
     /// but a `LoopControl` may keep the loop's shared state (and this)
     /// for long after, and an open context keeps the device from being
-    /// removed. Nothing may use the value afterwards but [`Self::addr`].
+    /// removed. Afterwards the value reads nothing: [`Self::fd`] is -1 and
+    /// [`Self::get_event`] finds no event.
     pub(crate) fn release(&mut self) {
         self.keep = None;
+        self.released = true;
     }
 
     pub(crate) fn fd(&self) -> i32 {
-        // SAFETY: live channel; a plain field read.
+        if self.released {
+            return -1;
+        }
+        // SAFETY: live channel (not released); a plain field read.
         unsafe { (*self.raw.as_ptr()).fd }
     }
 
@@ -145,10 +156,14 @@ impl LiveChannel {
     /// Reads one CQ event (the fd is non-blocking): `None` when none is
     /// ready. EINTR is retried.
     pub(crate) fn get_event(&self) -> Result<Option<CqEvent>> {
+        if self.released {
+            return Ok(None);
+        }
         loop {
             let mut cq = std::ptr::null_mut();
             let mut ctx = std::ptr::null_mut();
-            // SAFETY: live channel; out-pointers valid for the call.
+            // SAFETY: live channel (not released); out-pointers valid for
+            // the call.
             if unsafe { sys::ibv_get_cq_event(self.raw.as_ptr(), &mut cq, &mut ctx) } == 0 {
                 return Ok(NonNull::new(cq).map(CqEvent));
             }
