@@ -352,6 +352,18 @@ fn misuse_gives_errors() {
     assert_eq!(CqLoop::new(&chan, bad).err().unwrap().errno(), libc::EINVAL);
 }
 
+/// A loop with a 20 ms watchdog and one CQ (no QP: no completion ever
+/// comes), and what keeps its device alive.
+fn loop_with_watchdog(addr: std::net::IpAddr) -> (CqLoop, (DeviceContext, EventChannel)) {
+    let (ctx, keep) = device(addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let cq = Cq::new(&ctx, 4, Some(&chan)).unwrap();
+    let opts = LoopOptions { watchdog: Some(Duration::from_millis(20)), ..Default::default() };
+    let lp = CqLoop::new(&chan, opts).unwrap();
+    lp.add_cq(&cq, |_, _| {}).unwrap();
+    (lp, (ctx, keep))
+}
+
 /// With outstanding work reported and no event within the watchdog time,
 /// the loop polls anyway (and counts it), once per quiet watchdog time,
 /// within one `process_once` (its polls deliver nothing, so the call waits
@@ -359,12 +371,7 @@ fn misuse_gives_errors() {
 #[test]
 fn watchdog_polls_when_work_is_outstanding() {
     let bed = common::bed();
-    let (ctx, _keep) = device(bed.addr);
-    let chan = CompChannel::new(&ctx).unwrap();
-    let cq = Cq::new(&ctx, 4, Some(&chan)).unwrap();
-    let opts = LoopOptions { watchdog: Some(Duration::from_millis(20)), ..Default::default() };
-    let lp = CqLoop::new(&chan, opts).unwrap();
-    lp.add_cq(&cq, |_, _| {}).unwrap();
+    let (lp, _keep) = loop_with_watchdog(bed.addr);
     lp.process_once(Wait::For(Duration::from_millis(100))).unwrap();
     assert_eq!(lp.stats().watchdog_polls, 0, "no outstanding work: no watchdog poll");
     lp.control().set_outstanding(3);
@@ -391,12 +398,7 @@ fn outstanding_work_reported_to_an_idle_loop_starts_its_watchdog() {
     use std::os::fd::AsRawFd;
     let bed = common::bed();
     let _dog = common::watchdog("watchdog started by set_outstanding", Duration::from_secs(120));
-    let (ctx, _keep) = device(bed.addr);
-    let chan = CompChannel::new(&ctx).unwrap();
-    let cq = Cq::new(&ctx, 4, Some(&chan)).unwrap();
-    let opts = LoopOptions { watchdog: Some(Duration::from_millis(20)), ..Default::default() };
-    let lp = CqLoop::new(&chan, opts).unwrap();
-    lp.add_cq(&cq, |_, _| {}).unwrap();
+    let (lp, _keep) = loop_with_watchdog(bed.addr);
     lp.process_once(Wait::None).unwrap(); // arms the CQ: idle from here
     assert_eq!(lp.next_timeout(), None, "idle with nothing outstanding: no deadline");
     let readable = |ms: i32| {
