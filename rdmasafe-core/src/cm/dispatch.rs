@@ -103,9 +103,11 @@ pub struct WorkQueue {
     /// event: at most the capacity, so a reserved push always fits (a pop
     /// frees its place in `q` before it gives the room back here).
     used: AtomicUsize,
-    /// Dispatchers feeding the queue now: the last to stop closes it, the
-    /// first to start opens it (again).
-    producers: Mutex<usize>,
+    /// Dispatchers feeding the queue now (the last to stop closes it, the
+    /// first to start opens it again), and whether one stopped while
+    /// another was still counted (one that then fails to start closes it,
+    /// as the stop would have).
+    producers: Mutex<(usize, bool)>,
 }
 
 impl WorkQueue {
@@ -120,7 +122,7 @@ impl WorkQueue {
             sleeping_producers: AtomicUsize::new(0),
             closed: AtomicBool::new(false),
             used: AtomicUsize::new(0),
-            producers: Mutex::new(0),
+            producers: Mutex::new((0, false)),
         })
     }
 
@@ -142,28 +144,35 @@ impl WorkQueue {
     /// A dispatcher starts feeding the queue: opens it if it was closed
     /// (true then).
     fn producer_started(&self) -> bool {
-        let mut n = self.producers.lock().unwrap_or_else(|e| e.into_inner());
-        *n += 1;
-        *n == 1 && self.closed.swap(false, SeqCst)
+        let mut p = self.producers.lock().unwrap_or_else(|e| e.into_inner());
+        p.0 += 1;
+        if p.0 == 1 {
+            p.1 = false;
+            return self.closed.swap(false, SeqCst);
+        }
+        false
     }
 
     /// A dispatcher stopped feeding the queue: the last one closes it.
+    /// (The count's lock is held across the close: a dispatcher starting
+    /// meanwhile opens the queue after it, never before.)
     fn producer_stopped(&self) {
-        let mut n = self.producers.lock().unwrap_or_else(|e| e.into_inner());
-        *n -= 1;
-        if *n == 0 {
-            drop(n);
+        let mut p = self.producers.lock().unwrap_or_else(|e| e.into_inner());
+        p.0 -= 1;
+        if p.0 == 0 {
             self.close();
+        } else {
+            p.1 = true;
         }
     }
 
     /// A dispatcher that never started: as if it had not come (a queue it
-    /// opened is closed again; one that was open stays open).
+    /// opened, or one whose last feeder stopped meanwhile, is closed; one
+    /// that was open stays open).
     fn producer_abandoned(&self, opened: bool) {
-        let mut n = self.producers.lock().unwrap_or_else(|e| e.into_inner());
-        *n -= 1;
-        if *n == 0 && opened {
-            drop(n);
+        let mut p = self.producers.lock().unwrap_or_else(|e| e.into_inner());
+        p.0 -= 1;
+        if p.0 == 0 && (opened || p.1) {
             self.close();
         }
     }
@@ -231,8 +240,10 @@ impl WorkQueue {
     }
 
     /// Reserves room for one copy, waiting while the queue is full until
-    /// there is room (true) or `give_up()` says stop (false).
+    /// there is room (true) or `give_up()` says stop (false). A wait is
+    /// counted in `full_waits` once.
     fn reserve_wait(&self, give_up: &dyn Fn() -> bool, full_waits: &AtomicU64) -> bool {
+        let mut counted = false;
         loop {
             if self.try_reserve() {
                 return true;
@@ -240,7 +251,10 @@ impl WorkQueue {
             if give_up() {
                 return false;
             }
-            full_waits.fetch_add(1, Relaxed);
+            if !counted {
+                full_waits.fetch_add(1, Relaxed);
+                counted = true;
+            }
             let g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
             // SeqCst, paired with `room_freed`: either the pop's room is
             // seen below, or the pop sees a sleeper and notifies (under the
@@ -264,9 +278,14 @@ impl WorkQueue {
     /// Queues a copy into room reserved for it.
     fn push_reserved(&self, ev: CmEvent) {
         // `used` counts the reserved room, and a pop frees its place in
-        // `q` before it gives room back: `q` has room.
-        let r = self.q.push(ev);
-        debug_assert!(r.is_ok(), "a reserved push always fits");
+        // `q` before it gives room back: `q` has room. Were it ever not so,
+        // the copy is kept (it is acked already) until a pop makes room.
+        let mut ev = ev;
+        while let Err(back) = self.q.push(ev) {
+            debug_assert!(false, "a reserved push always fits");
+            ev = back;
+            std::thread::yield_now();
+        }
         self.wake(&self.sleeping_consumers, &self.not_empty);
     }
 
@@ -308,7 +327,8 @@ pub struct DispatcherStats {
     /// Most events taken in one wakeup.
     pub max_batch: u64,
     /// Times the thread found the work queue full and waited (taking no
-    /// event meanwhile).
+    /// event meanwhile; room is reserved before the channel is read, so a
+    /// wait may come with no event pending).
     pub queue_full_waits: u64,
     /// Times a get was refused for want of storage (the copy limit of
     /// [`super::set_limit`] reached: ENOBUFS; no memory: ENOMEM) and the
@@ -361,7 +381,9 @@ pub struct Dispatcher {
 
 impl Dispatcher {
     /// Starts a thread that calls `f` with every event copy of `channel`, in
-    /// order. A slow `f` delays later gets but never an ack.
+    /// order. A slow `f` delays later gets but never an ack. An `f` that
+    /// panics ends the thread (later events wait in the kernel, and
+    /// [`Dispatcher::stop`] returns the error).
     pub fn with_callback<F>(channel: &EventChannel, f: F) -> Result<Dispatcher>
     where
         F: FnMut(CmEvent) + Send + 'static,
@@ -598,6 +620,14 @@ mod tests {
         let opened = fresh.producer_started();
         fresh.producer_abandoned(opened);
         assert!(!fresh.closed.load(SeqCst), "a queue open before stays open");
+        // A runs; B counts itself in; A stops; B fails to start: closed,
+        // as A's stop would have closed it without B.
+        assert!(!fresh.producer_started());
+        let opened = fresh.producer_started();
+        fresh.producer_stopped();
+        assert!(!fresh.closed.load(SeqCst), "B still counted");
+        fresh.producer_abandoned(opened);
+        assert!(fresh.closed.load(SeqCst), "nobody feeds it: closed");
     }
 
     #[test]
