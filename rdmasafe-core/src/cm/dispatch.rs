@@ -193,13 +193,13 @@ impl WorkQueue {
     /// Takes a copy without waiting.
     pub fn try_pop(&self) -> Option<CmEvent> {
         let ev = self.q.pop()?;
-        self.room_freed();
+        self.give_room_back();
         Some(ev)
     }
 
-    /// After a pop: gives its room back and wakes a producer waiting for
-    /// room.
-    fn room_freed(&self) {
+    /// Gives back the room of a copy popped (or of one reserved that did
+    /// not come) and wakes a producer waiting for room.
+    fn give_room_back(&self) {
         self.used.fetch_sub(1, SeqCst);
         self.wake(&self.sleeping_producers, &self.not_full);
     }
@@ -219,7 +219,7 @@ impl WorkQueue {
                 self.sleeping_consumers.fetch_sub(1, SeqCst);
                 drop(g);
                 if got.is_some() {
-                    self.room_freed();
+                    self.give_room_back();
                 }
                 return got;
             }
@@ -256,7 +256,7 @@ impl WorkQueue {
                 counted = true;
             }
             let g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
-            // SeqCst, paired with `room_freed`: either the pop's room is
+            // SeqCst, paired with `give_room_back`: either the pop's room is
             // seen below, or the pop sees a sleeper and notifies (under the
             // lock, which this holds until it waits).
             self.sleeping_producers.fetch_add(1, SeqCst);
@@ -268,11 +268,6 @@ impl WorkQueue {
             }
             self.sleeping_producers.fetch_sub(1, SeqCst);
         }
-    }
-
-    /// Gives back room reserved for a copy that did not come.
-    fn unreserve(&self) {
-        self.room_freed();
     }
 
     /// Queues a copy into room reserved for it.
@@ -534,7 +529,7 @@ fn run(ch: EventChannel, mut sink: Sink, h: StopHandle) -> Result<()> {
                 }
                 other => {
                     if let Some(q) = &queue {
-                        q.unreserve();
+                        q.give_room_back();
                     }
                     match other {
                         Ok(_) => break,
@@ -699,7 +694,7 @@ mod loom_tests {
             assert!(q.try_reserve());
             let q2 = q.clone();
             let t = loom::thread::spawn(move || q2.reserve_wait(&|| false, &AtomicU64::new(0)));
-            q.unreserve();
+            q.give_room_back();
             assert!(t.join().unwrap());
         });
     }

@@ -34,7 +34,7 @@
 
 use std::cell::{OnceCell, UnsafeCell};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering::*};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
@@ -960,11 +960,8 @@ fn held_originals() -> u64 {
 /// zeros: the same for a child of `fork()` (one made by the raw system
 /// call runs no handler, and keeps no deadlines).
 struct Reaper {
-    /// [`NOT_STARTED`], [`RUNNING`], or [`STARTING`] with the starting
-    /// process's pid in the bits above the low 8 (a fork while a thread
-    /// starts it, with the state in the static: the child sees another
-    /// pid's start, which no thread of its own will finish).
-    state: AtomicU64,
+    /// [`NOT_STARTED`], [`STARTING`] or [`RUNNING`].
+    state: AtomicU8,
     /// The thread parks until a get holds an original.
     idle: AtomicBool,
     /// The running thread's handle (stored by the thread, leaked: one per
@@ -972,9 +969,9 @@ struct Reaper {
     thread: AtomicPtr<std::thread::Thread>,
 }
 
-const NOT_STARTED: u64 = 0;
-const STARTING: u64 = 1;
-const RUNNING: u64 = 2;
+const NOT_STARTED: u8 = 0;
+const STARTING: u8 = 1;
+const RUNNING: u8 = 2;
 
 /// Scans with nothing held before the reaper goes idle.
 const IDLE_SCANS: u32 = 8;
@@ -995,7 +992,7 @@ impl Reaper {
     /// All zeros: not started, not idle, no thread (what a wiped page
     /// reads as).
     const fn zero() -> Reaper {
-        Reaper { state: AtomicU64::new(0), idle: AtomicBool::new(false), thread: AtomicPtr::new(std::ptr::null_mut()) }
+        Reaper { state: AtomicU8::new(0), idle: AtomicBool::new(false), thread: AtomicPtr::new(std::ptr::null_mut()) }
     }
 
     /// Back to [`Reaper::zero`]. Atomic stores only: async-signal-safe.
@@ -1079,19 +1076,15 @@ impl Reaper {
 
     #[cold]
     fn start(&'static self) -> crate::Result<()> {
-        let me = (std::process::id() as u64) << 8 | STARTING;
         loop {
-            match self.state.compare_exchange(NOT_STARTED, me, Acquire, Acquire) {
+            match self.state.compare_exchange(NOT_STARTED, STARTING, Acquire, Acquire) {
                 Ok(_) => break,
                 Err(RUNNING) => return Ok(()),
-                // Another get of this process is starting it: wait for the
-                // outcome (a sleep, not a spin: the starter may have a
-                // lower priority).
-                Err(s) if s == me => std::thread::sleep(Duration::from_millis(1)),
-                // A start of the parent's, cut off by a fork: none here.
-                Err(s) => {
-                    let _ = self.state.compare_exchange(s, NOT_STARTED, AcqRel, Acquire);
-                }
+                // Another get is starting it: wait for the outcome (a sleep,
+                // not a spin: the starter may have a lower priority). A start
+                // cut off by a fork is not seen here: the child's state is
+                // wiped (or reset by the fork handler).
+                Err(_) => std::thread::sleep(Duration::from_millis(1)),
             }
         }
         match std::thread::Builder::new().name("rdmasafe-ack".into()).spawn(move || self.run()) {
