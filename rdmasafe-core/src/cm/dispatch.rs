@@ -14,6 +14,10 @@
 //!   [`super::set_limit`] is reached, or memory is short): the thread
 //!   waits for copies to be freed, retrying every few milliseconds
 //!   ([`DispatcherStats::storage_waits`]), and goes on.
+//! * Order: the callback sees a channel's events in the channel's order;
+//!   so does a single worker of a [`WorkQueue`], but several workers of one
+//!   queue may handle one id's events concurrently or out of order (see
+//!   [`WorkQueue`]).
 //! * Stop is prompt: the thread waits in poll() on the channel fd and an
 //!   eventfd, and [`Dispatcher::stop`] (or a [`StopHandle`], also usable
 //!   from inside the callback) writes the eventfd. (It watches the
@@ -91,6 +95,15 @@ const DRAIN_PER_WAKEUP: usize = 64;
 /// to sleep on an empty (consumer) or full (producer) queue and to wake it.
 /// A dispatcher reserves room before it takes an event from its channel,
 /// so it never holds a copy it cannot queue.
+///
+/// Order: the queue is FIFO, and one dispatcher pushes a channel's copies
+/// in the channel's order, so a single worker sees them in that order.
+/// Several workers popping one queue do not: two copies of one id (its
+/// ESTABLISHED and its DISCONNECTED, say) may be handled at the same time,
+/// or the later one first. A handler that needs one connection's events in
+/// order serializes them itself: one worker (or one queue per worker) per
+/// connection, routed by the copy's id or context, or a per-connection lock
+/// and sequence.
 pub struct WorkQueue {
     q: ArrayQueue<CmEvent>,
     lock: Mutex<()>,
