@@ -285,6 +285,44 @@ fn dropping_a_listener_with_a_request_queued_rejects_the_client() {
     assert_eq!(ev.event_type(), E::REJECTED);
 }
 
+/// What `CmId::migrate`'s docs say of a listening id: a connect request
+/// still queued for it when it moves is lost. The kernel moves the request
+/// to the new channel (its fd turns readable), but librdmacm's get there
+/// consumes it and reports nothing; the listener itself keeps working on
+/// the new channel.
+#[test]
+fn migrating_a_listener_with_a_request_queued_loses_the_request() {
+    let bed = common::bed();
+    let _dog = common::watchdog("listener migrated with a request queued", Duration::from_secs(180));
+    let mut l = listen(bed.addr, PortSpace::Tcp, 8);
+    let cch = EventChannel::new().unwrap();
+    let mut first = resolved(&cch, PortSpace::Tcp, bed.addr, l.port);
+    add_qp(&mut first, false);
+    first.connect(&params(b"queued when the listener moves")).unwrap();
+    let readable = |ch: &EventChannel, wait: sys::Wait| {
+        let [r] = sys::poll_readable([std::os::fd::AsRawFd::as_raw_fd(ch)], wait).unwrap();
+        r
+    };
+    assert!(readable(&l.ch, sys::Wait::For(common::cm::STEP)), "the request reached the listener's channel");
+    let b = EventChannel::new().unwrap();
+    l.id.migrate(&b).expect("migrate the listener");
+    assert!(!readable(&l.ch, sys::Wait::None), "the request left the old channel");
+    assert!(readable(&b, sys::Wait::None), "the kernel moved the request to the new channel");
+    let got = b.try_get().expect("a get on the new channel");
+    assert!(got.is_none(), "the moved request was reported: {:?}", got.map(|e| e.event_type()));
+    assert!(!readable(&b, sys::Wait::None), "the get consumed the moved request");
+
+    // The listener works on its new channel.
+    let mut second = resolved(&cch, PortSpace::Tcp, bed.addr, l.port);
+    add_qp(&mut second, false);
+    second.connect(&params(b"after the move")).unwrap();
+    let req = expect(&b, E::CONNECT_REQUEST);
+    assert_eq!(req.listen_token(), Some(l.id.token()));
+    assert_data(req.private_data(), b"after the move", "the second request");
+    println!("first client so far: {:?}", cch.try_get().unwrap().map(|e| (e.event_type(), e.status())));
+    drop((req, second, first, l, b));
+}
+
 /// The dispatcher thread waits in poll() on the channel and a wakeup fd:
 /// stop returns promptly when idle, and a stop requested from inside the
 /// callback ends the thread after that callback.
