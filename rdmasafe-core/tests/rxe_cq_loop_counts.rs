@@ -23,7 +23,7 @@ use common::rc::{rc_pair, RcPair, SLOT};
 use rdmasafe_core::cm::{EventChannel, PortSpace};
 use rdmasafe_core::cq::{CqLoop, LoopOptions, LoopStats, Mode};
 use rdmasafe_core::sys::{self, Wait};
-use rdmasafe_core::verbs::{empty_wc, CompChannel, DeviceContext, WcStatus};
+use rdmasafe_core::verbs::{empty_wc, CompChannel, Cq, DeviceContext, WcStatus};
 
 thread_local! {
     static CLOCK_READS: Cell<u64> = const { Cell::new(0) };
@@ -113,6 +113,7 @@ fn one_message(p: &RcPair, seq: u64) {
 /// channel and device.
 struct Armed {
     lp: CqLoop,
+    _quiet: Vec<Cq>,
     p: Arc<RcPair>,
     chan: CompChannel,
     _keep: EventChannel,
@@ -120,7 +121,8 @@ struct Armed {
     _dog: common::Watchdog,
 }
 
-fn armed(what: &'static str) -> Armed {
+/// With `idle` more CQs on the channel and the loop (armed, never firing).
+fn armed(what: &'static str, idle: usize) -> Armed {
     let bed = common::bed();
     let _dog = common::watchdog(what, Duration::from_secs(240));
     let (ctx, _keep) = device(bed.addr);
@@ -128,8 +130,12 @@ fn armed(what: &'static str) -> Armed {
     let p = Arc::new(rc_pair(bed.addr, &chan, false, 8));
     let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
     lp.add_cq(&p.server_cq, |_, _| {}).unwrap();
-    assert_eq!(lp.process_once(Wait::None).unwrap(), 0, "arms the new CQ");
-    Armed { lp, p, chan, _keep, _ctx: ctx, _dog }
+    let quiet: Vec<Cq> = (0..idle).map(|_| Cq::new(&ctx, 4, Some(&chan)).unwrap()).collect();
+    for cq in &quiet {
+        lp.add_cq(cq, |_, _| panic!("an idle CQ completed")).unwrap();
+    }
+    assert_eq!(lp.process_once(Wait::None).unwrap(), 0, "arms the new CQs");
+    Armed { lp, _quiet: quiet, p, chan, _keep, _ctx: ctx, _dog }
 }
 
 /// A peer on its own thread: the returned function has it send one
@@ -166,8 +172,25 @@ fn counted(lp: &CqLoop, wait: Wait) -> (usize, LoopStats, LoopStats, u64) {
 /// timing statistics off (the default) no clock read at all.
 #[test]
 fn an_event_already_pending_is_read_without_sleeping() {
+    pending_wakeups("pending event", 0, 40);
+}
+
+/// The same with idle CQs on the channel beside the one that fires (armed,
+/// never firing: an MPI rank's or a server's quiet connections): still one
+/// read per wakeup, as the hand-written loop's. A read that found an event
+/// used to read on until EAGAIN whenever another CQ was armed, one empty
+/// read per wakeup; it now reads on only while such reads found more,
+/// probing with the same back-off as reading first.
+#[test]
+fn idle_cqs_on_the_channel_add_no_read_to_a_wakeup() {
+    pending_wakeups("pending event beside idle CQs", 63, 200);
+}
+
+/// `K` wakeups, each with the server CQ's event already in the channel,
+/// on a loop that also holds `idle` armed CQs of the same channel.
+fn pending_wakeups(what: &'static str, idle: usize, k: u64) {
     let bed = common::bed();
-    let _dog = common::watchdog("pending event", Duration::from_secs(180));
+    let _dog = common::watchdog(what, Duration::from_secs(240));
     let (ctx, _keep) = device(bed.addr);
     let chan = CompChannel::new(&ctx).unwrap();
     let p = rc_pair(bed.addr, &chan, false, 8);
@@ -179,11 +202,14 @@ fn an_event_already_pending_is_read_without_sleeping() {
         g.fetch_add(wcs.len() as u64, SeqCst);
     })
     .unwrap();
-    assert_eq!(lp.process_once(Wait::None).unwrap(), 0, "arms the new CQ");
+    let quiet: Vec<Cq> = (0..idle).map(|_| Cq::new(&ctx, 4, Some(&chan)).unwrap()).collect();
+    for cq in &quiet {
+        lp.add_cq(cq, |_, _| panic!("an idle CQ completed")).unwrap();
+    }
+    assert_eq!(lp.process_once(Wait::None).unwrap(), 0, "arms the new CQs");
     const WARM: u64 = 4;
-    const K: u64 = 40;
     let (mut sleeps, mut reads, mut clocks) = (0, 0, 0);
-    for seq in 0..WARM + K {
+    for seq in 0..WARM + k {
         one_message(&p, seq);
         // The CQ was armed: its event is in the channel (the test's own
         // poll on the channel fd, which reads nothing).
@@ -197,17 +223,25 @@ fn an_event_already_pending_is_read_without_sleeping() {
             clocks += c;
         }
     }
-    assert_eq!(got.load(SeqCst), WARM + K);
+    assert_eq!(got.load(SeqCst), WARM + k);
     let s = lp.stats();
     println!(
-        "{K} wakeups with the event pending: {sleeps} epoll_wait, {reads} channel reads, {clocks} clock reads; \
-         whole run: {} sleeps, {} reads ({} empty)",
+        "{k} wakeups with the event pending, {idle} idle CQs: {sleeps} epoll_wait, {reads} channel reads, \
+         {clocks} clock reads; whole run: {} sleeps, {} reads ({} empty)",
         s.sleeps, s.channel_reads, s.channel_reads_empty
     );
     assert_eq!(sleeps, 0, "no epoll_wait while an event is pending");
-    assert_eq!(reads, K, "one read per wakeup, as ibv_get_cq_event");
+    if idle == 0 {
+        assert_eq!(reads, k, "one read per wakeup, as ibv_get_cq_event");
+    } else {
+        // Each arm raises one event: with one CQ firing, a read after its
+        // event finds nothing. The probes back off to one per 64 wakeups.
+        assert!(reads <= k + 2 + 6 + k / 64, "{reads} reads in {k} wakeups: one each, plus a few probes");
+    }
     assert_eq!(clocks, 0, "no clock read with timing statistics off");
     assert_eq!(s.longest_handler_ns, 0, "nothing timed");
+    drop(lp);
+    drop(quiet);
 }
 
 /// The loop must sleep on every wakeup (the peer sends only once the loop
@@ -216,7 +250,19 @@ fn an_event_already_pending_is_read_without_sleeping() {
 /// to be pending again; no clock read with timing off.
 #[test]
 fn a_wakeup_that_must_sleep_costs_one_call_more() {
-    let set = armed("must sleep");
+    must_sleep("must sleep", 0);
+}
+
+/// The same beside idle CQs on the channel: the read after the sleep finds
+/// the one event, and the loop does not read on for another (it used to,
+/// one EAGAIN per wakeup, whenever another CQ was armed).
+#[test]
+fn a_wakeup_that_must_sleep_beside_idle_cqs_costs_one_call_more() {
+    must_sleep("must sleep beside idle CQs", 63);
+}
+
+fn must_sleep(what: &'static str, idle: usize) {
+    let set = armed(what, idle);
     let (lp, p) = (&set.lp, &set.p);
     // Right before each sleep the hook has the peer send one message.
     let (mut send, sender) = peer(p);
@@ -238,11 +284,17 @@ fn a_wakeup_that_must_sleep_costs_one_call_more() {
     // The hook goes, and with it the peer's channel: its thread ends.
     lp.set_before_sleep_hook(None);
     sender.join().unwrap();
-    println!("{K} wakeups that had to sleep: {sleeps} epoll_wait, {reads} channel reads ({empty} EAGAIN), {clocks} clock reads");
+    println!(
+        "{K} wakeups that had to sleep, {idle} idle CQs: {sleeps} epoll_wait, {reads} channel reads ({empty} EAGAIN), \
+         {clocks} clock reads"
+    );
     assert_eq!(sleeps, K, "one epoll_wait per wakeup");
     assert_eq!(reads, K + empty, "one read per wakeup, plus the probes");
-    // Probes back off: after the first misses, one per 64 sleeps at most.
-    assert!(empty <= 2 + 6 + K / 64, "{empty} probing reads in {K} sleeps");
+    // Probes back off: after the first misses, one per 64 sleeps at most
+    // (reading first before a sleep; and, beside idle CQs, reading on
+    // after the event: the same back-off).
+    let probes = if idle == 0 { 1 } else { 2 };
+    assert!(empty <= probes * (2 + 6 + K / 64), "{empty} probing reads in {K} sleeps");
     assert_eq!(clocks, 0, "no clock read with timing statistics off");
 }
 
@@ -256,7 +308,7 @@ fn a_wakeup_that_must_sleep_costs_one_call_more() {
 /// times.
 #[test]
 fn alternating_wakeups_do_not_read_before_every_sleep() {
-    let set = armed("alternating");
+    let set = armed("alternating", 0);
     let (lp, p, chan) = (&set.lp, &set.p, &set.chan);
     // In the wakeups that must sleep, the hook has the peer send one
     // message right before the sleep; in the others it only counts.

@@ -61,6 +61,8 @@ pub(crate) struct Core {
     pub(super) shut: bool,
     /// Event mode: read the channel before sleeping, or sleep first.
     pub(super) read_first: ReadFirst,
+    /// After a read that found an event: read on for more, or not.
+    pub(super) read_more: ReadMore,
     /// Learning mode: its model and plan state.
     pub(super) learn: super::learn::Learn,
     /// The loop's own completions (keepalive probes, drain markers) taken
@@ -104,10 +106,37 @@ struct Probe {
 
 impl Probe {
     const NEW: Probe = Probe { on: true, wait: 0, backoff: 1 };
+    const MAX_BACKOFF: u32 = 64;
+
+    /// Make the read this time?
+    #[inline]
+    fn choose(&self) -> bool {
+        self.on || self.wait == 0
+    }
+
+    /// The read found something (on from now), or nothing (off, and the
+    /// next probe after twice the last wait, at most 64).
+    #[inline]
+    fn outcome(&mut self, found: bool) {
+        if found {
+            *self = Probe::NEW;
+        } else {
+            self.on = false;
+            self.wait = self.backoff;
+            self.backoff = (self.backoff * 2).min(Self::MAX_BACKOFF);
+        }
+    }
+
+    /// The read was not made: one step closer to the next probe.
+    #[inline]
+    fn skipped(&mut self) {
+        self.wait = self.wait.saturating_sub(1);
+    }
 }
 
 impl ReadFirst {
-    pub(super) const MAX_BACKOFF: u32 = 64;
+    #[cfg(test)]
+    pub(super) const MAX_BACKOFF: u32 = Probe::MAX_BACKOFF;
 
     pub(super) fn new() -> ReadFirst {
         ReadFirst { by_last: [Probe::NEW; 2], last_found: false }
@@ -116,30 +145,41 @@ impl ReadFirst {
     /// Read before this sleep?
     #[inline]
     pub(super) fn choose(&self) -> bool {
-        let p = &self.by_last[self.last_found as usize];
-        p.on || p.wait == 0
+        self.by_last[self.last_found as usize].choose()
     }
 
     /// A read before a sleep found an event (`true`) or nothing.
     #[inline]
     pub(super) fn outcome(&mut self, found: bool) {
-        let p = &mut self.by_last[self.last_found as usize];
-        if found {
-            *p = Probe::NEW;
-        } else {
-            p.on = false;
-            p.wait = p.backoff;
-            p.backoff = (p.backoff * 2).min(Self::MAX_BACKOFF);
-        }
+        self.by_last[self.last_found as usize].outcome(found);
         self.last_found = found;
     }
 
     /// Slept without reading first.
     #[inline]
     pub(super) fn slept(&mut self) {
-        let p = &mut self.by_last[self.last_found as usize];
-        p.wait = p.wait.saturating_sub(1);
+        self.by_last[self.last_found as usize].skipped();
         self.last_found = false;
+    }
+}
+
+/// Whether event mode, having read one event after a sleep or a read
+/// first, reads the channel again for more before it works what fired.
+/// Each arm raises at most one event, so with one CQ firing at a time (a
+/// connection among idle ones) the second read only says EAGAIN: a
+/// `read()` more per wakeup than the hand-written loop, which reads one
+/// event per `ibv_get_cq_event`. So it reads on while such reads found an
+/// event, and otherwise probes with [`ReadFirst`]'s back-off (after 1, 2,
+/// 4 ... 64 wakeups). An event it does not read now stays in the channel:
+/// the next cycle reads it (its fd stays readable, so no sleep waits on
+/// it). Reads that must see every pending event (a CQ's removal, the end
+/// of a spin, the fairness read of a CQ over its budget) read to EAGAIN.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct ReadMore(Probe);
+
+impl ReadMore {
+    pub(super) fn new() -> ReadMore {
+        ReadMore(Probe::NEW)
     }
 }
 
@@ -184,6 +224,7 @@ impl Core {
             last_stamp: None,
             shut: false,
             read_first: ReadFirst::new(),
+            read_more: ReadMore::new(),
             learn: super::learn::Learn::with_weight(opts.learn_latency_weight),
             own_taken: 0,
         })
@@ -307,7 +348,7 @@ impl Core {
         };
         // Events already queued for it: read them now (crediting the other
         // CQs' as usual), so its destroy has nothing left to wait for.
-        let _ = self.read_events(ctl);
+        let _ = self.read_events(ctl, true);
         self.flush(sh, r);
         let e = self.entries.remove(r).expect("found above");
         if e.armed {
@@ -373,7 +414,7 @@ impl Core {
     /// credited to it; one for a CQ not in the loop is acked at once,
     /// counted and logged (once per CQ). Returns the events read.
     #[inline(always)]
-    pub(super) fn read_events(&mut self, ctl: &LoopControl) -> Result<usize> {
+    pub(super) fn read_events(&mut self, ctl: &LoopControl, all: bool) -> Result<usize> {
         let sh = &*ctl.0;
         let mut read = 0;
         loop {
@@ -382,11 +423,23 @@ impl Core {
             if self.armed == 0 && !self.fired.is_empty() {
                 return Ok(read);
             }
+            // A read for more after the first event: see `ReadMore`.
+            let more = read > 0 && !all;
+            if more && !self.read_more.0.choose() {
+                self.read_more.0.skipped();
+                return Ok(read);
+            }
             sh.counters.channel_reads.bump(1);
             let Some(ev) = self.chan.get_event()? else {
                 sh.counters.channel_reads_empty.bump(1);
+                if more {
+                    self.read_more.0.outcome(false);
+                }
                 return Ok(read);
             };
+            if more {
+                self.read_more.0.outcome(true);
+            }
             read += 1;
             sh.counters.cq_events.bump(1);
             sh.counters.unacked.bump(1);

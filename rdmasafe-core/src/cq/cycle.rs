@@ -175,7 +175,7 @@ impl Core {
             // (Nothing armed: no event can be due, no read.)
             if self.armed > 0 {
                 read_now = true;
-                if self.read_events(ctl)? > 0 {
+                if self.read_events(ctl, true)? > 0 {
                     // Events are pending when looked for: the read-first
                     // heuristic hears it too.
                     self.read_first.outcome(true);
@@ -215,7 +215,7 @@ impl Core {
         } else if self.armed > 0 && self.read_first.choose() {
             // Read first: an event already in the channel costs the one
             // read the hand-written loop makes, and no epoll_wait.
-            let found = self.read_events(ctl)? > 0;
+            let found = self.read_events(ctl, false)? > 0;
             self.read_first.outcome(found);
             if found {
                 0
@@ -231,7 +231,7 @@ impl Core {
         self.begin_cycle();
         self.apply_cmds(ctl);
         if bits & (1 << KEY_CHANNEL) != 0 {
-            self.read_events(ctl)?;
+            self.read_events(ctl, false)?;
         }
         let woke = !self.fired.is_empty();
         let rearm = self.polling_since.is_none() && self.opts.mode == Mode::Event;
@@ -364,7 +364,7 @@ impl Core {
     /// them, then arm every CQ that is not armed and drain it once more
     /// (the next `event_cycle` does, from the unarmed list).
     fn end_polling(&mut self, ctl: &LoopControl) -> Result<()> {
-        self.read_events(ctl)?;
+        self.read_events(ctl, true)?;
         self.fired.clear();
         for e in self.entries.iter_mut() {
             e.in_fired = false;

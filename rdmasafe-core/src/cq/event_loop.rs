@@ -14,8 +14,11 @@
 //!    the channel first and sleep only if it is empty (an event already
 //!    pending then costs one `read()` and no `epoll_wait`, as in a
 //!    hand-written loop; see `LoopStats::sleeps`, `channel_reads_empty`);
-//! 4. read every ready CQ event (the fd is non-blocking), count one pending
-//!    ack on the CQ the event *names*, found in O(1);
+//! 4. read the ready CQ events (the fd is non-blocking; after the first, on
+//!    to EAGAIN only while such reads recently found more, so a wakeup of
+//!    one CQ among idle ones costs one `read()`; an event left in the
+//!    channel is read next cycle), count one pending ack on the CQ the
+//!    event *names*, found in O(1);
 //! 5. for each CQ that fired: re-arm it, *then* drain it, at most its budget
 //!    (re-arming before the final drain closes the window in which a
 //!    completion lands after the last empty poll and no event follows);

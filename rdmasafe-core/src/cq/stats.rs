@@ -189,6 +189,9 @@ pub struct LoopStats {
     /// one read per 64 sleeps in steady state) whether events are pending
     /// again; it decides separately after a cycle that found its event
     /// pending and after one that slept (a ping-pong alternates the two).
+    /// After a read that found an event it reads on for more only while
+    /// such reads recently found one, with the same back-off (one CQ
+    /// firing among idle ones: no read more than the hand-written loop's).
     pub channel_reads_empty: u64,
     /// [`super::Mode::Learning`] (all 0 in the other modes): timed wakes
     /// of the plan's window (the loop slept, then polled from just before
