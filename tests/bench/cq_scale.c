@@ -69,6 +69,9 @@ enum { MAX_N = 16384, RQ_DEPTH = 16, SQ_DEPTH = 128, MSG = 64 };
 
 struct counts {
 	uint64_t completions, recvs, sends, wakeups, cq_events, arm_calls, ack_calls, polls;
+	/* rdmasafe's loop only: its epoll_wait sleeps, channel reads, and
+	 * reads that found no event (EAGAIN) */
+	uint64_t sleeps, reads, reads_empty;
 };
 
 struct app {
@@ -273,6 +276,9 @@ static void snapshot(struct app *a, struct counts *c)
 	c->arm_calls = s.arm_calls;
 	c->ack_calls = s.ack_calls;
 	c->polls = poll_calls;
+	c->sleeps = s.sleeps;
+	c->reads = s.channel_reads;
+	c->reads_empty = s.channel_reads_empty;
 }
 
 static void loop_setup(struct app *a)
@@ -573,6 +579,11 @@ static void phase(struct app *a, uint64_t len, int run)
 	j_u64(&j, "arm_calls", a->w1.arm_calls - a->w0.arm_calls);
 	j_u64(&j, "ack_calls", a->w1.ack_calls - a->w0.ack_calls);
 	j_u64(&j, "poll_calls", a->w1.polls - a->w0.polls);
+#ifdef USE_RDMASAFE
+	j_u64(&j, "sleeps", a->w1.sleeps - a->w0.sleeps);
+	j_u64(&j, "channel_reads", a->w1.reads - a->w0.reads);
+	j_u64(&j, "channel_reads_empty", a->w1.reads_empty - a->w0.reads_empty);
+#endif
 	j_u64(&j, "idle_hits", (uint64_t)a->idle_hits);
 	j_end(&j);
 }

@@ -179,7 +179,11 @@ def scale_figures(d, case):
             fa = {name: ir for ir, name in da.get("top", [])}
             fb = {name: ir for ir, name in db.get("top", [])}
             funcs = {f: (fb.get(f, 0) - fa.get(f, 0)) / dc for f in set(fa) | set(fb)}
-            runs.append({"run": run, "l1": l1, "l2": l2, "dc": dc, "per_c": di / dc,
+            # rdmasafe's loop only (cq_scale writes them for it): its
+            # sleeps and its reads that found no event, per completion
+            loop = {k + "_per_c": (b[k] - a[k]) / dc for k in ("sleeps", "channel_reads_empty")
+                    if k in a and k in b}
+            runs.append({**loop, "run": run, "l1": l1, "l2": l2, "dc": dc, "per_c": di / dc,
                          "per_wakeup": di / dw if dw > 0 else None, "wakeups_per_c": dw / dc,
                          "polls_per_c": dp / dc, "per_poll": di / dp if dp > 0 else None,
                          "funcs": funcs, "idle_hits": b.get("idle_hits", 0)})
@@ -1010,9 +1014,11 @@ def scale_section(d, w, quick, separate=False):
          f"{hl.get('host_nproc')} host cores)" if hl.get("load_samples") else "")
       + (". This section comes from that separate run; the rest of the page from the run described "
          "at the top" if separate else "")
-      + ". The instruction counts (callgrind, user space) do not depend on timing, so they hold on "
-      "this shared machine; the busy-poll instructions per completion and the run's duration do "
-      "depend on it. Each loop's columns give the count first, then its ratio to N = 1.")
+      + ". The instruction counts (callgrind, user space) do not depend on the machine's speed as "
+      "such, so they hold on this shared machine, but rdmasafe's event mode's do depend on how often a "
+      "wakeup finds its event already pending (see below the table), and the busy-poll instructions "
+      "per completion and the run's duration depend on timing. Each loop's columns give the count "
+      "first, then its ratio to N = 1.")
     w("")
     any_fig = ev[rs] or ev[raw]
     r0 = next(iter(next(iter(any_fig.values()))["runs"]))
@@ -1040,10 +1046,21 @@ def scale_section(d, w, quick, separate=False):
             row += [mmm([r["per_c"] for r in f["runs"]]),
                     f"{f['per_c'] / base[v]:.3f}" if base[v] else "n/a",
                     mmm([r["wakeups_per_c"] for r in f["runs"]])]
+            if v == rs:
+                row += [mmm([r[k] for r in f["runs"] if k in r]) if any(k in r for r in f["runs"]) else "n/a"
+                        for k in ("sleeps_per_c", "channel_reads_empty_per_c")]
         rows.append(row)
     w(table(["N (CQs on the channel)", "rdmasafe event: instructions / completion", "ratio to N=1",
-             "wakeups / completion", "hand-written event loop: instructions / completion", "ratio to N=1",
+             "wakeups / completion", "sleeps (epoll_wait) / completion", "empty channel reads / completion",
+             "hand-written event loop: instructions / completion", "ratio to N=1",
              "wakeups / completion"], rows))
+    w("")
+    w("Event mode's count per completion depends on timing as well as on N: a wakeup whose CQ event "
+      "is already in the channel when the loop looks costs one read, as in the hand-written loop; one "
+      "that finds none costs a sleep (`epoll_wait`) before that read, and an empty read before the "
+      "sleep when the loop chose to read first. The hand-written loop blocks in its one read either way, so its count does not "
+      "move. The sleeps and empty-read columns give how often that happened in each window pair; "
+      "compare N with N at equal columns.")
     w("")
     fig = ev[rs]
     if fig and len(fig) >= 2:
