@@ -211,7 +211,10 @@ pub struct rdmasafe_cq_loop_stats {
     /// Times a CQ used up its budget with completions left.
     pub budget_yields: u64,
     /// epoll_wait calls the loop made to sleep. Event mode makes none in a
-    /// cycle that finds its CQ event already in the channel.
+    /// cycle that finds its CQ event already in the channel when it reads
+    /// first; an event a wakeup left in the channel (several CQs fired,
+    /// reading on was off: see channel_reads_empty) is read after one that
+    /// returns at once when the next cycle sleeps first.
     pub sleeps: u64,
     /// read()s of the completion channel, those that found nothing included.
     pub channel_reads: u64,
@@ -223,7 +226,8 @@ pub struct rdmasafe_cq_loop_stats {
     /// the two). After a read that found an event it reads on for more
     /// only while such reads recently found one, with the same back-off
     /// (one CQ firing among idle ones: no read more than a hand-written
-    /// loop's).
+    /// loop's; the probes of the two decisions together: at most a few
+    /// reads per 64 wakeups in steady state).
     pub channel_reads_empty: u64,
     /// RDMASAFE_MODE_LEARNING (0 in the other modes): timed wakes of the
     /// plan's window (slept, then polled from just before the next

@@ -186,6 +186,52 @@ fn idle_cqs_on_the_channel_add_no_read_to_a_wakeup() {
     pending_wakeups("pending event beside idle CQs", 63, 200);
 }
 
+/// Two CQs of the channel fire together, wakeup after wakeup, beside an
+/// idle one: each wakeup reads both events (it reads on after the first
+/// while that finds more) and one read more that finds nothing (the idle
+/// CQ is armed), with no `epoll_wait`. The read-on
+/// decision takes one outcome per wakeup: the EAGAIN that ends a read-on
+/// which found an event does not turn it off (it did in a first version,
+/// which then left the second event to a cycle of its own every other
+/// wakeup).
+#[test]
+fn cqs_firing_together_are_read_in_one_wakeup() {
+    let bed = common::bed();
+    let _dog = common::watchdog("two CQs firing together", Duration::from_secs(240));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let pairs = [rc_pair(bed.addr, &chan, false, 8), rc_pair(bed.addr, &chan, false, 8)];
+    let idle = Cq::new(&ctx, 4, Some(&chan)).unwrap();
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    for p in &pairs {
+        lp.add_cq(&p.server_cq, |_, _| {}).unwrap();
+    }
+    lp.add_cq(&idle, |_, _| panic!("the idle CQ completed")).unwrap();
+    assert_eq!(lp.process_once(Wait::None).unwrap(), 0, "arms the new CQs");
+    // The arming cycle's look found nothing: the first wakeup sleeps first.
+    const WARM: u64 = 2;
+    const K: u64 = 50;
+    let mut first = lp.stats();
+    for seq in 0..WARM + K {
+        for p in &pairs {
+            one_message(p, seq);
+        }
+        let ready = sys::poll_readable([chan.as_raw_fd()], Wait::For(Duration::from_secs(60))).unwrap();
+        assert_eq!(ready, [true], "round {seq}: the CQ events arrived");
+        assert_eq!(lp.process_once(Wait::Forever).unwrap(), 2, "round {seq}: both CQs' completions in one wakeup");
+        if seq + 1 == WARM {
+            first = lp.stats();
+        }
+    }
+    let s = lp.stats();
+    let (sleeps, reads) = (s.sleeps - first.sleeps, s.channel_reads - first.channel_reads);
+    println!("{K} wakeups of two CQs: {sleeps} epoll_wait, {reads} channel reads");
+    assert_eq!(sleeps, 0, "no epoll_wait while events are pending");
+    assert_eq!(reads, 3 * K, "per wakeup the two events and the read that finds no third");
+    drop(lp);
+    drop(idle);
+}
+
 /// `K` wakeups, each with the server CQ's event already in the channel,
 /// on a loop that also holds `idle` armed CQs of the same channel.
 fn pending_wakeups(what: &'static str, idle: usize, k: u64) {

@@ -171,9 +171,18 @@ impl ReadFirst {
 /// event per `ibv_get_cq_event`. So it reads on while such reads found an
 /// event, and otherwise probes with [`ReadFirst`]'s back-off (after 1, 2,
 /// 4 ... 64 wakeups). An event it does not read now stays in the channel:
-/// the next cycle reads it (its fd stays readable, so no sleep waits on
-/// it). Reads that must see every pending event (a CQ's removal, the end
-/// of a spin, the fairness read of a CQ over its budget) read to EAGAIN.
+/// the next cycle reads it (the fd stays readable, so no sleep waits on
+/// it: one that reads first finds it, one that sleeps first pays an
+/// `epoll_wait` that returns at once, the cost of a burst of several CQs
+/// while reading on is off).
+///
+/// One outcome per wakeup: a read on that finds an event turns it on, and
+/// the reads after it go on to EAGAIN (that last one is no miss); a read
+/// on that finds nothing turns it off. Reads that must see every pending
+/// event read to EAGAIN: a CQ's removal, the end of a spin, the fairness
+/// read of a CQ over its budget, and every read of the modes that poll
+/// (adaptive and learning: their spin polls every CQ anyway, and a wake's
+/// batch counts what the wake's own cycle found).
 #[derive(Clone, Copy, Debug)]
 pub(super) struct ReadMore(Probe);
 
@@ -418,14 +427,16 @@ impl Core {
     pub(super) fn read_events(&mut self, ctl: &LoopControl, all: bool) -> Result<usize> {
         let sh = &*ctl.0;
         let mut read = 0;
+        // The read-on decision of this call is still to take (see
+        // `ReadMore`): one outcome per call.
+        let mut deciding = !all;
         loop {
             // Each arm raises at most one event: once every armed CQ has
             // fired, the read could only say EAGAIN.
             if self.armed == 0 && !self.fired.is_empty() {
                 return Ok(read);
             }
-            // A read for more after the first event: see `ReadMore`.
-            let more = read > 0 && !all;
+            let more = read > 0 && deciding;
             if more && !self.read_more.0.choose() {
                 self.read_more.0.skipped();
                 return Ok(read);
@@ -440,6 +451,7 @@ impl Core {
             };
             if more {
                 self.read_more.0.outcome(true);
+                deciding = false;
             }
             read += 1;
             sh.counters.cq_events.bump(1);

@@ -205,6 +205,9 @@ impl Core {
             self.record_wakeup(sh, n);
             return Ok(n);
         }
+        // Event mode reads on after a first event only as `ReadMore` says;
+        // the modes that poll read every event (see `ReadMore`).
+        let all = self.opts.mode != Mode::Event;
         let bits = if self.has_work_now(sh) {
             1 << KEY_CHANNEL
         } else if read_now {
@@ -215,7 +218,7 @@ impl Core {
         } else if self.armed > 0 && self.read_first.choose() {
             // Read first: an event already in the channel costs the one
             // read the hand-written loop makes, and no epoll_wait.
-            let found = self.read_events(ctl, false)? > 0;
+            let found = self.read_events(ctl, all)? > 0;
             self.read_first.outcome(found);
             if found {
                 0
@@ -231,7 +234,7 @@ impl Core {
         self.begin_cycle();
         self.apply_cmds(ctl);
         if bits & (1 << KEY_CHANNEL) != 0 {
-            self.read_events(ctl, false)?;
+            self.read_events(ctl, all)?;
         }
         let woke = !self.fired.is_empty();
         let rearm = self.polling_since.is_none() && self.opts.mode == Mode::Event;
