@@ -1103,8 +1103,10 @@ int rdmasafe_cq_loop_run(struct rdmasafe_cq_loop *cq_loop);
  * deliver nothing. For
  * driving the loop from the app's own epoll: watch `rdmasafe_cq_loop_fd`
  * and call this with 0 whenever it is readable, no priming call needed
- * (see there). A stop requested meanwhile ends the call at once with
- * every ack flushed (returns 0); called with 0, it then leaves the fd
+ * (see there). A stop requested before the call or during it (from a
+ * callback, or by another thread) ends the call with every ack flushed:
+ * it returns what it delivered up to then (0 for a stop asked before
+ * it); called with 0, it then leaves the fd
  * readable, so that the app's epoll calls again and that call re-arms the
  * CQs the stop disarmed. Besides `timeout_ms`, it may wait for the cycle
  * another thread is in (a blocking `rdmasafe_cq_loop_drain_qp` or
@@ -1154,9 +1156,12 @@ int rdmasafe_cq_loop_next_timeout_ms(struct rdmasafe_cq_loop *cq_loop, int *time
 
 /**
  * Asks the loop to stop: `rdmasafe_cq_loop_run` returns after the current
- * batch with every ack flushed (a loop driven by `_run_once` finishes the
- * stop in its next call). A stop asked while no thread runs the loop is
- * kept: the next `rdmasafe_cq_loop_run` flushes and returns 0 at once.
+ * batch with every ack flushed. A loop driven by `_run_once` finishes the
+ * stop within the call in progress (a stop asked from a callback, or by
+ * another thread during the call: the call flushes every ack before it
+ * returns), or else in its next call; a call after that runs the loop
+ * normally again. A stop asked while no thread runs the loop is kept:
+ * the next `rdmasafe_cq_loop_run` flushes and returns 0 at once.
  * Thread-safe, callable from a callback, never
  * blocks, and async-signal-safe: it takes no lock and leaves errno as it
  * was, so a signal handler may call it. No cancellation point: a thread

@@ -552,6 +552,32 @@ fn stop_in_embedded_mode_is_consumed() {
     assert_eq!(lp.stats().completions, 2, "delivered after the consumed stop");
 }
 
+/// A stop asked from a handler during process_once is finished within that
+/// call, as the docs say: the call returns what it delivered, every ack is
+/// flushed when it returns (none waits for a next call), and the next call
+/// runs normally.
+#[test]
+fn stop_from_a_handler_is_finished_within_the_call() {
+    let bed = common::bed();
+    let _dog = common::watchdog("stop from a handler", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = Arc::new(rc_pair(bed.addr, &chan, false, 8));
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    assert!(lp.options().ack_batch > 1, "acks are batched: a flush is visible");
+    lp.add_cq(&p.server_cq, |_, ctl| ctl.stop()).unwrap();
+    lp.process_once(Wait::None).unwrap(); // arms it
+    for seq in 0..2u64 {
+        p.recv(0, SLOT as u32, seq);
+        p.send(0, &[], 8, seq);
+        let n = lp.process_once(Wait::For(Duration::from_secs(30))).unwrap();
+        assert_eq!(n, 1, "message {seq}: the call that stopped returns what it delivered");
+        let s = lp.stats();
+        assert_eq!(s.unacked_now, 0, "message {seq}: every ack flushed by the call that stopped");
+        assert_eq!(s.acked_events, s.cq_events);
+    }
+}
+
 /// A learning-mode loop on the server CQ of a new pair (the client's CQ
 /// is not on the channel): four receives kept posted, the wr_ids received
 /// in order in the returned list.

@@ -344,9 +344,11 @@ impl CqLoop {
     /// call `process_once(Wait::None)` when it is readable; no priming call
     /// is needed.
     ///
-    /// A stop requested while the app drives the loop this way ends the
-    /// call at once: it returns 0 with every ack flushed and the request
-    /// consumed, and the next call runs normally. Called with
+    /// A stop requested while the app drives the loop this way, before a
+    /// call or during it (from a handler, or by another thread), ends that
+    /// call with every ack flushed and the request consumed: it returns
+    /// what it delivered up to then (0 for a stop asked before it), and
+    /// the next call runs normally. Called with
     /// `Wait::None` (an app that embeds the loop), that call leaves the fd
     /// readable when the loop has CQs: the stop disarmed them, and the next
     /// call, which the app's epoll then makes, arms them again. (With a
