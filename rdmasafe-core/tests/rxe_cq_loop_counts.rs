@@ -212,22 +212,41 @@ fn cqs_firing_together_are_read_in_one_wakeup() {
     const WARM: u64 = 2;
     const K: u64 = 50;
     let mut first = lp.stats();
+    // Rounds whose first wakeup delivered one of the two: the test waits
+    // for the channel to turn readable, which proves one event there, not
+    // both; the second is there too on this kernel (rxe raises the
+    // receive's CQ event before it acks the send), but a kernel that
+    // raised it later would have a wakeup read on into EAGAIN now and then.
+    let mut split = 0;
     for seq in 0..WARM + K {
         for p in &pairs {
             one_message(p, seq);
         }
         let ready = sys::poll_readable([chan.as_raw_fd()], Wait::For(Duration::from_secs(60))).unwrap();
         assert_eq!(ready, [true], "round {seq}: the CQ events arrived");
-        assert_eq!(lp.process_once(Wait::Forever).unwrap(), 2, "round {seq}: both CQs' completions in one wakeup");
+        let mut got = lp.process_once(Wait::Forever).unwrap();
+        if got < 2 && seq >= WARM {
+            split += 1;
+        }
+        while got < 2 {
+            got += lp.process_once(Wait::Forever).unwrap();
+        }
+        assert_eq!(got, 2, "round {seq}: the two messages");
         if seq + 1 == WARM {
             first = lp.stats();
         }
     }
     let s = lp.stats();
     let (sleeps, reads) = (s.sleeps - first.sleeps, s.channel_reads - first.channel_reads);
-    println!("{K} wakeups of two CQs: {sleeps} epoll_wait, {reads} channel reads");
-    assert_eq!(sleeps, 0, "no epoll_wait while events are pending");
-    assert_eq!(reads, 3 * K, "per wakeup the two events and the read that finds no third");
+    println!(
+        "{K} rounds of two CQs firing: {split} split over two wakeups, {sleeps} epoll_wait, {reads} channel reads"
+    );
+    // (The first version split most rounds: 33 of 50 in a run.)
+    assert!(split <= 3, "{split} of {K} rounds took a wakeup per event");
+    if split == 0 {
+        assert_eq!(sleeps, 0, "no epoll_wait while events are pending");
+        assert_eq!(reads, 3 * K, "per wakeup the two events and the read that finds no third");
+    }
     drop(lp);
     drop(idle);
 }

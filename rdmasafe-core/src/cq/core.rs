@@ -419,10 +419,11 @@ impl Core {
     // ------------------------------------------------------------- events
 
     /// Reads the ready CQ events: with `all`, every one; without, after the
-    /// first only as [`ReadMore`] says (the rest stay in the channel for the
-    /// next cycle). Counts an ack on the CQ each names and marks it fired. An event for a CQ whose add is still queued is
-    /// credited to it; one for a CQ not in the loop is acked at once,
-    /// counted and logged (once per CQ). Returns the events read.
+    /// first only as [`ReadMore`] says (the rest stay in the channel for
+    /// the next cycle). Counts an ack on the CQ each names and marks it
+    /// fired. An event for a CQ whose add is still queued is credited to
+    /// it; one for a CQ not in the loop is acked at once, counted and
+    /// logged (once per CQ). Returns the events read.
     #[inline(always)]
     pub(super) fn read_events(&mut self, ctl: &LoopControl, all: bool) -> Result<usize> {
         let sh = &*ctl.0;

@@ -27,7 +27,8 @@
 //! Per wakeup the work is proportional to the CQs that fired. Busy-poll
 //! mode never arms and never sleeps, polling every CQ; adaptive mode polls
 //! every CQ while completions keep coming and for `spin` after the last,
-//! then arms them all and sleeps like event mode.
+//! then arms them all and sleeps like event mode (reading every event in
+//! the channel when it wakes: its spin polls every CQ anyway).
 //!
 //! Ownership: a CQ must leave the loop (removal done, or the loop dropped)
 //! before `ibv_destroy_cq`: that destroy waits for acks only the loop can
