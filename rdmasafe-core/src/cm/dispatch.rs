@@ -116,11 +116,19 @@ pub struct WorkQueue {
     /// event: at most the capacity, so a reserved push always fits (a pop
     /// frees its place in `q` before it gives the room back here).
     used: AtomicUsize,
-    /// Dispatchers feeding the queue now (the last to stop closes it, the
-    /// first to start opens it again), and whether one stopped while
-    /// another was still counted (one that then fails to start closes it,
-    /// as the stop would have).
-    producers: Mutex<(usize, bool)>,
+    producers: Mutex<Producers>,
+}
+
+/// The dispatchers feeding a [`WorkQueue`].
+#[derive(Default)]
+struct Producers {
+    /// Feeding it now: the last to stop closes it, the first to start
+    /// opens it again.
+    running: usize,
+    /// One stopped while another was still counted since the count last
+    /// rose from 0: one that then fails to start closes the queue, as that
+    /// stop would have.
+    stopped_meanwhile: bool,
 }
 
 impl WorkQueue {
@@ -135,7 +143,7 @@ impl WorkQueue {
             sleeping_producers: AtomicUsize::new(0),
             closed: AtomicBool::new(false),
             used: AtomicUsize::new(0),
-            producers: Mutex::new((0, false)),
+            producers: Mutex::new(Producers::default()),
         })
     }
 
@@ -158,9 +166,9 @@ impl WorkQueue {
     /// (true then).
     fn producer_started(&self) -> bool {
         let mut p = self.producers.lock().unwrap_or_else(|e| e.into_inner());
-        p.0 += 1;
-        if p.0 == 1 {
-            p.1 = false;
+        p.running += 1;
+        if p.running == 1 {
+            p.stopped_meanwhile = false;
             return self.closed.swap(false, SeqCst);
         }
         false
@@ -171,11 +179,11 @@ impl WorkQueue {
     /// meanwhile opens the queue after it, never before.)
     fn producer_stopped(&self) {
         let mut p = self.producers.lock().unwrap_or_else(|e| e.into_inner());
-        p.0 -= 1;
-        if p.0 == 0 {
+        p.running -= 1;
+        if p.running == 0 {
             self.close();
         } else {
-            p.1 = true;
+            p.stopped_meanwhile = true;
         }
     }
 
@@ -184,8 +192,8 @@ impl WorkQueue {
     /// that was open stays open).
     fn producer_abandoned(&self, opened: bool) {
         let mut p = self.producers.lock().unwrap_or_else(|e| e.into_inner());
-        p.0 -= 1;
-        if p.0 == 0 && (opened || p.1) {
+        p.running -= 1;
+        if p.running == 0 && (opened || p.stopped_meanwhile) {
             self.close();
         }
     }

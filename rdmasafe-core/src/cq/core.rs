@@ -96,7 +96,7 @@ pub(super) struct ReadFirst {
 }
 
 #[derive(Clone, Copy, Debug)]
-struct Probe {
+pub(super) struct Probe {
     on: bool,
     /// Sleeps left before the next probe.
     wait: u32,
@@ -183,14 +183,7 @@ impl ReadFirst {
 /// read of a CQ over its budget, and every read of the modes that poll
 /// (adaptive and learning: their spin polls every CQ anyway, and a wake's
 /// batch counts what the wake's own cycle found).
-#[derive(Clone, Copy, Debug)]
-pub(super) struct ReadMore(Probe);
-
-impl ReadMore {
-    pub(super) fn new() -> ReadMore {
-        ReadMore(Probe::NEW)
-    }
-}
+pub(super) type ReadMore = Probe;
 
 /// The lists of CQs a cycle works through.
 #[derive(Clone, Copy, Debug)]
@@ -233,7 +226,7 @@ impl Core {
             last_stamp: None,
             shut: false,
             read_first: ReadFirst::new(),
-            read_more: ReadMore::new(),
+            read_more: ReadMore::NEW,
             learn: super::learn::Learn::with_weight(opts.learn_latency_weight),
             own_taken: 0,
         })
@@ -438,20 +431,20 @@ impl Core {
                 return Ok(read);
             }
             let more = read > 0 && deciding;
-            if more && !self.read_more.0.choose() {
-                self.read_more.0.skipped();
+            if more && !self.read_more.choose() {
+                self.read_more.skipped();
                 return Ok(read);
             }
             sh.counters.channel_reads.bump(1);
             let Some(ev) = self.chan.get_event()? else {
                 sh.counters.channel_reads_empty.bump(1);
                 if more {
-                    self.read_more.0.outcome(false);
+                    self.read_more.outcome(false);
                 }
                 return Ok(read);
             };
             if more {
-                self.read_more.0.outcome(true);
+                self.read_more.outcome(true);
                 deciding = false;
             }
             read += 1;
