@@ -251,6 +251,63 @@ fn cqs_firing_together_are_read_in_one_wakeup() {
     drop(idle);
 }
 
+/// Adaptive mode reads every event of the channel when it wakes, however
+/// its wakeups went before: two CQs that fired together are both drained
+/// in the wake's cycle. (Event mode reads on after a first event only while
+/// that recently found more; a polling mode does not take that decision,
+/// since a wake's batch is what the learning mode prices a wake by, and an
+/// event left in the channel would undercount it.) Rounds of one CQ firing
+/// alone, which would turn reading on off, come between the rounds of two.
+/// Before each round the loop ends its zero spin, arms both CQs and sleeps
+/// (`process_once` with a short timeout, no traffic).
+#[test]
+fn a_polling_mode_reads_every_event_when_it_wakes() {
+    let bed = common::bed();
+    let _dog = common::watchdog("adaptive wake reads every event", Duration::from_secs(240));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let pairs = [rc_pair(bed.addr, &chan, false, 8), rc_pair(bed.addr, &chan, false, 8)];
+    let idle = Cq::new(&ctx, 4, Some(&chan)).unwrap();
+    let lp = CqLoop::new(&chan, LoopOptions { mode: Mode::Adaptive { spin: Duration::ZERO }, ..Default::default() })
+        .unwrap();
+    for p in &pairs {
+        lp.add_cq(&p.server_cq, |_, _| {}).unwrap();
+    }
+    lp.add_cq(&idle, |_, _| panic!("the idle CQ completed")).unwrap();
+    const ROUNDS: u64 = 12;
+    const ALONE: u64 = 4;
+    let mut seq = 0;
+    let mut split = 0;
+    for round in 0..ROUNDS {
+        for k in 0..=ALONE {
+            let both = k == ALONE;
+            // No traffic: the spin ends, every CQ is armed, the loop sleeps.
+            assert_eq!(lp.process_once(Wait::For(Duration::from_millis(1))).unwrap(), 0, "round {round}: settles");
+            let firing = if both { &pairs[..] } else { &pairs[..1] };
+            for p in firing {
+                one_message(p, seq);
+            }
+            seq += 1;
+            // The send completed: on rxe the receive's CQ event was raised
+            // before the send was acked, so every event is in the channel.
+            let ready = sys::poll_readable([chan.as_raw_fd()], Wait::For(Duration::from_secs(60))).unwrap();
+            assert_eq!(ready, [true], "round {round}: the CQ events arrived");
+            let mut got = lp.process_once(Wait::Forever).unwrap();
+            if both && got < 2 {
+                split += 1;
+            }
+            while got < firing.len() {
+                got += lp.process_once(Wait::Forever).unwrap();
+            }
+            assert_eq!(got, firing.len(), "round {round}: the messages");
+        }
+    }
+    println!("{ROUNDS} rounds of two CQs firing after {ALONE} of one: {split} split over two cycles");
+    assert_eq!(split, 0, "{split} of {ROUNDS} wakes left an event in the channel");
+    drop(lp);
+    drop(idle);
+}
+
 /// `K` wakeups, each with the server CQ's event already in the channel,
 /// on a loop that also holds `idle` armed CQs of the same channel.
 fn pending_wakeups(what: &'static str, idle: usize, k: u64) {
