@@ -6,8 +6,9 @@
  * Why: the Soft-RoCE guest runs under TCG with clocksource hpet, where the
  * vDSO cannot read the clock and every clock_gettime is a real system call
  * plus an emulated HPET read. Runs with and without this shim tell how
- * much of a time gap comes from reading the clock (rdmasafe's CQ loop reads
- * it several times per wakeup, the hand-written loop not at all). Other
+ * much of a time gap comes from reading the clock (the benchmark clients'
+ * own stamps; rdmasafe's CQ loop reads it only with timing statistics on,
+ * in a spin, or for a deadline, the hand-written loop not at all). Other
  * clocks go to the kernel unchanged. Not for production use.
  */
 #define _GNU_SOURCE
