@@ -364,6 +364,34 @@ fn dispatcher_stops_when_idle_and_from_its_callback() {
     d.stop().unwrap();
 }
 
+/// A callback that panics ends the dispatcher's thread, as documented:
+/// `is_finished` turns true, later events stay in the kernel for the next
+/// get, and `stop` returns EIO.
+#[test]
+fn a_panicking_dispatcher_callback_ends_the_thread_and_stop_says_so() {
+    use rdmasafe_core::cm::Dispatcher;
+    let bed = common::bed();
+    let _dog = common::watchdog("dispatcher callback panics", Duration::from_secs(120));
+    let ch = EventChannel::new().unwrap();
+    let d = Dispatcher::with_callback(&ch, |ev| panic!("test: the callback panics on {}", ev.event_type())).unwrap();
+    assert!(!d.is_finished(), "a running dispatcher");
+    let a = ch.create_id(PortSpace::Tcp).unwrap();
+    a.resolve_addr(None, (bed.addr, 4791).into(), Duration::from_secs(5)).unwrap();
+    let t0 = std::time::Instant::now();
+    while !d.is_finished() {
+        assert!(t0.elapsed() < common::cm::STEP, "the panic did not end the thread");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let b = ch.create_id(PortSpace::Tcp).unwrap();
+    b.resolve_addr(None, (bed.addr, 4791).into(), Duration::from_secs(5)).unwrap();
+    let ev = expect(&ch, E::ADDR_RESOLVED);
+    assert_eq!(ev.token(), Some(b.token()), "the ended dispatcher left the later event in the kernel");
+    drop(ev);
+    let err = d.stop().expect_err("stop reports the panic");
+    assert_eq!(err.errno(), libc::EIO, "{err}");
+    drop((a, b));
+}
+
 /// Eight threads getting from one channel at once: 2000 events, each
 /// delivered to exactly one thread, none lost.
 #[test]

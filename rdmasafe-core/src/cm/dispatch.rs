@@ -398,8 +398,9 @@ pub struct Dispatcher {
 impl Dispatcher {
     /// Starts a thread that calls `f` with every event copy of `channel`, in
     /// order. A slow `f` delays later gets but never an ack. An `f` that
-    /// panics ends the thread (later events wait in the kernel, and
-    /// [`Dispatcher::stop`] returns the error).
+    /// panics ends the thread: the copy it was given is freed, later events
+    /// wait in the kernel, [`Dispatcher::is_finished`] turns true and
+    /// [`Dispatcher::stop`] returns EIO ("rdmasafe-cm thread panicked").
     pub fn with_callback<F>(channel: &EventChannel, f: F) -> Result<Dispatcher>
     where
         F: FnMut(CmEvent) + Send + 'static,
@@ -431,6 +432,15 @@ impl Dispatcher {
             .spawn(move || run(ch, sink, h))
             .map_err(|e| Error::new("pthread_create", e.raw_os_error().unwrap_or(libc::EAGAIN)))?;
         Ok(Dispatcher { handle, thread: Some(thread) })
+    }
+
+    /// Whether the thread has ended: stopped ([`StopHandle::stop`], or
+    /// [`Dispatcher::stop`]), ended on an error of the channel, or ended by
+    /// a panic of the callback. Until [`Dispatcher::stop`] collects how it
+    /// ended, a thread that ended by itself takes no more events (they wait
+    /// in the kernel): a service can poll this as a health check.
+    pub fn is_finished(&self) -> bool {
+        self.thread.as_ref().is_none_or(JoinHandle::is_finished)
     }
 
     /// A handle to stop the dispatcher from anywhere (e.g. its callback).
