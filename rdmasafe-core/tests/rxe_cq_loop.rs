@@ -420,6 +420,60 @@ fn outstanding_work_reported_to_an_idle_loop_starts_its_watchdog() {
     assert!(lp.stats().watchdog_polls >= 1);
 }
 
+/// An embedded event-mode loop (driven with `Wait::None` when its fd is
+/// readable) counts the watchdog from the call that delivered the last
+/// event: after it, `next_timeout` names the watchdog's deadline and the fd
+/// turns readable then, and the call it asks for polls. Before, the count
+/// started only when a cycle went to sleep, which a call that delivered
+/// does not: `next_timeout` said none and the fd stayed quiet, so an app
+/// that followed them slept for good with work outstanding (found by an
+/// adversarial SPDK-style reactor test of the C API, with a CQ armed
+/// solicited-only whose unsolicited completions raise no event).
+#[test]
+fn an_embedded_loop_counts_its_watchdog_from_a_call_that_delivered() {
+    use std::os::fd::AsRawFd;
+    let bed = common::bed();
+    let _dog = common::watchdog("embedded watchdog after an event", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = Arc::new(rc_pair(bed.addr, &chan, false, 8));
+    let opts = LoopOptions { watchdog: Some(Duration::from_millis(100)), ..Default::default() };
+    let lp = CqLoop::new(&chan, opts).unwrap();
+    let got = Arc::new(AtomicU64::new(0));
+    let g = got.clone();
+    lp.add_cq(&p.server_cq, move |wcs, _| {
+        g.fetch_add(wcs.len() as u64, SeqCst);
+    })
+    .unwrap();
+    let readable = |ms: i32| {
+        let mut pfd = libc::pollfd { fd: lp.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd.
+        unsafe { libc::poll(&mut pfd, 1, ms) == 1 }
+    };
+    lp.process_once(Wait::None).unwrap(); // arms the CQ
+    lp.control().set_outstanding(1);
+    for seq in 0..3u64 {
+        p.recv(0, SLOT as u32, seq);
+        p.send(0, &[], 8, seq);
+        // The app's epoll: a call whenever the fd is readable, until the
+        // message is delivered.
+        while got.load(SeqCst) <= seq {
+            assert!(readable(30_000), "message {seq}: the fd asks for a call");
+            lp.process_once(Wait::None).unwrap();
+        }
+        let polls = lp.stats().watchdog_polls;
+        let t = lp.next_timeout();
+        assert!(
+            t.is_some_and(|t| t <= Duration::from_millis(100)),
+            "message {seq}: after the call that delivered it the watchdog's deadline is the next timeout ({t:?})"
+        );
+        while lp.stats().watchdog_polls == polls {
+            assert!(readable(30_000), "message {seq}: the fd turns readable at the watchdog's deadline");
+            lp.process_once(Wait::None).unwrap();
+        }
+    }
+}
+
 /// Embedding: the app's own epoll watches the loop's fd and calls
 /// process_once(Wait::None) when it is readable.
 #[test]

@@ -36,7 +36,9 @@ impl Core {
         self.last_event.filter(|_| self.opts.watchdog.is_some() && sh.outstanding.load(Relaxed) > 0)
     }
 
-    /// Starts the watchdog's count at the first sleep after an event.
+    /// Starts the watchdog's count at a sleep if nothing started it since
+    /// the last event (`tick` starts it at the end of the cycle that read
+    /// the event; this covers outstanding work reported since).
     pub(super) fn watchdog_start(&mut self, sh: &Shared) {
         if self.last_event.is_none() && self.opts.watchdog.is_some() && sh.outstanding.load(Relaxed) > 0 {
             self.last_event = Some(Instant::now());
@@ -106,8 +108,24 @@ impl Core {
     #[inline(never)]
     fn tick_timed(&mut self, ctl: &LoopControl, honor_stop: bool) -> Result<usize> {
         let sh = &*ctl.0;
-        let timed = !self.keepalives.is_empty() || self.drains.in_progress() || self.watchdog_since(sh).is_some();
+        // In event mode the watchdog counts from the end of the cycle that
+        // read the last event (reading one stops the count): a call that
+        // delivered may return to an embedding app without sleeping, and
+        // the deadline armed below is what wakes its epoll. (The modes
+        // that poll come back for more after a delivery, and start it
+        // when they sleep.)
+        let start_watchdog = self.opts.mode == Mode::Event
+            && self.last_event.is_none()
+            && self.opts.watchdog.is_some()
+            && sh.outstanding.load(Relaxed) > 0;
+        let timed = start_watchdog
+            || !self.keepalives.is_empty()
+            || self.drains.in_progress()
+            || self.watchdog_since(sh).is_some();
         let now = timed.then(Instant::now);
+        if start_watchdog {
+            self.last_event = now;
+        }
         let mut n = 0;
         if let Some(now) = now {
             if !self.keepalives.is_empty() {
