@@ -1026,7 +1026,10 @@ int rdmasafe_cq_loop_add_cq_ex(struct rdmasafe_cq_loop *cq_loop,
  * callback of this loop it returns RDMASAFE_PENDING: the removal is done
  * when that callback returns (use `rdmasafe_cq_loop_remove_cq_async` or
  * `rdmasafe_cq_loop_destroy_cq` to destroy the CQ then). Keepalives that
- * probe through the CQ stop; drains that need it end with -ECANCELED.
+ * probe through the CQ stop and are removed (a later
+ * `rdmasafe_cq_loop_remove_keepalive` of their QP returns -ENOENT, and
+ * adding the CQ back does not restore them: add them again); drains that
+ * need it end with -ECANCELED.
  *
  * Returns 0, RDMASAFE_PENDING, -EINVAL (NULL, unknown loop), -ENOENT (CQ
  * not in this loop).
@@ -1317,7 +1320,8 @@ int rdmasafe_cq_loop_add_keepalive(struct rdmasafe_cq_loop *cq_loop,
  * callback.
  *
  * Returns 0 (or RDMASAFE_PENDING from a callback), -EINVAL (NULL, unknown
- * loop), -ENOENT (no keepalive for it).
+ * loop), -ENOENT (no keepalive for it: never added, removed already, or
+ * removed with its send CQ by `rdmasafe_cq_loop_remove_cq`).
  *
  * # Safety
  * `qp` NULL or a live QP.

@@ -170,6 +170,34 @@ fn a_keepalive_ends_with_its_id_after_a_drain_or_a_dead_peer() {
     }
 }
 
+/// Removing a keepalive's send CQ removes the keepalive, as the docs say:
+/// `remove_keepalive` of its QP is ENOENT after, also once the CQ is back
+/// in the loop (adding it back restores nothing), and the keepalive can be
+/// added again (not EBUSY).
+#[test]
+fn removing_the_send_cq_removes_its_keepalives() {
+    let _s = serial();
+    let _dog = common::watchdog("keepalive removed with its send CQ", Duration::from_secs(120));
+    let chan = channel();
+    let pair = rc_pair(common::bed().addr, &chan, false, 4);
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    lp.add_cq(&pair.server_cq, |_, _| {}).unwrap();
+    let server = take_id(&pair.server);
+    let qpn = server.qp_num().unwrap();
+    let cfg = Keepalive { period: Duration::from_millis(100), bound: PATIENCE, wr_id: 0xabd };
+    lp.add_keepalive_id(&server, cfg, Box::new(|_, _| {})).unwrap();
+    lp.remove_cq(&pair.server_cq).unwrap();
+    let e = lp.remove_keepalive(qpn).unwrap_err();
+    assert_eq!(e.errno(), libc::ENOENT, "removed with its send CQ: {e}");
+    lp.add_cq(&pair.server_cq, |_, _| {}).unwrap();
+    let e = lp.remove_keepalive(qpn).unwrap_err();
+    assert_eq!(e.errno(), libc::ENOENT, "the CQ back in the loop restores no keepalive: {e}");
+    lp.add_keepalive_id(&server, cfg, Box::new(|_, _| {})).expect("added again");
+    lp.remove_keepalive(qpn).expect("and removed");
+    drop(lp);
+    drop(server);
+}
+
 #[test]
 fn a_dispatcher_waits_out_the_copy_limit() {
     let _s = serial();

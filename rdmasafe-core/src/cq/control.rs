@@ -458,7 +458,10 @@ impl LoopControl {
     /// follow at once (destroy
     /// the QPs that use it first, so no completion raises a new event). From
     /// inside a handler it returns `Pending` (see [`Outcome`]). Keepalives
-    /// probing through the CQ stop; drains using it end with ECANCELED.
+    /// probing through the CQ stop and are removed (a later
+    /// [`LoopControl::remove_keepalive`] of their QP is ENOENT, and adding
+    /// the CQ back restores none: add them again); drains using it end with
+    /// ECANCELED.
     /// ENOENT if the CQ is not in this loop. The CQ stays in the loop until
     /// its removal is done: a second removal asked meanwhile is accepted
     /// and finds it gone (from a handler: `Pending`, the failure logged as
@@ -568,7 +571,7 @@ impl LoopControl {
     }
 
     /// Stops dead-peer detection for the QP with this number (ENOENT if it
-    /// had none). A probe still outstanding is consumed when it completes,
+    /// had none, or its send CQ was removed, which removed it). A probe still outstanding is consumed when it completes,
     /// also after its send CQ left the loop and joined this or another
     /// loop again (kept by CQ address, as drain markers are).
     pub fn remove_keepalive(&self, qp_num: u32) -> Result<Outcome> {
