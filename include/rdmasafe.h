@@ -360,7 +360,12 @@ struct rdmasafe_cq_loop_options {
   int adaptive_spin_us;
   /**
    * Watchdog: poll anyway after this many ms without an event while
-   * outstanding work is reported (0: off).
+   * outstanding work is reported (0: off). The time runs in periods from
+   * the loop's first sleep with work reported; a period without a CQ
+   * event ends in a poll of every CQ, so the poll comes one to two
+   * periods after the last event. An embedded loop's fd turns readable,
+   * and `rdmasafe_cq_loop_next_timeout_ms` counts down, to each
+   * period's end.
    */
   int watchdog_ms;
   /**

@@ -110,7 +110,12 @@ pub struct rdmasafe_cq_loop_options {
     /// handed to a callback (default 50). Must be >= 0 in every mode (-EINVAL otherwise).
     pub adaptive_spin_us: c_int,
     /// Watchdog: poll anyway after this many ms without an event while
-    /// outstanding work is reported (0: off).
+    /// outstanding work is reported (0: off). The time runs in periods from
+    /// the loop's first sleep with work reported; a period without a CQ
+    /// event ends in a poll of every CQ, so the poll comes one to two
+    /// periods after the last event. An embedded loop's fd turns readable,
+    /// and `rdmasafe_cq_loop_next_timeout_ms` counts down, to each
+    /// period's end.
     pub watchdog_ms: c_int,
     /// Non-zero: time callbacks and cycles (`longest_handler_ns`,
     /// `cycle_time_us` of the stats; both stay 0 without). Default 0, off:

@@ -421,14 +421,16 @@ fn outstanding_work_reported_to_an_idle_loop_starts_its_watchdog() {
 }
 
 /// An embedded event-mode loop (driven with `Wait::None` when its fd is
-/// readable) counts the watchdog from the call that delivered the last
-/// event: after it, `next_timeout` names the watchdog's deadline and the fd
-/// turns readable then, and the call it asks for polls. Before, the count
-/// started only when a cycle went to sleep, which a call that delivered
-/// does not: `next_timeout` said none and the fd stayed quiet, so an app
-/// that followed them slept for good with work outstanding (found by an
-/// adversarial SPDK-style reactor test of the C API, with a CQ armed
-/// solicited-only whose unsolicited completions raise no event).
+/// readable) keeps its watchdog's deadline through a call that delivered
+/// an event: after it, `next_timeout` names the deadline (the end of the
+/// watchdog's period, at most one watchdog time away) and the fd turns
+/// readable then, and the calls it asks for poll within two periods.
+/// Before, reading an event stopped the count until a cycle went to sleep,
+/// which a call that delivered does not: `next_timeout` said none and the
+/// fd stayed quiet, so an app that followed them slept for good with work
+/// outstanding (found by an adversarial SPDK-style reactor test of the C
+/// API, with a CQ armed solicited-only whose unsolicited completions raise
+/// no event).
 #[test]
 fn an_embedded_loop_counts_its_watchdog_from_a_call_that_delivered() {
     use std::os::fd::AsRawFd;
@@ -467,10 +469,17 @@ fn an_embedded_loop_counts_its_watchdog_from_a_call_that_delivered() {
             t.is_some_and(|t| t <= Duration::from_millis(100)),
             "message {seq}: after the call that delivered it the watchdog's deadline is the next timeout ({t:?})"
         );
+        // The period with the event ends in no poll, the next in one.
+        let mut periods = 0;
         while lp.stats().watchdog_polls == polls {
             assert!(readable(30_000), "message {seq}: the fd turns readable at the watchdog's deadline");
+            if lp.next_timeout() == Some(Duration::ZERO) {
+                periods += 1;
+            }
             lp.process_once(Wait::None).unwrap();
+            assert!(lp.next_timeout().is_some(), "message {seq}: a deadline after every call");
         }
+        assert!(periods <= 2, "message {seq}: the poll came {periods} periods after the event");
     }
 }
 

@@ -308,6 +308,62 @@ fn a_polling_mode_reads_every_event_when_it_wakes() {
     drop(idle);
 }
 
+/// With a watchdog on and work outstanding, an event-mode wakeup reads the
+/// clock once if its event was pending (the tick's check of the
+/// watchdog's period) and twice if it slept (the sleep's bound too):
+/// reading an event restarts no count, so the deadline and the timerfd
+/// stay as they were. (A first fix of the embedded watchdog restarted the
+/// count at every event: 2 reads and a timerfd re-arm per pending wakeup.)
+#[test]
+fn a_watchdog_costs_a_wakeup_one_clock_read() {
+    let bed = common::bed();
+    let _dog = common::watchdog("watchdog clock reads", Duration::from_secs(240));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = rc_pair(bed.addr, &chan, false, 8);
+    let opts = LoopOptions { watchdog: Some(Duration::from_secs(600)), ..Default::default() };
+    let lp = CqLoop::new(&chan, opts).unwrap();
+    lp.add_cq(&p.server_cq, |_, _| {}).unwrap();
+    lp.control().set_outstanding(1);
+    lp.process_once(Wait::None).unwrap(); // arms the CQ, starts the watchdog
+    const WARM: u64 = 4;
+    const K: u64 = 20;
+    let (mut pending, mut slept) = ((0, 0), (0, 0));
+    for seq in 0..WARM + 2 * K {
+        let (n, b, a, c) = if seq % 2 == 0 {
+            one_message(&p, seq);
+            let ready = sys::poll_readable([chan.as_raw_fd()], Wait::For(Duration::from_secs(60))).unwrap();
+            assert_eq!(ready, [true], "the CQ event of message {seq} arrived");
+            counted(&lp, Wait::Forever)
+        } else {
+            // The message comes while the loop sleeps.
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    std::thread::sleep(Duration::from_millis(20));
+                    one_message(&p, seq);
+                });
+                counted(&lp, Wait::Forever)
+            })
+        };
+        assert_eq!(n, 1, "message {seq} delivered");
+        if seq >= WARM {
+            let w = if seq % 2 == 0 { &mut pending } else { &mut slept };
+            w.0 += 1;
+            w.1 += c;
+            if seq % 2 == 0 {
+                assert_eq!(a.sleeps, b.sleeps, "message {seq}: pending, read without sleeping");
+            }
+        }
+    }
+    println!(
+        "watchdog on: {} clock reads in {} pending wakeups, {} in {} that slept",
+        pending.1, pending.0, slept.1, slept.0
+    );
+    assert!(pending.1 <= pending.0, "{} clock reads in {} pending wakeups", pending.1, pending.0);
+    assert!(slept.1 <= 2 * slept.0, "{} clock reads in {} wakeups that slept", slept.1, slept.0);
+    assert_eq!(lp.stats().watchdog_polls, 0, "no poll: an event came in every period");
+}
+
 /// `K` wakeups, each with the server CQ's event already in the channel,
 /// on a loop that also holds `idle` armed CQs of the same channel.
 fn pending_wakeups(what: &'static str, idle: usize, k: u64) {

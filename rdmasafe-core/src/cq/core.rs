@@ -51,8 +51,13 @@ pub(crate) struct Core {
     pub(super) warned_foreign: HashSet<usize>,
     /// What the timerfd is armed for.
     pub(super) timer_at: Option<Instant>,
-    /// Watchdog: when an event or a watchdog poll last happened.
-    pub(super) last_event: Option<Instant>,
+    /// Watchdog: when its current period began (None: never started). A
+    /// period that runs out with no CQ event in it ends in a poll of every
+    /// CQ; one with an event just starts the next (see `tick`).
+    pub(super) watchdog_from: Option<Instant>,
+    /// A CQ event was read in the watchdog's current period (a store per
+    /// event instead of a clock read).
+    pub(super) event_in_period: bool,
     /// Clock stamps of the cycle in progress (clock reads are system calls
     /// on some VMs: once before a cycle's first handler, once after each).
     pub(super) cycle_start: Option<Instant>,
@@ -221,7 +226,8 @@ impl Core {
             woke_hook: None,
             warned_foreign: HashSet::new(),
             timer_at: None,
-            last_event: None,
+            watchdog_from: None,
+            event_in_period: false,
             cycle_start: None,
             last_stamp: None,
             shut: false,
@@ -484,7 +490,7 @@ impl Core {
                 let n = std::mem::take(&mut e.pending_acks);
                 Self::ack(sh, &e.cq, n);
             }
-            self.last_event = None;
+            self.event_in_period = true;
         }
     }
 

@@ -71,7 +71,13 @@ pub struct LoopOptions {
     pub ack_batch: u32,
     /// If set: when no event arrived within this time while the app reports
     /// outstanding work ([`super::LoopControl::set_outstanding`]), poll every
-    /// CQ anyway and count it in [`super::LoopStats::watchdog_polls`].
+    /// CQ anyway and count it in [`super::LoopStats::watchdog_polls`]. The
+    /// time runs in periods from the loop's first sleep with work reported,
+    /// one after the other; a period that saw no CQ event ends in the
+    /// poll, so the poll comes one to two periods after the last event
+    /// (reading an event costs no clock read, and the loop's deadline,
+    /// [`super::LoopControl::next_timeout`], stays the period's end). A
+    /// loop in [`super::Mode::BusyPoll`] never sleeps and never needs it.
     pub watchdog: Option<Duration>,
     /// Time each handler call and each cycle, for
     /// [`super::LoopStats::longest_handler_ns`] and

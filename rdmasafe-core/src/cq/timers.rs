@@ -30,18 +30,21 @@ impl Core {
         d
     }
 
-    /// Since when the watchdog counts (no event since), if it is on and the
-    /// app reports outstanding work.
+    /// When the watchdog's current period began, if it is on and the app
+    /// reports outstanding work.
     pub(super) fn watchdog_since(&self, sh: &Shared) -> Option<Instant> {
-        self.last_event.filter(|_| self.opts.watchdog.is_some() && sh.outstanding.load(Relaxed) > 0)
+        self.watchdog_from.filter(|_| self.opts.watchdog.is_some() && sh.outstanding.load(Relaxed) > 0)
     }
 
-    /// Starts the watchdog's count at a sleep if nothing started it since
-    /// the last event (`tick` starts it at the end of the cycle that read
-    /// the event; this covers outstanding work reported since).
+    /// Starts the watchdog's first period, at the loop's first sleep with
+    /// outstanding work reported. From then on a period follows the last
+    /// (`tick`), events or not: reading an event costs no clock read, and
+    /// a call that delivered leaves the deadline as it was, for an
+    /// embedding app's epoll (`next_timeout`, the timerfd).
     pub(super) fn watchdog_start(&mut self, sh: &Shared) {
-        if self.last_event.is_none() && self.opts.watchdog.is_some() && sh.outstanding.load(Relaxed) > 0 {
-            self.last_event = Some(Instant::now());
+        if self.watchdog_from.is_none() && self.opts.watchdog.is_some() && sh.outstanding.load(Relaxed) > 0 {
+            self.watchdog_from = Some(Instant::now());
+            self.event_in_period = false;
         }
     }
 
@@ -108,24 +111,8 @@ impl Core {
     #[inline(never)]
     fn tick_timed(&mut self, ctl: &LoopControl, honor_stop: bool) -> Result<usize> {
         let sh = &*ctl.0;
-        // In event mode the watchdog counts from the end of the cycle that
-        // read the last event (reading one stops the count): a call that
-        // delivered may return to an embedding app without sleeping, and
-        // the deadline armed below is what wakes its epoll. (The modes
-        // that poll come back for more after a delivery, and start it
-        // when they sleep.)
-        let start_watchdog = self.opts.mode == Mode::Event
-            && self.last_event.is_none()
-            && self.opts.watchdog.is_some()
-            && sh.outstanding.load(Relaxed) > 0;
-        let timed = start_watchdog
-            || !self.keepalives.is_empty()
-            || self.drains.in_progress()
-            || self.watchdog_since(sh).is_some();
+        let timed = !self.keepalives.is_empty() || self.drains.in_progress() || self.watchdog_since(sh).is_some();
         let now = timed.then(Instant::now);
-        if start_watchdog {
-            self.last_event = now;
-        }
         let mut n = 0;
         if let Some(now) = now {
             if !self.keepalives.is_empty() {
@@ -155,9 +142,14 @@ impl Core {
             }
             if let (Some(t), Some(since)) = (self.opts.watchdog, self.watchdog_since(sh)) {
                 if now.saturating_duration_since(since) >= t {
-                    sh.counters.watchdog_polls.bump(1);
-                    self.last_event = Some(now);
-                    n += self.poll_all(ctl, honor_stop)?;
+                    // A period ran out: the next begins now, and a poll of
+                    // every CQ only if it saw no event (so the poll comes
+                    // one to two periods after the last event).
+                    self.watchdog_from = Some(now);
+                    if !std::mem::take(&mut self.event_in_period) {
+                        sh.counters.watchdog_polls.bump(1);
+                        n += self.poll_all(ctl, honor_stop)?;
+                    }
                 }
             }
         }
