@@ -360,12 +360,15 @@ struct rdmasafe_cq_loop_options {
   int adaptive_spin_us;
   /**
    * Watchdog: poll anyway after this many ms without an event while
-   * outstanding work is reported (0: off). The time runs in periods from
-   * the loop's first sleep with work reported; a period without a CQ
+   * outstanding work is reported (0: off). The time runs in periods, one
+   * after the other, while work is reported and the loop waits for
+   * events (not while an adaptive or learning loop spins, nor in
+   * busy-poll mode: they poll every CQ anyway); a period without a CQ
    * event ends in a poll of every CQ, so the poll comes one to two
-   * periods after the last event. An embedded loop's fd turns readable,
-   * and `rdmasafe_cq_loop_next_timeout_ms` counts down, to each
-   * period's end.
+   * periods after the last event, and a new period begins when the
+   * watchdog counts again after a pause. An embedded loop's fd turns
+   * readable, and `rdmasafe_cq_loop_next_timeout_ms` counts down, to
+   * each period's end.
    */
   int watchdog_ms;
   /**

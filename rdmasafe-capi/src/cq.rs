@@ -110,12 +110,15 @@ pub struct rdmasafe_cq_loop_options {
     /// handed to a callback (default 50). Must be >= 0 in every mode (-EINVAL otherwise).
     pub adaptive_spin_us: c_int,
     /// Watchdog: poll anyway after this many ms without an event while
-    /// outstanding work is reported (0: off). The time runs in periods from
-    /// the loop's first sleep with work reported; a period without a CQ
+    /// outstanding work is reported (0: off). The time runs in periods, one
+    /// after the other, while work is reported and the loop waits for
+    /// events (not while an adaptive or learning loop spins, nor in
+    /// busy-poll mode: they poll every CQ anyway); a period without a CQ
     /// event ends in a poll of every CQ, so the poll comes one to two
-    /// periods after the last event. An embedded loop's fd turns readable,
-    /// and `rdmasafe_cq_loop_next_timeout_ms` counts down, to each
-    /// period's end.
+    /// periods after the last event, and a new period begins when the
+    /// watchdog counts again after a pause. An embedded loop's fd turns
+    /// readable, and `rdmasafe_cq_loop_next_timeout_ms` counts down, to
+    /// each period's end.
     pub watchdog_ms: c_int,
     /// Non-zero: time callbacks and cycles (`longest_handler_ns`,
     /// `cycle_time_us` of the stats; both stay 0 without). Default 0, off:

@@ -483,6 +483,108 @@ fn an_embedded_loop_counts_its_watchdog_from_a_call_that_delivered() {
     }
 }
 
+/// A polling mode's spin polls every CQ on every pass: the watchdog does
+/// not count meanwhile (no watchdog poll, no clock read of its own). A
+/// first version of the watchdog's periods (07bc929) ran them through
+/// spins, where no CQ event is read (the CQs are not armed), and made a
+/// counted poll every second period of a busy, healthy loop (a review
+/// measured 19 in a second of traffic).
+#[test]
+fn a_spinning_loop_makes_no_watchdog_poll() {
+    let bed = common::bed();
+    let _dog = common::watchdog("watchdog during a spin", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = Arc::new(rc_pair(bed.addr, &chan, false, 8));
+    let opts = LoopOptions {
+        mode: Mode::Adaptive { spin: Duration::from_secs(600) },
+        watchdog: Some(Duration::from_millis(20)),
+        ..Default::default()
+    };
+    let lp = CqLoop::new(&chan, opts).unwrap();
+    lp.add_cq(&p.server_cq, |_, _| {}).unwrap();
+    lp.control().set_outstanding(1);
+    lp.process_once(Wait::None).unwrap(); // arms the CQ
+    lp.process_once(Wait::None).unwrap(); // sleeps (for 0): the watchdog counts
+    p.recv(0, SLOT as u32, 1);
+    p.send(0, &[], 8, 1);
+    let mut got = 0;
+    while got == 0 {
+        got = lp.process_once(Wait::For(Duration::from_secs(30))).unwrap();
+    }
+    // The delivery started the spin (600 s): these calls only poll.
+    let s0 = lp.stats();
+    let t0 = std::time::Instant::now();
+    while t0.elapsed() < Duration::from_millis(300) {
+        assert_eq!(lp.process_once(Wait::For(Duration::from_millis(50))).unwrap(), 0);
+    }
+    let s = lp.stats();
+    assert_eq!(s.sleeps, s0.sleeps, "the loop spun, it did not sleep");
+    assert_eq!(s.watchdog_polls, s0.watchdog_polls, "no watchdog poll while the loop spins");
+}
+
+/// Work reported just as the embedded loop's sleep begins (another thread
+/// in between the sleep's look at the work and its `epoll_wait`, which
+/// consumes the report's wake-up): the call still starts the watchdog, so
+/// `next_timeout` names its deadline and the fd turns readable then.
+/// Before, only a sleep that saw the work started it, and the app was left
+/// with no deadline and a quiet fd (found by a review; the before-sleep
+/// hook stands in for the other thread).
+#[test]
+fn work_reported_as_the_loop_sleeps_starts_its_watchdog() {
+    use std::os::fd::AsRawFd;
+    use std::sync::atomic::AtomicBool;
+    let bed = common::bed();
+    let _dog = common::watchdog("work reported as the loop sleeps", Duration::from_secs(120));
+    let (lp, _keep) = loop_with_watchdog(bed.addr);
+    lp.process_once(Wait::None).unwrap(); // arms the CQ: idle from here
+    let ctl = lp.control();
+    let once = Arc::new(AtomicBool::new(false));
+    let o = once.clone();
+    lp.set_before_sleep_hook(Some(Box::new(move || {
+        if !o.swap(true, SeqCst) {
+            ctl.set_outstanding(1);
+        }
+    })));
+    lp.process_once(Wait::None).unwrap();
+    assert!(once.load(SeqCst), "the work was reported in the sleep");
+    lp.set_before_sleep_hook(None);
+    assert!(lp.next_timeout().is_some(), "the watchdog's deadline is the next timeout");
+    let readable = |ms: i32| {
+        let mut pfd = libc::pollfd { fd: lp.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd.
+        unsafe { libc::poll(&mut pfd, 1, ms) == 1 }
+    };
+    while lp.stats().watchdog_polls == 0 {
+        assert!(readable(30_000), "the fd turns readable at the watchdog's deadline");
+        lp.process_once(Wait::None).unwrap();
+    }
+}
+
+/// Work reported again after none was: the watchdog begins a new period
+/// then, instead of finding the period it left long run out and polling at
+/// once (a review's find: one spurious, counted poll).
+#[test]
+fn work_reported_again_begins_a_new_watchdog_period() {
+    let bed = common::bed();
+    let _dog = common::watchdog("watchdog period after a pause", Duration::from_secs(120));
+    let (lp, _keep) = loop_with_watchdog(bed.addr); // 20 ms
+    lp.process_once(Wait::None).unwrap(); // arms the CQ
+    lp.control().set_outstanding(1);
+    while lp.stats().watchdog_polls == 0 {
+        // (A call waits its whole time: the polls deliver nothing.)
+        lp.process_once(Wait::For(Duration::from_millis(100))).unwrap();
+    }
+    lp.control().set_outstanding(0);
+    lp.process_once(Wait::None).unwrap();
+    std::thread::sleep(Duration::from_millis(100)); // five periods, none counted
+    let polls = lp.stats().watchdog_polls;
+    lp.control().set_outstanding(1);
+    lp.process_once(Wait::None).unwrap();
+    assert_eq!(lp.stats().watchdog_polls, polls, "no poll at once: a new period began");
+    assert!(lp.next_timeout().is_some_and(|t| t > Duration::ZERO), "the new period's end is the next timeout");
+}
+
 /// Embedding: the app's own epoll watches the loop's fd and calls
 /// process_once(Wait::None) when it is readable.
 #[test]

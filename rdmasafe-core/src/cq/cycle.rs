@@ -703,6 +703,8 @@ impl Core {
         }
         self.armed = 0;
         self.polling_since = None;
+        // The next run's watchdog begins a period of its own.
+        self.watchdog_from = None;
         let l = &mut self.learn;
         (l.wake_at, l.idle_start, l.calibrating, l.decided, l.slept, l.fired) = (None, None, false, None, None, None);
         (l.batch_from, l.idle_outside) = (None, false);

@@ -72,12 +72,15 @@ pub struct LoopOptions {
     /// If set: when no event arrived within this time while the app reports
     /// outstanding work ([`super::LoopControl::set_outstanding`]), poll every
     /// CQ anyway and count it in [`super::LoopStats::watchdog_polls`]. The
-    /// time runs in periods from the loop's first sleep with work reported,
-    /// one after the other; a period that saw no CQ event ends in the
-    /// poll, so the poll comes one to two periods after the last event
-    /// (reading an event costs no clock read, and the loop's deadline,
-    /// [`super::LoopControl::next_timeout`], stays the period's end). A
-    /// loop in [`super::Mode::BusyPoll`] never sleeps and never needs it.
+    /// time runs in periods, one after the other, while the watchdog
+    /// counts: work reported, and the loop waiting for events (not while a
+    /// polling mode spins, nor in [`super::Mode::BusyPoll`]: they poll
+    /// every CQ anyway). A period that saw no CQ event ends in the poll,
+    /// so the poll comes one to two periods after the last event (reading
+    /// an event costs no clock read, and the loop's deadline,
+    /// [`super::LoopControl::next_timeout`], stays the period's end); when
+    /// the watchdog counts again after a time it did not (no work
+    /// reported, a spin, a stop), a new period begins.
     pub watchdog: Option<Duration>,
     /// Time each handler call and each cycle, for
     /// [`super::LoopStats::longest_handler_ns`] and

@@ -30,19 +30,31 @@ impl Core {
         d
     }
 
-    /// When the watchdog's current period began, if it is on and the app
-    /// reports outstanding work.
-    pub(super) fn watchdog_since(&self, sh: &Shared) -> Option<Instant> {
-        self.watchdog_from.filter(|_| self.opts.watchdog.is_some() && sh.outstanding.load(Relaxed) > 0)
+    /// Whether the watchdog counts now: it is on, the app reports
+    /// outstanding work, and the loop waits for events (not in busy-poll
+    /// mode, nor while a polling mode spins: both poll every CQ anyway).
+    fn watchdog_counts(&self, sh: &Shared) -> bool {
+        self.opts.watchdog.is_some()
+            && sh.outstanding.load(Relaxed) > 0
+            && self.polling_since.is_none()
+            && self.opts.mode != Mode::BusyPoll
     }
 
-    /// Starts the watchdog's first period, at the loop's first sleep with
-    /// outstanding work reported. From then on a period follows the last
-    /// (`tick`), events or not: reading an event costs no clock read, and
-    /// a call that delivered leaves the deadline as it was, for an
-    /// embedding app's epoll (`next_timeout`, the timerfd).
+    /// When the watchdog's current period began, if it counts now.
+    pub(super) fn watchdog_since(&self, sh: &Shared) -> Option<Instant> {
+        self.watchdog_from.filter(|_| self.watchdog_counts(sh))
+    }
+
+    /// Starts the watchdog's first period if it counts and has none, at a
+    /// sleep (`tick` starts it too, at the end of any cycle: the app may
+    /// report work while the sleep that consumes its wake-up has begun).
+    /// From then on a period follows the last (`tick`), events or not:
+    /// reading an event costs no clock read, and a call that delivered
+    /// leaves the deadline as it was, for an embedding app's epoll
+    /// (`next_timeout`, the timerfd). A time the watchdog does not count
+    /// ends its period: it starts afresh when it counts again.
     pub(super) fn watchdog_start(&mut self, sh: &Shared) {
-        if self.watchdog_from.is_none() && self.opts.watchdog.is_some() && sh.outstanding.load(Relaxed) > 0 {
+        if self.watchdog_from.is_none() && self.watchdog_counts(sh) {
             self.watchdog_from = Some(Instant::now());
             self.event_in_period = false;
         }
@@ -111,8 +123,21 @@ impl Core {
     #[inline(never)]
     fn tick_timed(&mut self, ctl: &LoopControl, honor_stop: bool) -> Result<usize> {
         let sh = &*ctl.0;
-        let timed = !self.keepalives.is_empty() || self.drains.in_progress() || self.watchdog_since(sh).is_some();
+        // The watchdog's period: none while it does not count, a first one
+        // from now when it counts again (see `watchdog_start`).
+        let start_watchdog = if self.watchdog_counts(sh) {
+            self.watchdog_from.is_none()
+        } else {
+            self.watchdog_from = None;
+            false
+        };
+        let timed =
+            start_watchdog || self.watchdog_from.is_some() || !self.keepalives.is_empty() || self.drains.in_progress();
         let now = timed.then(Instant::now);
+        if start_watchdog {
+            self.watchdog_from = now;
+            self.event_in_period = false;
+        }
         let mut n = 0;
         if let Some(now) = now {
             if !self.keepalives.is_empty() {
