@@ -364,6 +364,14 @@ fn loop_with_watchdog(addr: std::net::IpAddr) -> (CqLoop, (DeviceContext, EventC
     (lp, (ctx, keep))
 }
 
+/// Whether the loop's fd turns readable within `ms` milliseconds.
+fn loop_fd_readable(lp: &CqLoop, ms: u64) -> bool {
+    use std::os::fd::AsRawFd;
+    let wait = if ms == 0 { Wait::None } else { Wait::For(Duration::from_millis(ms)) };
+    let [r] = rdmasafe_core::sys::poll_readable([lp.as_raw_fd()], wait).unwrap();
+    r
+}
+
 /// With outstanding work reported and no event within the watchdog time,
 /// the loop polls anyway (and counts it), once per quiet watchdog time,
 /// within one `process_once` (its polls deliver nothing, so the call waits
@@ -395,17 +403,12 @@ fn watchdog_polls_when_work_is_outstanding() {
 /// solicited-only, which raise no event).
 #[test]
 fn outstanding_work_reported_to_an_idle_loop_starts_its_watchdog() {
-    use std::os::fd::AsRawFd;
     let bed = common::bed();
     let _dog = common::watchdog("watchdog started by set_outstanding", Duration::from_secs(120));
     let (lp, _keep) = loop_with_watchdog(bed.addr);
     lp.process_once(Wait::None).unwrap(); // arms the CQ: idle from here
     assert_eq!(lp.next_timeout(), None, "idle with nothing outstanding: no deadline");
-    let readable = |ms: i32| {
-        let mut p = libc::pollfd { fd: lp.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-        // SAFETY: one valid pollfd.
-        unsafe { libc::poll(&mut p, 1, ms) == 1 }
-    };
+    let readable = |ms: u64| loop_fd_readable(&lp, ms);
     assert!(!readable(0), "idle with nothing outstanding: the fd is quiet");
     lp.control().set_outstanding(1);
     assert!(readable(30_000), "work reported: the fd asks for a call");
@@ -433,7 +436,6 @@ fn outstanding_work_reported_to_an_idle_loop_starts_its_watchdog() {
 /// no event).
 #[test]
 fn an_embedded_loop_counts_its_watchdog_from_a_call_that_delivered() {
-    use std::os::fd::AsRawFd;
     let bed = common::bed();
     let _dog = common::watchdog("embedded watchdog after an event", Duration::from_secs(120));
     let (ctx, _keep) = device(bed.addr);
@@ -447,11 +449,7 @@ fn an_embedded_loop_counts_its_watchdog_from_a_call_that_delivered() {
         g.fetch_add(wcs.len() as u64, SeqCst);
     })
     .unwrap();
-    let readable = |ms: i32| {
-        let mut pfd = libc::pollfd { fd: lp.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-        // SAFETY: one valid pollfd.
-        unsafe { libc::poll(&mut pfd, 1, ms) == 1 }
-    };
+    let readable = |ms: u64| loop_fd_readable(&lp, ms);
     lp.process_once(Wait::None).unwrap(); // arms the CQ
     lp.control().set_outstanding(1);
     for seq in 0..3u64 {
@@ -532,7 +530,6 @@ fn a_spinning_loop_makes_no_watchdog_poll() {
 /// hook stands in for the other thread).
 #[test]
 fn work_reported_as_the_loop_sleeps_starts_its_watchdog() {
-    use std::os::fd::AsRawFd;
     use std::sync::atomic::AtomicBool;
     let bed = common::bed();
     let _dog = common::watchdog("work reported as the loop sleeps", Duration::from_secs(120));
@@ -550,11 +547,7 @@ fn work_reported_as_the_loop_sleeps_starts_its_watchdog() {
     assert!(once.load(SeqCst), "the work was reported in the sleep");
     lp.set_before_sleep_hook(None);
     assert!(lp.next_timeout().is_some(), "the watchdog's deadline is the next timeout");
-    let readable = |ms: i32| {
-        let mut pfd = libc::pollfd { fd: lp.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-        // SAFETY: one valid pollfd.
-        unsafe { libc::poll(&mut pfd, 1, ms) == 1 }
-    };
+    let readable = |ms: u64| loop_fd_readable(&lp, ms);
     while lp.stats().watchdog_polls == 0 {
         assert!(readable(30_000), "the fd turns readable at the watchdog's deadline");
         lp.process_once(Wait::None).unwrap();
