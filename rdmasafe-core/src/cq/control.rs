@@ -571,9 +571,10 @@ impl LoopControl {
     }
 
     /// Stops dead-peer detection for the QP with this number (ENOENT if it
-    /// had none, or its send CQ was removed, which removed it). A probe still outstanding is consumed when it completes,
-    /// also after its send CQ left the loop and joined this or another
-    /// loop again (kept by CQ address, as drain markers are).
+    /// had none, or its send CQ was removed, which removed it). A probe
+    /// still outstanding is consumed when it completes, also after its send
+    /// CQ left the loop and joined this or another loop again (kept by CQ
+    /// address, as drain markers are).
     pub fn remove_keepalive(&self, qp_num: u32) -> Result<Outcome> {
         if self.0.keepalives.lock().unwrap_or_else(|e| e.into_inner()).remove(&qp_num).is_none() {
             return Err(Error::new("rdmasafe keepalive", libc::ENOENT));

@@ -51,9 +51,10 @@ pub(crate) struct Core {
     pub(super) warned_foreign: HashSet<usize>,
     /// What the timerfd is armed for.
     pub(super) timer_at: Option<Instant>,
-    /// Watchdog: when its current period began (None: never started). A
-    /// period that runs out with no CQ event in it ends in a poll of every
-    /// CQ; one with an event just starts the next (see `tick`).
+    /// Watchdog: when its current period began (None while it does not
+    /// count, see `watchdog_counts`). A period that runs out with no CQ
+    /// event in it ends in a poll of every CQ; one with an event just
+    /// starts the next (see `tick`).
     pub(super) watchdog_from: Option<Instant>,
     /// A CQ event was read in the watchdog's current period (a store per
     /// event instead of a clock read).
