@@ -71,6 +71,8 @@
 #include <infiniband/verbs.h>
 #include <rdma/rdma_cma.h>
 
+#include "check.h"
+
 #ifdef RAW
 /* the program as it was before the switch */
 #define rdmasafe_get_event rdma_get_cm_event
@@ -99,9 +101,6 @@ const char *__asan_default_options(void)
 }
 #endif
 
-static int passed, failed;
-static const char *side = "server";
-static const char *volatile phase = "start";
 static int hold;
 static unsigned max_delay_ms = MAX_TOUCH_DELAY_MS;
 /* CLOCK_MONOTONIC ms, for the info lines: when main woke at DISCONNECTED,
@@ -110,74 +109,6 @@ static unsigned max_delay_ms = MAX_TOUCH_DELAY_MS;
 static double t_posted, t_woke, t_destroyed, t_freed, t_handler_done;
 
 /* ---------------------------------------------------------------- output */
-
-static int check_at(int line, int ok, const char *fmt, ...)
-	__attribute__((format(printf, 3, 4)));
-static int check_at(int line, int ok, const char *fmt, ...)
-{
-	va_list ap;
-
-	flockfile(stdout); /* one line at a time: other threads print too */
-	printf("%s %s: ", ok ? "ok  " : "FAIL", side);
-	va_start(ap, fmt);
-	vprintf(fmt, ap);
-	va_end(ap);
-	if (!ok)
-		printf("  [cm_barrier_test.c:%d]", line);
-	printf("\n");
-	fflush(stdout);
-	if (ok)
-		passed++;
-	else
-		failed++;
-	funlockfile(stdout);
-	return ok;
-}
-#define CHECK(ok, ...) check_at(__LINE__, !!(ok), __VA_ARGS__)
-
-static void info(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void info(const char *fmt, ...)
-{
-	va_list ap;
-
-	flockfile(stdout); /* one line at a time: other threads print too */
-	printf("info %s: ", side);
-	va_start(ap, fmt);
-	vprintf(fmt, ap);
-	va_end(ap);
-	printf("\n");
-	fflush(stdout);
-	funlockfile(stdout);
-}
-
-static void on_alarm(int sig)
-{
-	static const char a[] = "FAIL watchdog fired (hang) in phase: ";
-	const char *p = phase;
-	(void)sig;
-	if (write(STDOUT_FILENO, a, sizeof a - 1) < 0 ||
-	    write(STDOUT_FILENO, side, strlen(side)) < 0 ||
-	    write(STDOUT_FILENO, ": ", 2) < 0 ||
-	    write(STDOUT_FILENO, p, strlen(p)) < 0 ||
-	    write(STDOUT_FILENO, "\n", 1) < 0)
-		_exit(4);
-	_exit(3);
-}
-
-static const char *ename(int e)
-{
-	const char *s = strerrorname_np(e);
-
-	return s ? s : (e ? "E?" : "0");
-}
-
-static double now_ms(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
-}
 
 static void sleep_us(unsigned us)
 {
@@ -644,6 +575,7 @@ int main(int argc, char **argv)
 	int port_pipe[2], result_pipe[2], opt, status = 0, counts[2] = { 0, 0 };
 	pid_t server_pid = getpid(), child;
 
+	side = "server"; /* the client process says "client" */
 	while ((opt = getopt(argc, argv, "Hd:")) != -1) {
 		if (opt == 'H') {
 			hold = 1;

@@ -38,6 +38,8 @@
 
 #include <rdma/rdma_cma.h>
 
+#include "check.h"
+
 #include "rdmasafe.h"
 
 /* Transport limits for RDMA_PS_TCP over IB / RoCE (user-visible bytes). */
@@ -51,54 +53,7 @@
 #define BLOCKING_BATCH_IDS 30
 #define STEP_MS 30000 /* how long any one expected CM event may take (a hang, not a timing check) */
 
-static int passed, failed;
-static const char *volatile phase = "start";
-
 /* ---------------------------------------------------------------- output */
-
-static void vcheck(int ok, int line, const char *fmt, va_list ap)
-{
-	flockfile(stdout); /* one line at a time: other threads print too */
-	printf("%s ", ok ? "ok  " : "FAIL");
-	vprintf(fmt, ap);
-	if (!ok)
-		printf("  [cm_capi_test.c:%d]", line);
-	printf("\n");
-	fflush(stdout);
-	if (ok)
-		passed++;
-	else
-		failed++;
-	funlockfile(stdout);
-}
-
-static int check_at(int line, int ok, const char *fmt, ...)
-	__attribute__((format(printf, 3, 4)));
-static int check_at(int line, int ok, const char *fmt, ...)
-{
-	va_list ap;
-
-	va_start(ap, fmt);
-	vcheck(ok, line, fmt, ap);
-	va_end(ap);
-	return ok;
-}
-#define CHECK(ok, ...) check_at(__LINE__, !!(ok), __VA_ARGS__)
-
-static void info(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void info(const char *fmt, ...)
-{
-	va_list ap;
-
-	flockfile(stdout); /* one line at a time: other threads print too */
-	printf("info ");
-	va_start(ap, fmt);
-	vprintf(fmt, ap);
-	va_end(ap);
-	printf("\n");
-	fflush(stdout);
-	funlockfile(stdout);
-}
 
 /* A call of the -1/errno convention failed with exactly `want`. */
 #define CHECK_ERRNO(call, want, what)                                         \
@@ -112,35 +67,6 @@ static void info(const char *fmt, ...)
 	} while (0)
 
 /* --------------------------------------------------------------- watchdog */
-
-static void on_alarm(int sig)
-{
-	static const char a[] = "FAIL watchdog fired (hang) in phase: ";
-	const char *p = phase;
-	(void)sig;
-	/* async-signal-safe output only */
-	if (write(STDOUT_FILENO, a, sizeof a - 1) < 0 ||
-	    write(STDOUT_FILENO, p, strlen(p)) < 0 ||
-	    write(STDOUT_FILENO, "\n", 1) < 0)
-		_exit(4);
-	_exit(3);
-}
-
-/* "EINVAL" for EINVAL; "0" for no error. */
-static const char *ename(int e)
-{
-	const char *s = strerrorname_np(e);
-
-	return s ? s : (e ? "E?" : "0");
-}
-
-static double now_ms(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
-}
 
 /* ---------------------------------------------------------------- helpers */
 

@@ -46,6 +46,8 @@
 #include <infiniband/verbs.h>
 #include <rdma/rdma_cma.h>
 
+#include "check.h"
+
 #ifdef RAW
 /* the program as it was before the switch */
 #define rdmasafe_get_event rdma_get_cm_event
@@ -63,76 +65,7 @@
 #define GRH_SIZE 40 /* a UD receive starts with room for the GRH */
 #define STEP_MS 30000 /* how long any one expected event may take (turns a hang into a failure) */
 
-static int passed, failed;
-static const char *volatile phase = "start";
-
 /* ---------------------------------------------------------------- output */
-
-static int check_at(int line, int ok, const char *fmt, ...)
-	__attribute__((format(printf, 3, 4)));
-static int check_at(int line, int ok, const char *fmt, ...)
-{
-	va_list ap;
-
-	flockfile(stdout); /* one line at a time: other threads print too */
-	printf("%s ", ok ? "ok  " : "FAIL");
-	va_start(ap, fmt);
-	vprintf(fmt, ap);
-	va_end(ap);
-	if (!ok)
-		printf("  [cm_ud_test.c:%d]", line);
-	printf("\n");
-	fflush(stdout);
-	if (ok)
-		passed++;
-	else
-		failed++;
-	funlockfile(stdout);
-	return ok;
-}
-#define CHECK(ok, ...) check_at(__LINE__, !!(ok), __VA_ARGS__)
-
-static void info(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void info(const char *fmt, ...)
-{
-	va_list ap;
-
-	flockfile(stdout); /* one line at a time: other threads print too */
-	printf("info ");
-	va_start(ap, fmt);
-	vprintf(fmt, ap);
-	va_end(ap);
-	printf("\n");
-	fflush(stdout);
-	funlockfile(stdout);
-}
-
-static void on_alarm(int sig)
-{
-	static const char a[] = "FAIL watchdog fired (hang) in phase: ";
-	const char *p = phase;
-	(void)sig;
-	if (write(STDOUT_FILENO, a, sizeof a - 1) < 0 ||
-	    write(STDOUT_FILENO, p, strlen(p)) < 0 ||
-	    write(STDOUT_FILENO, "\n", 1) < 0)
-		_exit(4);
-	_exit(3);
-}
-
-static const char *ename(int e)
-{
-	const char *s = strerrorname_np(e);
-
-	return s ? s : (e ? "E?" : "0");
-}
-
-static double now_ms(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
-}
 
 static const char *gid_str(const union ibv_gid *g, char *buf, size_t len)
 {

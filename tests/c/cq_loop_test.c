@@ -67,6 +67,8 @@
 #include <infiniband/verbs.h>
 #include <rdma/rdma_cma.h>
 
+#include "check.h"
+
 #include "rdmasafe.h"
 
 #define MSG_SIZE 64
@@ -80,57 +82,7 @@
 #define DRAIN_SEND_WR_ID UINT64_MAX
 #define DRAIN_RECV_WR_ID (UINT64_MAX - 1)
 
-static int passed, failed;
-static const char *volatile phase = "start";
-
 /* ---------------------------------------------------------------- output */
-
-static int check_at(int line, int ok, const char *fmt, ...)
-	__attribute__((format(printf, 3, 4)));
-static int check_at(int line, int ok, const char *fmt, ...)
-{
-	va_list ap;
-
-	flockfile(stdout); /* one line at a time: other threads print too */
-	printf("%s ", ok ? "ok  " : "FAIL");
-	va_start(ap, fmt);
-	vprintf(fmt, ap);
-	va_end(ap);
-	if (!ok)
-		printf("  [cq_loop_test.c:%d]", line);
-	printf("\n");
-	fflush(stdout);
-	if (ok)
-		passed++;
-	else
-		failed++;
-	funlockfile(stdout);
-	return ok;
-}
-#define CHECK(ok, ...) check_at(__LINE__, !!(ok), __VA_ARGS__)
-
-static void info(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void info(const char *fmt, ...)
-{
-	va_list ap;
-
-	flockfile(stdout); /* one line at a time: other threads print too */
-	printf("info ");
-	va_start(ap, fmt);
-	vprintf(fmt, ap);
-	va_end(ap);
-	printf("\n");
-	fflush(stdout);
-	funlockfile(stdout);
-}
-
-/* "EINVAL" for EINVAL; "0" for no error. */
-static const char *ename(int e)
-{
-	const char *s = strerrorname_np(e);
-
-	return s ? s : (e ? "E?" : "0");
-}
 
 /* "0", "-EINVAL", "5": a return value of the negative-errno convention. */
 static const char *rname(int r)
@@ -152,26 +104,6 @@ static const char *rname(int r)
 		int r_ = (call);                                               \
 		CHECK(r_ == (want), "%s -> %s", what, rname(r_));              \
 	} while (0)
-
-static void on_alarm(int sig)
-{
-	static const char a[] = "FAIL watchdog fired (hang) in phase: ";
-	const char *p = phase;
-	(void)sig;
-	if (write(STDOUT_FILENO, a, sizeof a - 1) < 0 ||
-	    write(STDOUT_FILENO, p, strlen(p)) < 0 ||
-	    write(STDOUT_FILENO, "\n", 1) < 0)
-		_exit(4);
-	_exit(3);
-}
-
-static double now_ms(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
-}
 
 static void sleep_ms(int ms)
 {
@@ -237,7 +169,6 @@ static void *run_thread(void *arg)
 	atomic_store(&runner.rc, rdmasafe_cq_loop_run(runner.loop));
 	return NULL;
 }
-
 
 static void test_bad_handles(const char *what, struct rdmasafe_cq_loop *bad,
 			     struct ibv_cq *cq, struct ibv_qp *qp)
