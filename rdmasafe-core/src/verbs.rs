@@ -332,7 +332,8 @@ pub struct Mr(Arc<MrInner>);
 
 impl Mr {
     /// Allocates `len` zeroed bytes and registers them (`ibv_reg_mr`) for
-    /// local and remote read and write.
+    /// local and remote read and write (`len` 0: one byte, so the MR has
+    /// an address).
     pub fn new(pd: &Pd, len: usize) -> Result<Mr> {
         Mr::from_box(pd, vec![0u8; len.max(1)].into_boxed_slice(), MrAccess::ALL)
     }
@@ -542,12 +543,15 @@ impl CompChannel {
     /// `cqs` is acked at once (so that CQ's destroy cannot hang), logged
     /// with the CQ's address, and returned as an error (EPROTO) that names
     /// the CQ ([`Error::object`]): pass every CQ bound to this channel.
+    /// No event: EAGAIN with [`Wait::None`] ([`Error::is_would_block`]),
+    /// ETIMEDOUT when a [`Wait::For`] ran out ([`Error::is_timeout`]).
     pub fn get_event<'c>(&self, cqs: &[&'c Cq], wait: Wait) -> Result<&'c Cq> {
         if wait != Wait::Forever {
             let [ready] = sys::poll_readable([self.as_raw_fd()], wait)
                 .map_err(|e| Error::new("poll", e.raw_os_error().unwrap_or(libc::EIO)))?;
             if !ready {
-                return Err(Error::new("ibv_get_cq_event", libc::ETIMEDOUT));
+                let errno = if wait == Wait::None { libc::EAGAIN } else { libc::ETIMEDOUT };
+                return Err(Error::new("ibv_get_cq_event", errno));
             }
         }
         let mut cq = std::ptr::null_mut();

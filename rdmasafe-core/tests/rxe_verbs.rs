@@ -244,3 +244,20 @@ fn a_write_into_a_region_that_forbids_it_is_a_remote_access_error() {
     // SAFETY: the MR and the QPs are gone; nothing uses the mapping.
     assert_eq!(unsafe { libc::munmap(map, len) }, 0);
 }
+
+/// `CompChannel::get_event` on an empty channel says "nothing now" as the
+/// rest of the API does: EAGAIN for `Wait::None` (it said ETIMEDOUT, which
+/// `is_would_block` does not match), ETIMEDOUT for a wait that ran out.
+#[test]
+fn an_empty_comp_channel_is_would_block_without_a_wait_and_a_timeout_with_one() {
+    let bed = common::bed();
+    let _dog = common::watchdog("empty comp channel", Duration::from_secs(60));
+    let (ctx, _ch) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let cq = Cq::new(&ctx, 4, Some(&chan)).unwrap();
+    cq.req_notify(false).unwrap();
+    let e = chan.get_event(&[&cq], rdmasafe_core::Wait::None).map(|_| ()).unwrap_err();
+    assert!(e.is_would_block(), "Wait::None on an empty channel: {e}");
+    let e = chan.get_event(&[&cq], rdmasafe_core::Wait::For(Duration::from_millis(20))).map(|_| ()).unwrap_err();
+    assert!(e.is_timeout(), "a 20 ms wait on an empty channel: {e}");
+}
