@@ -7,6 +7,12 @@
 //! - any other text with a URL (`scheme://`) or a relative path with `../`
 //!   that leaves the repository (code blocks included).
 //!
+//!
+//! `docs_name_tests_that_exist` fails on a test named as `file.rs::name`
+//! (the docs cite the test that shows a claim) that no `.rs` file of that
+//! name in the repository defines as `fn name`: a renamed test leaves a
+//! stale citation otherwise.
+//!
 //! Runs on the host, reads files only.
 
 use std::fs;
@@ -183,4 +189,95 @@ fn the_checks_catch_what_they_should() {
         assert!(problems.iter().any(|p| p.ends_with(want)), "not caught: {want}: {problems:?}");
     }
     assert_eq!(problems.len(), 7, "{problems:?}");
+}
+
+/// The `.rs` files below `dir`, but for build output and hidden folders.
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let Ok(entries) = fs::read_dir(dir) else { return };
+    for p in entries.flatten().map(|e| e.path()) {
+        let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if p.is_dir() {
+            if name != "target" && !name.starts_with('.') {
+                rust_files(&p, out);
+            }
+        } else if name.ends_with(".rs") {
+            out.push(p);
+        }
+    }
+}
+
+/// The `file.rs::name` citations on one line: (the path as written, name).
+fn test_citations(line: &str) -> Vec<(String, String)> {
+    let word = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let mut out = Vec::new();
+    let mut from = 0;
+    while let Some(at) = line[from..].find(".rs::") {
+        let at = from + at;
+        let start = line[..at].rfind(|c: char| !(word(c) || "/.-".contains(c))).map_or(0, |i| i + 1);
+        let rest = &line[at + 5..];
+        let end = rest.find(|c: char| !word(c)).unwrap_or(rest.len());
+        if start < at && end > 0 {
+            out.push((line[start..at + 3].to_string(), rest[..end].to_string()));
+        }
+        from = at + 5;
+    }
+    out
+}
+
+/// The citations of `file` that name no `fn` in a file of that path.
+fn check_citations(root: &Path, file: &Path, sources: &[PathBuf], problems: &mut Vec<String>) {
+    let text = fs::read_to_string(file).unwrap_or_else(|e| panic!("read {}: {e}", file.display()));
+    let rel_file = file.strip_prefix(root).unwrap_or(file).display().to_string();
+    for (n, line) in text.lines().enumerate() {
+        for (path, name) in test_citations(line) {
+            let path = path.trim_start_matches("./");
+            let defines = |p: &PathBuf| {
+                let rel = p.strip_prefix(root).unwrap_or(p).to_string_lossy().replace('\\', "/");
+                (rel == path || rel.ends_with(&format!("/{path}")))
+                    && fs::read_to_string(p)
+                        .is_ok_and(|t| t.contains(&format!("fn {name}(")) || t.contains(&format!("fn {name}<")))
+            };
+            if !sources.iter().any(defines) {
+                problems.push(format!("{rel_file}:{}: {path}::{name} names no fn of that file", n + 1));
+            }
+        }
+    }
+}
+
+#[test]
+fn docs_name_tests_that_exist() {
+    let root = root();
+    let mut files = vec![root.join("README.md")];
+    markdown_files(&root.join("docs"), &mut files);
+    markdown_files(&root.join("man"), &mut files);
+    let mut sources = Vec::new();
+    rust_files(&root, &mut sources);
+    let mut problems = Vec::new();
+    let mut cited = 0;
+    for f in &files {
+        cited += test_citations(&fs::read_to_string(f).unwrap()).len();
+        check_citations(&root, f, &sources, &mut problems);
+    }
+    println!("[doc_links] {cited} test citations in {} files", files.len());
+    assert!(cited >= 10, "the docs cite fewer tests than expected ({cited}): is the pattern still file.rs::name?");
+    assert!(problems.is_empty(), "stale test citations:\n  {}", problems.join("\n  "));
+}
+
+#[test]
+fn the_citation_check_catches_a_renamed_test() {
+    let dir = std::env::temp_dir().join(format!("rdmasafe-cites-{}", std::process::id()));
+    fs::create_dir_all(dir.join("x/tests")).unwrap();
+    fs::write(dir.join("x/tests/rxe_a.rs"), "#[test]\nfn kept() {}\nfn generic<T>() {}\n").unwrap();
+    let doc = dir.join("d.md");
+    fs::write(&doc, "`rxe_a.rs::kept` and x/tests/rxe_a.rs::generic;\n(`rxe_a.rs::renamed`, `rxe_b.rs::kept`)\n")
+        .unwrap();
+    let mut sources = Vec::new();
+    rust_files(&dir, &mut sources);
+    let mut problems = Vec::new();
+    check_citations(&dir, &doc, &sources, &mut problems);
+    let _ = fs::remove_dir_all(&dir);
+    assert_eq!(problems.len(), 2, "{problems:?}");
+    assert!(problems[0].ends_with("rxe_a.rs::renamed names no fn of that file"), "{problems:?}");
+    assert!(problems[1].ends_with("rxe_b.rs::kept names no fn of that file"), "{problems:?}");
+    assert!(problems.iter().all(|p| p.contains("d.md:2:")), "{problems:?}");
 }
