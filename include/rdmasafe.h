@@ -102,9 +102,10 @@
 #include <stdint.h>
 #include <stddef.h>
 #include <rdma/rdma_cma.h>
-/** "MAJOR.MINOR.PATCH" of this header (compare with rdmasafe_version()). */
+/* Helpers of RDMASAFE_VERSION_STRING. */
 #define RDMASAFE_STRINGIFY_(x) #x
 #define RDMASAFE_STRINGIFY(x) RDMASAFE_STRINGIFY_(x)
+/** "MAJOR.MINOR.PATCH" of this header (compare with rdmasafe_version()). */
 #define RDMASAFE_VERSION_STRING RDMASAFE_STRINGIFY(RDMASAFE_VERSION_MAJOR) "." RDMASAFE_STRINGIFY(RDMASAFE_VERSION_MINOR) "." RDMASAFE_STRINGIFY(RDMASAFE_VERSION_PATCH)
 
 
@@ -332,7 +333,8 @@ struct rdmasafe_cm_counters {
 struct rdmasafe_cq_loop_options {
   /**
    * `sizeof(struct rdmasafe_cq_loop_options)` as the caller's header
-   * declares it (see "Struct sizes" at the top of this header).
+   * declares it (see "Struct sizes" at the top of this header, or STRUCT
+   * SIZES in rdmasafe(7)).
    */
   uint32_t size;
   /**
@@ -377,7 +379,8 @@ struct rdmasafe_cq_loop_options {
    * timing reads the clock n + 1 times per n callbacks, and where the
    * clocksource is not the TSC (many VMs) each read is a system call.
    * Off, the loop reads the clock only for keepalives, the watchdog,
-   * drain and call timeouts, and adaptive mode's spin.
+   * drain and call timeouts, adaptive mode's spin, and learning mode's
+   * measurements (idle times and wake costs).
    */
   int timing_stats;
   /**
@@ -439,8 +442,10 @@ struct rdmasafe_cq_options {
  * `rdmasafe_cq_loop_remove_cq_async` or the QP of
  * `rdmasafe_cq_loop_drain_qp_async`, `result` 0 or a negative errno. Runs
  * on the thread that runs the loop (or on the caller's, when the loop is
- * idle and the change completes within the call). `ibv_destroy_cq` of a
- * removed CQ may be called from it.
+ * idle and the change completes within the call; or, with -ECANCELED, on
+ * the thread in `rdmasafe_cq_loop_destroy`, for a change the loop had not
+ * finished when it was destroyed). `ibv_destroy_cq` of a removed CQ may be
+ * called from it.
  */
 typedef void (*rdmasafe_done_cb)(void *ctx, void *object, int result);
 
@@ -665,8 +670,9 @@ extern "C" {
 /**
  * The library's version: returns "MAJOR.MINOR.PATCH" (static, never NULL)
  * and stores the parts through the pointers that are not NULL. Compare
- * with RDMASAFE_VERSION_MAJOR / _MINOR / _PATCH from the header the
- * program was built with: the same major and a minor at least the
+ * with RDMASAFE_VERSION_MAJOR, RDMASAFE_VERSION_MINOR and
+ * RDMASAFE_VERSION_PATCH (RDMASAFE_VERSION_STRING: all three) from the
+ * header the program was built with: the same major and a minor at least the
  * header's means every function and struct field the program knows is
  * there. Thread-safe, never fails.
  *
@@ -691,7 +697,8 @@ const char *rdmasafe_version(int *major, int *minor, int *patch);
  * a thread waiting with -1. Once an event is there, taking, copying and
  * acking it runs with cancellation deferred.
  *
- * Returns 0, -EINVAL (NULL argument, `timeout_ms < -1`), -EAGAIN
+ * Returns 0, -EINVAL (NULL argument, `timeout_ms < -1`, `out->size` not
+ * set or over 4096: nothing is read from the fd), -EAGAIN
  * (`timeout_ms == 0`, none), -ETIMEDOUT, -EINTR (a signal), or a
  * negative errno.
  *
@@ -731,8 +738,10 @@ const char *rdmasafe_async_event_str(uint32_t event_type);
  * still handles an event of the id has freed it, and a program that
  * destroys an id while another thread finishes handling its event keeps
  * working after the rename. Unlike librdmacm, a copy that is held (in a
- * queue, by a slow worker, forgotten) blocks them at most the deadline;
- * then its original is acked (logged: the first time in the process at
+ * queue, by a slow worker, forgotten) blocks them at most the deadline
+ * plus the ack thread's scan period (see `rdmasafe_cm_set_ack_deadline`:
+ * a quarter of the shortest deadline used so far, at most 250 ms, so
+ * about 1.25 s by default); then its original is acked (logged: the first time in the process at
  * warn level, later ones at debug level; `acked_at_deadline` of
  * `rdmasafe_cm_get_counters` counts them all), and the copy stays valid.
  *
@@ -944,7 +953,8 @@ int rdmasafe_cm_set_limit(uint64_t max_outstanding);
  * rdmasafe's storage (proportional to `slots_allocated`, the slots ever
  * allocated, which `rdmasafe_cm_reserve` raises).
  *
- * Returns 0, or -EINVAL if `out` is NULL or its size is not set.
+ * Returns 0, or -EINVAL if `out` is NULL or `out->size` is not set or over
+ * 4096.
  *
  * # Safety
  * `out` must be NULL or writable for its stated size.
@@ -967,9 +977,9 @@ int rdmasafe_cm_reserve(int n);
  * may be NULL for the defaults (event mode).
  *
  * Returns 0 and stores the loop in `*out`, or -EINVAL (NULL `channel` or
- * `out`, an option out of range, `opts->size` not set), -E2BIG (`opts` has
- * fields this library does not know set), -EBUSY (the channel has a loop
- * already), -EMFILE (4096 loops exist), -ENOMEM, or another negative
+ * `out`, an option out of range, `opts->size` not set or over 4096),
+ * -E2BIG (`opts` has fields this library does not know set), -EBUSY (the
+ * channel has a loop already), -EMFILE (4096 loops exist), -ENOMEM, or another negative
  * errno. `*out` is untouched on failure.
  *
  * # Safety
@@ -1012,8 +1022,8 @@ int rdmasafe_cq_loop_add_cq(struct rdmasafe_cq_loop *cq_loop,
  * NULL): which completions arm it (`notify`) and a per-cycle budget.
  *
  * Returns as `rdmasafe_cq_loop_add_cq`, and -EINVAL for an option out of
- * range or `opts->size` not set, -E2BIG for fields this library does not
- * know set.
+ * range or `opts->size` not set or over 4096, -E2BIG for fields this
+ * library does not know set.
  *
  * # Safety
  * `cq` NULL or a live CQ; `opts` NULL or readable for its `size`.
@@ -1196,7 +1206,8 @@ int rdmasafe_cq_loop_set_outstanding(struct rdmasafe_cq_loop *cq_loop, uint64_t 
  * Reads the loop's figures into `*out` (set `out->size` first) without
  * stopping it. Thread-safe, takes no lock.
  *
- * Returns 0, or -EINVAL (unknown loop, NULL `out`, size not set).
+ * Returns 0, or -EINVAL (unknown loop, NULL `out`, `out->size` not set or
+ * over 4096).
  *
  * # Safety
  * `out` NULL or writable for its `size`.
@@ -1257,7 +1268,9 @@ int rdmasafe_cq_loop_drain_qp(struct rdmasafe_cq_loop *cq_loop,
  * `done(done_ctx, qp, result)` is called once with its result (0,
  * -ETIMEDOUT, -ECANCELED, -EINVAL when a CQ of the QP left the loop
  * before the drain started, ...) on the thread that runs the loop; the
- * drain makes progress as the loop runs.
+ * drain makes progress as the loop runs. -ECANCELED: a CQ of the QP left
+ * the loop during the drain, or the loop was destroyed first (then `done`
+ * runs on the thread in `rdmasafe_cq_loop_destroy`, before it returns).
  *
  * Returns 0 (`done` will be called), -EINVAL (NULL `qp` or `done`, unknown
  * loop, CQs not in the loop, `timeout_ms <= 0`; `done` is not called).
@@ -1339,7 +1352,10 @@ int rdmasafe_cq_loop_remove_keepalive(struct rdmasafe_cq_loop *cq_loop, struct i
 /**
  * Destroys the loop: acks every pending CQ event and every event still in
  * the channel, drops the callbacks, restores the channel fd's flags, so
- * that afterwards each of its CQs can be destroyed. Does not destroy the
+ * that afterwards each of its CQs can be destroyed. A drain still in
+ * progress ends with -ECANCELED: the `done` of
+ * `rdmasafe_cq_loop_drain_qp_async` is called on this thread before this
+ * returns. Does not destroy the
  * CQs or the channel (the app's). The handle is invalid afterwards: every
  * later call with it (destroy included) returns -EINVAL, even if a new
  * loop is created at the same time.

@@ -110,8 +110,9 @@ pub(crate) unsafe fn write_out<T: Copy>(p: *mut T, v: &T) -> Result<(), c_int> {
 
 /// The library's version: returns "MAJOR.MINOR.PATCH" (static, never NULL)
 /// and stores the parts through the pointers that are not NULL. Compare
-/// with RDMASAFE_VERSION_MAJOR / _MINOR / _PATCH from the header the
-/// program was built with: the same major and a minor at least the
+/// with RDMASAFE_VERSION_MAJOR, RDMASAFE_VERSION_MINOR and
+/// RDMASAFE_VERSION_PATCH (RDMASAFE_VERSION_STRING: all three) from the
+/// header the program was built with: the same major and a minor at least the
 /// header's means every function and struct field the program knows is
 /// there. Thread-safe, never fails.
 ///

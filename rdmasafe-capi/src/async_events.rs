@@ -66,7 +66,8 @@ pub struct rdmasafe_async_event {
 /// a thread waiting with -1. Once an event is there, taking, copying and
 /// acking it runs with cancellation deferred.
 ///
-/// Returns 0, -EINVAL (NULL argument, `timeout_ms < -1`), -EAGAIN
+/// Returns 0, -EINVAL (NULL argument, `timeout_ms < -1`, `out->size` not
+/// set or over 4096: nothing is read from the fd), -EAGAIN
 /// (`timeout_ms == 0`, none), -ETIMEDOUT, -EINTR (a signal), or a
 /// negative errno.
 ///

@@ -54,8 +54,10 @@ fn wait_of(timeout_ms: c_int) -> Option<Wait> {
 /// still handles an event of the id has freed it, and a program that
 /// destroys an id while another thread finishes handling its event keeps
 /// working after the rename. Unlike librdmacm, a copy that is held (in a
-/// queue, by a slow worker, forgotten) blocks them at most the deadline;
-/// then its original is acked (logged: the first time in the process at
+/// queue, by a slow worker, forgotten) blocks them at most the deadline
+/// plus the ack thread's scan period (see `rdmasafe_cm_set_ack_deadline`:
+/// a quarter of the shortest deadline used so far, at most 250 ms, so
+/// about 1.25 s by default); then its original is acked (logged: the first time in the process at
 /// warn level, later ones at debug level; `acked_at_deadline` of
 /// `rdmasafe_cm_get_counters` counts them all), and the copy stays valid.
 ///
@@ -454,7 +456,8 @@ pub struct rdmasafe_cm_counters {
 /// rdmasafe's storage (proportional to `slots_allocated`, the slots ever
 /// allocated, which `rdmasafe_cm_reserve` raises).
 ///
-/// Returns 0, or -EINVAL if `out` is NULL or its size is not set.
+/// Returns 0, or -EINVAL if `out` is NULL or `out->size` is not set or over
+/// 4096.
 ///
 /// # Safety
 /// `out` must be NULL or writable for its stated size.

@@ -83,8 +83,10 @@ pub type rdmasafe_wc_cb = Option<unsafe extern "C" fn(ctx: *mut c_void, wc: *con
 /// `rdmasafe_cq_loop_remove_cq_async` or the QP of
 /// `rdmasafe_cq_loop_drain_qp_async`, `result` 0 or a negative errno. Runs
 /// on the thread that runs the loop (or on the caller's, when the loop is
-/// idle and the change completes within the call). `ibv_destroy_cq` of a
-/// removed CQ may be called from it.
+/// idle and the change completes within the call; or, with -ECANCELED, on
+/// the thread in `rdmasafe_cq_loop_destroy`, for a change the loop had not
+/// finished when it was destroyed). `ibv_destroy_cq` of a removed CQ may be
+/// called from it.
 pub type rdmasafe_done_cb = Option<unsafe extern "C" fn(ctx: *mut c_void, object: *mut c_void, result: c_int)>;
 
 /// Options of `rdmasafe_cq_loop_create`. Zero-initialise, set `size`, and
@@ -94,7 +96,8 @@ pub type rdmasafe_done_cb = Option<unsafe extern "C" fn(ctx: *mut c_void, object
 #[derive(Clone, Copy, Debug, Default)]
 pub struct rdmasafe_cq_loop_options {
     /// `sizeof(struct rdmasafe_cq_loop_options)` as the caller's header
-    /// declares it (see "Struct sizes" at the top of this header).
+    /// declares it (see "Struct sizes" at the top of this header, or STRUCT
+    /// SIZES in rdmasafe(7)).
     pub size: u32,
     /// RDMASAFE_MODE_EVENT (default), RDMASAFE_MODE_BUSY_POLL,
     /// RDMASAFE_MODE_ADAPTIVE (fixed spin) or RDMASAFE_MODE_LEARNING.
@@ -125,7 +128,8 @@ pub struct rdmasafe_cq_loop_options {
     /// timing reads the clock n + 1 times per n callbacks, and where the
     /// clocksource is not the TSC (many VMs) each read is a system call.
     /// Off, the loop reads the clock only for keepalives, the watchdog,
-    /// drain and call timeouts, and adaptive mode's spin.
+    /// drain and call timeouts, adaptive mode's spin, and learning mode's
+    /// measurements (idle times and wake costs).
     pub timing_stats: c_int,
     /// RDMASAFE_MODE_LEARNING only: how many microseconds of CPU one
     /// microsecond of added latency is worth when the loop prices the ways
@@ -352,9 +356,9 @@ fn cq_options(o: &rdmasafe_cq_options, defaults: CqOptions) -> Result<CqOptions,
 /// may be NULL for the defaults (event mode).
 ///
 /// Returns 0 and stores the loop in `*out`, or -EINVAL (NULL `channel` or
-/// `out`, an option out of range, `opts->size` not set), -E2BIG (`opts` has
-/// fields this library does not know set), -EBUSY (the channel has a loop
-/// already), -EMFILE (4096 loops exist), -ENOMEM, or another negative
+/// `out`, an option out of range, `opts->size` not set or over 4096),
+/// -E2BIG (`opts` has fields this library does not know set), -EBUSY (the
+/// channel has a loop already), -EMFILE (4096 loops exist), -ENOMEM, or another negative
 /// errno. `*out` is untouched on failure.
 ///
 /// # Safety
@@ -496,8 +500,8 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_add_cq(
 /// NULL): which completions arm it (`notify`) and a per-cycle budget.
 ///
 /// Returns as `rdmasafe_cq_loop_add_cq`, and -EINVAL for an option out of
-/// range or `opts->size` not set, -E2BIG for fields this library does not
-/// know set.
+/// range or `opts->size` not set or over 4096, -E2BIG for fields this
+/// library does not know set.
 ///
 /// # Safety
 /// `cq` NULL or a live CQ; `opts` NULL or readable for its `size`.
@@ -855,7 +859,8 @@ pub extern "C" fn rdmasafe_cq_loop_set_outstanding(cq_loop: *mut rdmasafe_cq_loo
 /// Reads the loop's figures into `*out` (set `out->size` first) without
 /// stopping it. Thread-safe, takes no lock.
 ///
-/// Returns 0, or -EINVAL (unknown loop, NULL `out`, size not set).
+/// Returns 0, or -EINVAL (unknown loop, NULL `out`, `out->size` not set or
+/// over 4096).
 ///
 /// # Safety
 /// `out` NULL or writable for its `size`.
@@ -991,7 +996,9 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_drain_qp(
 /// `done(done_ctx, qp, result)` is called once with its result (0,
 /// -ETIMEDOUT, -ECANCELED, -EINVAL when a CQ of the QP left the loop
 /// before the drain started, ...) on the thread that runs the loop; the
-/// drain makes progress as the loop runs.
+/// drain makes progress as the loop runs. -ECANCELED: a CQ of the QP left
+/// the loop during the drain, or the loop was destroyed first (then `done`
+/// runs on the thread in `rdmasafe_cq_loop_destroy`, before it returns).
 ///
 /// Returns 0 (`done` will be called), -EINVAL (NULL `qp` or `done`, unknown
 /// loop, CQs not in the loop, `timeout_ms <= 0`; `done` is not called).
@@ -1145,7 +1152,10 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_remove_keepalive(cq_loop: *mut rdmasaf
 
 /// Destroys the loop: acks every pending CQ event and every event still in
 /// the channel, drops the callbacks, restores the channel fd's flags, so
-/// that afterwards each of its CQs can be destroyed. Does not destroy the
+/// that afterwards each of its CQs can be destroyed. A drain still in
+/// progress ends with -ECANCELED: the `done` of
+/// `rdmasafe_cq_loop_drain_qp_async` is called on this thread before this
+/// returns. Does not destroy the
 /// CQs or the channel (the app's). The handle is invalid afterwards: every
 /// later call with it (destroy included) returns -EINVAL, even if a new
 /// loop is created at the same time.

@@ -61,6 +61,13 @@ fn every_export_rejects_bad_input_with_its_documented_error() {
     // SAFETY: zeroed plain C struct.
     let mut aev: rdmasafe_async_event = unsafe { std::mem::zeroed() };
     aev.size = std::mem::size_of::<rdmasafe_async_event>() as u32;
+    // The size rule of every sized output struct (the header's "Struct
+    // sizes"): 0 (never set) and above 4096 are EINVAL, before the fd or
+    // the loop is looked at.
+    let mut aev_unset = aev;
+    aev_unset.size = 0;
+    let mut aev_huge = aev;
+    aev_huge.size = 4097;
 
     // SAFETY (all rows): every pointer is NULL, or one the function looks up
     // before use (events, loops), or scalars are checked before a non-NULL
@@ -259,6 +266,8 @@ fn every_export_rejects_bad_input_with_its_documented_error() {
             ("rdmasafe_async_get", "NULL context", rdmasafe_async_get(null_mut(), &mut aev, 0) == -libc::EINVAL),
             ("rdmasafe_async_get", "NULL out", rdmasafe_async_get(wild.cast(), null_mut(), 0) == -libc::EINVAL),
             ("rdmasafe_async_get", "timeout -2", rdmasafe_async_get(wild.cast(), &mut aev, -2) == -libc::EINVAL),
+            ("rdmasafe_async_get", "size 0", rdmasafe_async_get(wild.cast(), &mut aev_unset, 0) == -libc::EINVAL),
+            ("rdmasafe_async_get", "size 4097", rdmasafe_async_get(wild.cast(), &mut aev_huge, 0) == -libc::EINVAL),
             ("rdmasafe_async_event_str", "u32::MAX", !rdmasafe_async_event_str(u32::MAX).is_null()),
             ("rdmasafe_set_log_level", "6", rdmasafe_set_log_level(6) == -libc::EINVAL),
             ("rdmasafe_version", "NULL parts", !rdmasafe_version(null_mut(), null_mut(), null_mut()).is_null()),

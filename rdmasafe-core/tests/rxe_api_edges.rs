@@ -741,6 +741,46 @@ fn a_late_marker_stays_the_loops_after_its_loop_is_dropped() {
     a_late_marker_stays_the_loops_after(Readd::LoopDropped);
 }
 
+/// A drain in progress when its loop is dropped ends with ECANCELED, its
+/// `done` called on the dropping thread before the drop returns (the
+/// header's promise for `rdmasafe_cq_loop_destroy`). Nobody runs the loop
+/// between the start of the drain and the drop, so the drain cannot have
+/// finished otherwise (checked: `done` not called before the drop).
+#[test]
+fn a_drain_in_progress_ends_with_ecanceled_on_the_dropping_thread() {
+    let _s = serial();
+    let _dog = common::watchdog("a drain cancelled by the drop", Duration::from_secs(300));
+    let chan = channel();
+    let pair = rc_pair(common::bed().addr, &chan, false, 16);
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    lp.add_cq(&pair.server_cq, |_, _| {}).unwrap();
+    lp.process_once(Wait::None).unwrap();
+    type Called = Option<(std::thread::ThreadId, Result<(), i32>)>;
+    let called: Arc<Mutex<Called>> = Arc::new(Mutex::new(None));
+    let c2 = called.clone();
+    {
+        let s = pair.server.lock().unwrap();
+        lp.control()
+            .drain_id_then(
+                &s.id,
+                Duration::from_secs(60),
+                Box::new(move |r| *c2.lock().unwrap() = Some((std::thread::current().id(), r.map_err(|e| e.errno())))),
+            )
+            .unwrap();
+    }
+    assert!(
+        called.lock().unwrap().is_none(),
+        "the drain was still in progress when the loop was dropped (the premise)"
+    );
+    drop(lp);
+    let got = called.lock().unwrap().take();
+    assert_eq!(
+        got,
+        Some((std::thread::current().id(), Err(libc::ECANCELED))),
+        "done called with ECANCELED on the dropping thread before the drop returned"
+    );
+}
+
 /// How a keepalive's probe is left out when its send CQ leaves the loop.
 #[derive(Debug, Clone, Copy)]
 enum ProbeLeft {

@@ -370,8 +370,31 @@ fn check_coverage(files: &BTreeMap<String, String>, header: &cheader::Header) ->
 fn no_doc_text_is_lost() {
     let header = cheader::parse(&read("include/rdmasafe.h")).expect("parse include/rdmasafe.h");
     let files = generate_from_tree();
-    let problems = check_coverage(&files, &header);
+    let mut problems = check_coverage(&files, &header);
+    problems.extend(check_constants(&files, &header));
     assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// Every constant the header documents is on a function page (a page
+/// lists the constants its functions' docs name in full), and no page
+/// shows a constant or field without its doc ("Not documented.").
+fn check_constants(files: &BTreeMap<String, String>, header: &cheader::Header) -> Vec<String> {
+    let mut problems = Vec::new();
+    for k in header.consts.iter().filter(|k| !k.doc.trim().is_empty()) {
+        let listed = format!(".BR \"{}\"", k.name);
+        if !files.iter().any(|(name, page)| name.starts_with("man3/") && page.contains(&listed)) {
+            problems.push(format!(
+                "{}: documented in the header, on no page (name it in full in a function's doc)",
+                k.name
+            ));
+        }
+    }
+    for (name, page) in files {
+        if page.contains("Not documented.") {
+            problems.push(format!("{name}: shows a constant or field without its doc"));
+        }
+    }
+    problems
 }
 
 // ------------------------------------------------ a different header

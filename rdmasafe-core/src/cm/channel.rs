@@ -185,6 +185,11 @@ impl EventChannel {
     }
 
     /// Waits for the next event, copies and acks it.
+    ///
+    /// Errors (here and in the other gets): ENOBUFS when the process holds
+    /// as many copies as [`crate::cm::set_limit`] allows (the event stays
+    /// in the kernel for a later get), ENOMEM when no storage for a copy
+    /// can be had (likewise), or librdmacm's errno.
     pub fn get(&self) -> Result<CmEvent> {
         self.getter().get_with(Wait::Forever, Some(&self.inner))
     }
@@ -206,7 +211,8 @@ impl EventChannel {
     /// Waits per `wait` for a first event, then takes up to `max - 1` more
     /// that are ready without waiting, appending them to `out`. Returns how
     /// many it appended (at least 1), or the error of the first get
-    /// (EAGAIN for `Wait::None`, ETIMEDOUT for `Wait::For`).
+    /// (EAGAIN for `Wait::None`, ETIMEDOUT for `Wait::For`, those of
+    /// [`EventChannel::get`]); EINVAL if `max` is 0.
     /// `out` grows only if its capacity is too small.
     pub fn get_batch(&self, out: &mut Vec<CmEvent>, max: usize, wait: Wait) -> Result<usize> {
         self.getter().batch_with(out, max, wait, Some(&self.inner))

@@ -1348,7 +1348,8 @@ pub struct Counters {
 }
 
 /// Reads the process-wide counters (never blocks; the oldest copy's age is
-/// found by a scan of the slots, proportional to [`Counters::high_water`]).
+/// found by a scan of every slot ever allocated, [`Counters::slots_allocated`]:
+/// [`reserve`] raises it beyond [`Counters::high_water`]).
 pub fn counters() -> Counters {
     let a = arena();
     let now = sys::coarse_now_ms();

@@ -654,7 +654,11 @@ impl LoopControl {
 
     /// Starts a drain (see [`LoopControl::drain_qp`]) and never blocks:
     /// `done` gets its result, on the thread that runs the loop (or on
-    /// the caller's when it finishes at once).
+    /// the caller's when it finishes at once). ECANCELED if a CQ of the QP
+    /// leaves the loop during the drain, or if the loop is dropped first:
+    /// then `done` runs on the dropping thread, before the drop returns
+    /// (or, when the drop raced with this call, on whichever thread held
+    /// the loop last).
     ///
     /// # Safety
     /// As for [`LoopControl::drain_qp`], until `done` is called.

@@ -88,6 +88,11 @@ impl CqLoop {
     /// A loop on `channel`. The loop puts the channel's fd in non-blocking
     /// mode (restored when the loop is dropped) and from now on is the only
     /// reader of the channel.
+    ///
+    /// Errors: EINVAL for an option out of its range (see
+    /// [`LoopOptions`]), EBUSY if the channel has a loop already, or the
+    /// errno of a system call that set the loop up (its epoll, eventfd and
+    /// timerfd, `fcntl` of the channel's fd).
     pub fn new(channel: &CompChannel, opts: LoopOptions) -> Result<CqLoop> {
         Self::with_channel(LiveChannel::owned(channel), opts)
     }

@@ -189,7 +189,7 @@ where
 }
 
 impl LocalCqLoop {
-    /// A loop on `channel` (see [`CqLoop::new`]).
+    /// A loop on `channel` (see [`CqLoop::new`], and its errors).
     pub fn new(channel: &CompChannel, opts: LoopOptions) -> Result<LocalCqLoop> {
         Ok(LocalCqLoop {
             inner: CqLoop::new(channel, opts)?,

@@ -93,8 +93,9 @@ pub struct LoopOptions {
     /// acpi_pm, some clouds' kvm-clock or xen set-ups) every read is a
     /// system call, which would double the system calls of an event-mode
     /// wakeup. With it off the loop reads the clock only for what needs a
-    /// time: keepalives, the watchdog, drain and call timeouts, and
-    /// adaptive mode's spin.
+    /// time: keepalives, the watchdog, drain and call timeouts, adaptive
+    /// mode's spin, and learning mode's measurements (see
+    /// [`Mode::Learning`]).
     pub timing_stats: bool,
     /// [`Mode::Learning`] only: how many microseconds of CPU one
     /// microsecond of added latency is worth when the loop prices the ways
