@@ -738,10 +738,10 @@ const char *rdmasafe_async_event_str(uint32_t event_type);
  * still handles an event of the id has freed it, and a program that
  * destroys an id while another thread finishes handling its event keeps
  * working after the rename. Unlike librdmacm, a copy that is held (in a
- * queue, by a slow worker, forgotten) blocks them at most the deadline
- * plus the ack thread's scan period (see `rdmasafe_cm_set_ack_deadline`:
- * a quarter of the shortest deadline used so far, at most 250 ms, so
- * about 1.25 s by default); then its original is acked (logged: the first time in the process at
+ * queue, by a slow worker, forgotten) blocks them only a little longer
+ * than the deadline (the ack thread's scans: see
+ * `rdmasafe_cm_set_ack_deadline`; by default about 1.25 s at most); then
+ * its original is acked (logged: the first time in the process at
  * warn level, later ones at debug level; `acked_at_deadline` of
  * `rdmasafe_cm_get_counters` counts them all), and the copy stays valid.
  *
@@ -903,13 +903,18 @@ const char *rdmasafe_event_str(int event);
 /**
  * Sets how long librdmacm's original event stays un-acked after a get
  * (the destroy barrier, see `rdmasafe_get_event`): until the copy is
- * freed, at most `ms` milliseconds (a background thread acks it after
- * that, within its scan period: a quarter of the shortest deadline any get
- * of the process has used so far, 1 to 250 ms; up to 250 ms for the first
- * get with a deadline shorter than any before; a get takes no lock for it). 0 acks at once (a held copy then never
+ * freed, at most `ms` milliseconds. A background thread acks it after
+ * that: it scans the copies every quarter of the shortest deadline any get
+ * of the process has used so far (1 to 250 ms; a scan visits every copy
+ * slot allocated) against the kernel's coarse clock (a tick of a few ms),
+ * so an original is acked at most that long after its deadline, or up to
+ * 250 ms after it while the thread ends a sleep it began before a
+ * deadline shorter than any before was first used (a get takes no lock
+ * for it). 0 acks at once (a held copy then never
  * delays `rdma_destroy_id`, and `ev->id` may be destroyed while the copy is
  * held). With a deadline, a thread that destroys an event's id before it
- * frees the copy waits in `rdma_destroy_id` until the deadline (where
+ * frees the copy waits in `rdma_destroy_id` until the original is acked at
+ * its deadline, as above (where
  * librdmacm would wait forever; for a CONNECT_REQUEST the listening id's
  * destroy waits, not the new id's): free first, or set 0. The deadlines are
  * kept by one thread for the process, started by the first get with a

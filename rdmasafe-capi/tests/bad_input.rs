@@ -61,9 +61,9 @@ fn every_export_rejects_bad_input_with_its_documented_error() {
     // SAFETY: zeroed plain C struct.
     let mut aev: rdmasafe_async_event = unsafe { std::mem::zeroed() };
     aev.size = std::mem::size_of::<rdmasafe_async_event>() as u32;
-    // The size rule of every sized output struct (the header's "Struct
-    // sizes"): 0 (never set) and above 4096 are EINVAL, before the fd or
-    // the loop is looked at.
+    // The size rule of the sized output structs (the header's "Struct
+    // sizes"): 0 (never set) and above 4096 are EINVAL; rdmasafe_async_get
+    // checks it before it reads the context's fd.
     let mut aev_unset = aev;
     aev_unset.size = 0;
     let mut aev_huge = aev;

@@ -8,10 +8,11 @@
 //!   that leaves the repository (code blocks included).
 //!
 //!
-//! `docs_name_tests_that_exist` fails on a test named as `file.rs::name`
-//! (the docs cite the test that shows a claim) that no `.rs` file of that
-//! name in the repository defines as `fn name`: a renamed test leaves a
-//! stale citation otherwise.
+//! `docs_name_tests_that_exist` fails on a test cited in those Markdown
+//! files as `file.rs::name` or `test_file_stem::name` (the docs cite the
+//! test that shows a claim) that no `.rs` file of that path in the
+//! repository defines as `fn name`: a renamed test leaves a stale citation
+//! otherwise.
 //!
 //! Runs on the host, reads files only.
 
@@ -206,34 +207,64 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-/// The `file.rs::name` citations on one line: (the path as written, name).
-fn test_citations(line: &str) -> Vec<(String, String)> {
+/// The test citations on one line, as (path or stem as written, name):
+/// `path/file.rs::name`, `file.rs::name`, and `stem::name` where `stem`
+/// is the name of a file in `stems` (the test files: `rxe_cq_loop::name`;
+/// a Rust path such as `std::thread` is no citation).
+fn test_citations(line: &str, stems: &[String]) -> Vec<(String, String)> {
     let word = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let path_char = |c: char| word(c) || "/.-".contains(c);
     let mut out = Vec::new();
     let mut from = 0;
-    while let Some(at) = line[from..].find(".rs::") {
+    while let Some(at) = line[from..].find("::") {
         let at = from + at;
-        let start = line[..at].rfind(|c: char| !(word(c) || "/.-".contains(c))).map_or(0, |i| i + 1);
-        let rest = &line[at + 5..];
+        from = at + 2;
+        // The path before "::" (char boundaries: the text may hold any
+        // character), the name after it.
+        let start = line[..at].char_indices().rev().find(|&(_, c)| !path_char(c)).map_or(0, |(i, c)| i + c.len_utf8());
+        let rest = &line[at + 2..];
         let end = rest.find(|c: char| !word(c)).unwrap_or(rest.len());
-        if start < at && end > 0 {
-            out.push((line[start..at + 3].to_string(), rest[..end].to_string()));
+        let (path, name) = (&line[start..at], &rest[..end]);
+        if path.is_empty() || name.is_empty() {
+            continue;
         }
-        from = at + 5;
+        if path.ends_with(".rs") || stems.iter().any(|s| s == path) {
+            out.push((path.to_string(), name.to_string()));
+        }
     }
     out
 }
 
+/// The stems of the test files among `sources` (`rxe_cm` for
+/// `rdmasafe-core/tests/rxe_cm.rs`).
+fn test_stems(sources: &[PathBuf]) -> Vec<String> {
+    let mut stems: Vec<String> = sources
+        .iter()
+        .filter(|p| p.parent().and_then(|d| d.file_name()).is_some_and(|d| d == "tests"))
+        .filter_map(|p| p.file_stem().and_then(|s| s.to_str()).map(str::to_string))
+        .collect();
+    stems.sort();
+    stems.dedup();
+    stems
+}
+
 /// The citations of `file` that name no `fn` in a file of that path.
-fn check_citations(root: &Path, file: &Path, sources: &[PathBuf], problems: &mut Vec<String>) {
+fn check_citations(root: &Path, file: &Path, sources: &[PathBuf], problems: &mut Vec<String>) -> usize {
     let text = fs::read_to_string(file).unwrap_or_else(|e| panic!("read {}: {e}", file.display()));
     let rel_file = file.strip_prefix(root).unwrap_or(file).display().to_string();
+    let stems = test_stems(sources);
+    let mut cited = 0;
     for (n, line) in text.lines().enumerate() {
-        for (path, name) in test_citations(line) {
-            let path = path.trim_start_matches("./");
+        for (path, name) in test_citations(line, &stems) {
+            cited += 1;
+            // A path relative to the doc ("../rdmasafe-core/tests/x.rs")
+            // or the repository ("rdmasafe-core/tests/x.rs"), or a name
+            // alone: matched as the end of a source's path.
+            let tail = path.trim_start_matches(['.', '/']);
+            let tail = if tail.ends_with(".rs") { tail.to_string() } else { format!("{tail}.rs") };
             let defines = |p: &PathBuf| {
                 let rel = p.strip_prefix(root).unwrap_or(p).to_string_lossy().replace('\\', "/");
-                (rel == path || rel.ends_with(&format!("/{path}")))
+                (rel == tail || rel.ends_with(&format!("/{tail}")))
                     && fs::read_to_string(p)
                         .is_ok_and(|t| t.contains(&format!("fn {name}(")) || t.contains(&format!("fn {name}<")))
             };
@@ -242,6 +273,7 @@ fn check_citations(root: &Path, file: &Path, sources: &[PathBuf], problems: &mut
             }
         }
     }
+    cited
 }
 
 #[test]
@@ -253,11 +285,7 @@ fn docs_name_tests_that_exist() {
     let mut sources = Vec::new();
     rust_files(&root, &mut sources);
     let mut problems = Vec::new();
-    let mut cited = 0;
-    for f in &files {
-        cited += test_citations(&fs::read_to_string(f).unwrap()).len();
-        check_citations(&root, f, &sources, &mut problems);
-    }
+    let cited: usize = files.iter().map(|f| check_citations(&root, f, &sources, &mut problems)).sum();
     println!("[doc_links] {cited} test citations in {} files", files.len());
     assert!(cited >= 10, "the docs cite fewer tests than expected ({cited}): is the pattern still file.rs::name?");
     assert!(problems.is_empty(), "stale test citations:\n  {}", problems.join("\n  "));
@@ -267,17 +295,25 @@ fn docs_name_tests_that_exist() {
 fn the_citation_check_catches_a_renamed_test() {
     let dir = std::env::temp_dir().join(format!("rdmasafe-cites-{}", std::process::id()));
     fs::create_dir_all(dir.join("x/tests")).unwrap();
+    fs::create_dir_all(dir.join("docs")).unwrap();
     fs::write(dir.join("x/tests/rxe_a.rs"), "#[test]\nfn kept() {}\nfn generic<T>() {}\n").unwrap();
-    let doc = dir.join("d.md");
-    fs::write(&doc, "`rxe_a.rs::kept` and x/tests/rxe_a.rs::generic;\n(`rxe_a.rs::renamed`, `rxe_b.rs::kept`)\n")
-        .unwrap();
+    let doc = dir.join("docs/d.md");
+    fs::write(
+        &doc,
+        "`rxe_a.rs::kept`, x/tests/rxe_a.rs::generic, \u{201c}rxe_a::kept\u{201d}, ../x/tests/rxe_a.rs::kept;\n\
+         std::thread::spawn and rdmasafe_core::cq are no citations\n\
+         (`rxe_a.rs::renamed`, `rxe_b.rs::kept`, \u{201c}rxe_a::gone\u{201d})\n",
+    )
+    .unwrap();
     let mut sources = Vec::new();
     rust_files(&dir, &mut sources);
     let mut problems = Vec::new();
-    check_citations(&dir, &doc, &sources, &mut problems);
+    let cited = check_citations(&dir, &doc, &sources, &mut problems);
     let _ = fs::remove_dir_all(&dir);
-    assert_eq!(problems.len(), 2, "{problems:?}");
-    assert!(problems[0].ends_with("rxe_a.rs::renamed names no fn of that file"), "{problems:?}");
-    assert!(problems[1].ends_with("rxe_b.rs::kept names no fn of that file"), "{problems:?}");
-    assert!(problems.iter().all(|p| p.contains("d.md:2:")), "{problems:?}");
+    assert_eq!(cited, 7, "{problems:?}");
+    assert_eq!(problems.len(), 3, "{problems:?}");
+    assert!(problems.iter().all(|p| p.contains("d.md:3:")), "{problems:?}");
+    for want in ["rxe_a.rs::renamed", "rxe_b.rs::kept", "rxe_a::gone"] {
+        assert!(problems.iter().any(|p| p.contains(want)), "not caught: {want}: {problems:?}");
+    }
 }

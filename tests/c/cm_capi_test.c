@@ -870,7 +870,7 @@ static void test_barrier(void)
 	      (unsigned long long)(c1.acks_deferred - c0.acks_deferred),
 	      (unsigned long long)(c1.acked_at_free - c0.acked_at_free));
 
-	phase = "barrier bounded: a held copy blocks destroy at most the deadline and a scan period";
+	phase = "barrier bounded: a held copy's destroy returns without a free";
 	rdmasafe_cm_set_ack_deadline(300);
 	counters(&c0);
 	id = resolving_id(ch, 5);

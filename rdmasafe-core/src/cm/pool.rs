@@ -862,11 +862,13 @@ static ACK_DEADLINE_MS: AtomicU64 = AtomicU64::new(u64::MAX);
 
 /// How long a copy got through a [`super::ChannelRef`] (an app channel, as
 /// in the C API) keeps librdmacm's original un-acked: until the copy is
-/// freed or this long after the get, whichever comes first (the reaper
-/// thread acks it after the deadline, within its scan period: a quarter of
-/// the shortest deadline any get of the process has used so far, 1 to
-/// 250 ms; up to 250 ms for the first get with a deadline shorter than any
-/// before). Default
+/// freed or this long after the get, whichever comes first. The reaper
+/// thread acks it after the deadline: it scans every quarter of the
+/// shortest deadline any get of the process has used so far (1 to 250 ms;
+/// a scan visits every slot allocated) against the kernel's coarse clock
+/// (a tick of a few ms), so an original is acked at most that long after
+/// its deadline, or up to 250 ms after it while the thread ends a sleep it
+/// began before a deadline shorter than any before was first used. Default
 /// [`DEFAULT_ACK_DEADLINE`], or `RDMASAFE_ACK_DEADLINE_MS` from the
 /// environment; zero acks at once. Copies from an [`super::EventChannel`]
 /// are always acked at once.
