@@ -665,7 +665,7 @@ typedef void (*rdmasafe_log_cb)(void *ctx, int level, const char *msg);
 
 #ifdef __cplusplus
 extern "C" {
-#endif // __cplusplus
+#endif /* __cplusplus */
 
 /**
  * The library's version: returns "MAJOR.MINOR.PATCH" (static, never NULL)
@@ -1394,7 +1394,7 @@ int rdmasafe_set_log_level(int level);
 int rdmasafe_set_log_callback(rdmasafe_log_cb cb, void *ctx);
 
 #ifdef __cplusplus
-}  // extern "C"
-#endif  // __cplusplus
+}  /* extern "C" */
+#endif  /* __cplusplus */
 
 #endif  /* RDMASAFE_H */
