@@ -12,7 +12,7 @@
 //!    the man pages under share/man (`man -M` reads them, `.so` links too);
 //!    what pkg-config answers for the prefix (relocatable paths, version,
 //!    Libs.private); the in-tree C programs CMake built into `bin/`;
-//!    librdmasafe-preload.so: its six interposers exported unversioned
+//!    librdmasafe-preload.so: its seven interposers exported unversioned
 //!    (`rdmasafe-preload/abi/exports.txt`), pkg-config's `preload` variable;
 //! 3. the consumers: `tests/consumer/cmake` (find_package,
 //!    rdmasafe::rdmasafe and rdmasafe::rdmasafe_static) and

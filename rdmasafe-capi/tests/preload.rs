@@ -668,6 +668,33 @@ fn check_copy_books(c: &mut Checks, runs: &BTreeMap<String, Block>) {
     }
 }
 
+/// An rsockets server whose accept outlasts a 1 ms ack deadline (the
+/// script's rstream.slowaccept): the connect request `rdma_get_request`
+/// keeps is acked at the deadline as librdmacm's own hold (a debug line),
+/// never with the warning of a program's late free, which it got before
+/// the preload marked the gets inside `rdma_get_request`.
+fn check_slow_accept(c: &mut Checks, runs: &BTreeMap<String, Block>) {
+    let empty = Block::default();
+    let client = runs.get("rstream.slowaccept.client").unwrap_or(&empty);
+    let server = runs.get("rstream.slowaccept.server").unwrap_or(&empty);
+    let err = runs.get("rstream.slowaccept.server.err").unwrap_or(&empty);
+    c.that(
+        client.exit == Some(0) && server.exit == Some(0),
+        format!("rstream.slowaccept: exits {:?} / {:?}", client.exit, server.exit),
+    );
+    let kept = err.lines().any(|l| l.contains("CM event CONNECT_REQUEST") && l.contains("librdmacm's own"));
+    c.that(kept, "rstream.slowaccept: the request was acked at the deadline as librdmacm's (the premise)");
+    let warned: Vec<&str> = err.lines_with("held past its ack deadline");
+    c.that(warned.is_empty(), format!("rstream.slowaccept: librdmacm's hold warned of as a program's: {warned:?}"));
+    let l = exit_lines(err);
+    c.that(
+        l.len() == 1
+            && field(l[0], "outstanding") == Some(0)
+            && field(l[0], "acked_at_deadline").is_some_and(|n| n >= 1),
+        format!("rstream.slowaccept: exit line {l:?} (want outstanding=0, acked_at_deadline >= 1)"),
+    );
+}
+
 /// Check mode's report lines of a run: (kind, text).
 fn reports(b: Option<&Block>) -> Vec<(String, String)> {
     b.map(|b| {
@@ -896,6 +923,7 @@ fn preload_on_rdma() {
     check_barrier(&mut c, &runs);
     check_cancel(&mut c, &runs);
     check_copy_books(&mut c, &runs);
+    check_slow_accept(&mut c, &runs);
     let cm_reports = check_cm_bugs(&mut c, &runs, &stdout);
     let cq_reports = check_cq_bugs(&mut c, &runs, &stdout);
     // perftest's own connect race, run once more by the script (see

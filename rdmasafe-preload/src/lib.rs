@@ -251,6 +251,40 @@ pub unsafe extern "C-unwind" fn rdma_destroy_id(id: *mut rdma_cm_id) -> c_int {
     }
 }
 
+/// Interposes librdmacm's `rdma_get_request`: passed through. In copy
+/// mode the get it makes inside (through the interposed
+/// `rdma_get_cm_event`) is marked as librdmacm's own: `rdma_get_request`
+/// keeps the connect request as the new id's current event until
+/// `rdma_accept` (or the id's destroy) acks it, so a request held past the
+/// ack deadline there (an rsockets or `rdma_create_ep` server that sets up
+/// for longer) is acked without the warning meant for a program's late
+/// free.
+///
+/// # Safety
+/// As `rdma_get_request`.
+#[no_mangle]
+pub unsafe extern "C-unwind" fn rdma_get_request(listen: *mut rdma_cm_id, id: *mut *mut rdma_cm_id) -> c_int {
+    // A cancellation point (its get waits): "C-unwind", plain values across
+    // the call, as rdma_get_cm_event above. A thread cancelled inside
+    // leaves its flag set; it does not get again.
+    let Some(st) = boundary(|| None, || Some(state())) else {
+        return fail(libc::EIO);
+    };
+    let Some(real) = st.real.get_request else {
+        return fail(libc::ENOSYS);
+    };
+    let mark = matches!(st.mode, Mode::Copy);
+    if mark {
+        copy::IN_GET_REQUEST.set(true);
+    }
+    // SAFETY: the program's arguments, as rdma_get_request takes them.
+    let r = unsafe { real(listen, id) };
+    if mark {
+        copy::IN_GET_REQUEST.set(false);
+    }
+    r
+}
+
 /// Interposes libibverbs' `ibv_get_cq_event`: passed through; check mode
 /// counts the event for its CQ.
 ///

@@ -4,7 +4,7 @@
 //! against rdma-core binds (`RDMACM_1.0`, `IBVERBS_1.1`).
 //!
 //! Inside this library the plain symbols (`rdma_get_cm_event`, ...) are its
-//! own interposers, so every call into librdmacm / libibverbs for these six
+//! own interposers, so every call into librdmacm / libibverbs for these seven
 //! functions goes through the pointers found here, never through the
 //! symbol. (rdmasafe-core's CM code is pointed at them with
 //! `rdmasafe_core::sys::set_cm_event_calls`.)
@@ -29,6 +29,8 @@ pub(crate) type GetCmEvent = unsafe extern "C-unwind" fn(*mut rdma_event_channel
 pub(crate) type AckCmEvent = unsafe extern "C" fn(*mut rdma_cm_event) -> c_int;
 /// `rdma_destroy_id`
 pub(crate) type DestroyId = unsafe extern "C-unwind" fn(*mut rdma_cm_id) -> c_int;
+/// `rdma_get_request`
+pub(crate) type GetRequest = unsafe extern "C-unwind" fn(*mut rdma_cm_id, *mut *mut rdma_cm_id) -> c_int;
 /// `ibv_get_cq_event`
 pub(crate) type GetCqEvent =
     unsafe extern "C-unwind" fn(*mut ibv_comp_channel, *mut *mut ibv_cq, *mut *mut c_void) -> c_int;
@@ -44,6 +46,7 @@ pub(crate) struct Real {
     pub get_cm_event: Option<GetCmEvent>,
     pub ack_cm_event: Option<AckCmEvent>,
     pub destroy_id: Option<DestroyId>,
+    pub get_request: Option<GetRequest>,
     pub get_cq_event: Option<GetCqEvent>,
     pub ack_cq_events: Option<AckCqEvents>,
     pub destroy_cq: Option<DestroyCq>,
@@ -86,12 +89,13 @@ macro_rules! lookup {
 }
 
 impl Real {
-    /// Looks the six functions up (a few dlvsym calls, once per process).
+    /// Looks the seven functions up (a few dlvsym calls, once per process).
     pub(crate) fn resolve() -> Real {
         Real {
             get_cm_event: lookup!(c"rdma_get_cm_event", c"RDMACM_1.0", GetCmEvent),
             ack_cm_event: lookup!(c"rdma_ack_cm_event", c"RDMACM_1.0", AckCmEvent),
             destroy_id: lookup!(c"rdma_destroy_id", c"RDMACM_1.0", DestroyId),
+            get_request: lookup!(c"rdma_get_request", c"RDMACM_1.0", GetRequest),
             get_cq_event: lookup!(c"ibv_get_cq_event", c"IBVERBS_1.1", GetCqEvent),
             ack_cq_events: lookup!(c"ibv_ack_cq_events", c"IBVERBS_1.1", AckCqEvents),
             destroy_cq: lookup!(c"ibv_destroy_cq", c"IBVERBS_1.1", DestroyCq),

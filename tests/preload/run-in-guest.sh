@@ -21,7 +21,10 @@
 #     the destroy waits at most the ack deadline); the raw build of
 #     tests/c/cm_cancel_test (threads waiting in rdma_get_cm_event and
 #     ibv_get_cq_event cancelled and joined) in copy and in check mode;
-#     tests/preload/check_cm_bugs -m leak, double and destroy in copy mode.
+#     tests/preload/check_cm_bugs -m leak, double and destroy in copy mode;
+#     an rsockets server (rstream, 16 MB buffers) under the preload with a
+#     1 ms ack deadline: rdma_get_request keeps the connect request while
+#     it sets up, past the deadline, and that is librdmacm's own hold.
 #  3. Check mode (RDMASAFE_CHECK=1, RDMASAFE_CHECK_HOLD_MS=300, 10 s for the
 #     correct "ok" mode of check_cm_bugs, reports to a file):
 #     tests/preload/check_cm_bugs in each mode and tests/preload/check_cq_bugs
@@ -272,6 +275,20 @@ for m in leak double destroy; do
 	start "check_cm_bugs.$m.copy" "${W[@]}" "${dl[@]}" "${PRE[@]}" "$pbin/check_cm_bugs" -m "$m"
 	finish "check_cm_bugs.$m.copy"
 done
+# rsockets' accept takes the request with rdma_get_request and keeps it
+# as the new id's current event while it sets up (16 MB buffers
+# registered: far longer than the 1 ms deadline) until rdma_accept acks
+# it: librdmacm's own hold, acked at the deadline with a debug line, not
+# the warning of a program's late free
+scenario "copy mode: an rsockets server whose set-up outlasts a 1 ms ack deadline"
+next_port
+start rstream.slowaccept.server "${W[@]}" env "LD_PRELOAD=$L" RDMASAFE_LOG=debug RDMASAFE_ACK_DEADLINE_MS=1 \
+	rstream -b "$addr" -p "$port" -S 1000 -C 10 -B 16777216
+if wait_listen "$port" rstream.slowaccept.server; then
+	start rstream.slowaccept.client "${W[@]}" rstream -s "$addr" -p "$port" -S 1000 -C 10 -B 16777216
+	finish rstream.slowaccept.client
+fi
+finish rstream.slowaccept.server
 
 # 3. -----------------------------------------------------------------------
 # check LABEL MODE WAIT_FOR PROGRAM ARGS...: one check-mode run; with

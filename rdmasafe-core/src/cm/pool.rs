@@ -99,6 +99,9 @@ pub(crate) struct Slot {
     /// again: its last copy's free's count + [`QUARANTINE`] (0: never
     /// held a copy). Written before the free list's push publishes it.
     ripe_at: AtomicU64,
+    /// The held original is one librdmacm keeps itself
+    /// ([`mark_kept_by_librdmacm`]); reset by each hold.
+    kept_by_librdmacm: AtomicBool,
 }
 
 // SAFETY: the fields other threads touch (the reaper, counters, a C
@@ -585,6 +588,7 @@ impl SlotBox {
         };
         s.original.store(original, Relaxed);
         s.deadline_ms.store(now.saturating_add(ms), Relaxed);
+        s.kept_by_librdmacm.store(false, Relaxed);
         s.ack.store(gen << 1 | 1, Release);
         if ms < SHORTEST_DEADLINE_MS.load(Relaxed) {
             SHORTEST_DEADLINE_MS.fetch_min(ms, Relaxed);
@@ -1177,7 +1181,7 @@ fn scan(now: u64) {
             let (t, id) = unsafe { ((*o).event, (*o).id) };
             let t = super::EventType(t);
             // SAFETY: an un-acked original's type and id (see there).
-            let librdmacms = unsafe { held_by_librdmacm(t, id, s) };
+            let librdmacms = s.kept_by_librdmacm.load(Acquire) || unsafe { held_by_librdmacm(t, id, s) };
             // SAFETY: claimed exactly once. Nothing reads it afterwards.
             unsafe { sys::ack_cm_event(o) };
             let (level, line) = if librdmacms {
@@ -1231,7 +1235,9 @@ thread_local! {
 /// (`rdma_get_request` keeps it as the *new* id's, until `rdma_accept` or
 /// the new id's destroy), so it tells nothing. Such a request held past
 /// the deadline by a synchronous server (under an LD_PRELOAD, between
-/// `rdma_get_request` and `rdma_accept`) is logged as an app's copy.
+/// `rdma_get_request` and `rdma_accept`) is known by the mark the preload
+/// sets on the copies gets inside `rdma_get_request` make
+/// ([`mark_kept_by_librdmacm`]), not here.
 ///
 /// # Safety
 /// `t` and `id` are `event` and `id` of an original the caller holds
@@ -1247,6 +1253,22 @@ unsafe fn held_by_librdmacm(t: super::EventType, id: *mut sys::rdma_cm_id, slot:
     // the event is acked, and the caller has not acked it, so the id is
     // not freed before the caller's ack.
     std::ptr::eq(unsafe { sys::current_event(id) }.cast::<Slot>(), slot)
+}
+
+/// Marks the copy `event` (a live copy handed to C, else nothing is done:
+/// false) as one librdmacm keeps itself: an LD_PRELOAD's get made inside
+/// librdmacm's own `rdma_get_request`, which keeps the connect request as
+/// the new id's current event until `rdma_accept` (or the id's destroy)
+/// acks it. Its original held past the deadline is then acked as
+/// librdmacm's (a debug line), not warned of as an app's late free.
+pub fn mark_kept_by_librdmacm(event: *const rdma_cm_event) -> bool {
+    match SlotBox::peek_c(event) {
+        Some(s) => {
+            s.kept_by_librdmacm.store(true, Release);
+            true
+        }
+        None => false,
+    }
 }
 
 /// Lines of the reaper waiting for [`log_off_the_reaper`]'s thread.
