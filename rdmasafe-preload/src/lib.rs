@@ -266,7 +266,7 @@ pub unsafe extern "C-unwind" fn rdma_destroy_id(id: *mut rdma_cm_id) -> c_int {
 pub unsafe extern "C-unwind" fn rdma_get_request(listen: *mut rdma_cm_id, id: *mut *mut rdma_cm_id) -> c_int {
     // A cancellation point (its get waits): "C-unwind", plain values across
     // the call, as rdma_get_cm_event above. A thread cancelled inside
-    // leaves its flag set; it does not get again.
+    // leaves its flag set, harmlessly: the thread is ending.
     let Some(st) = boundary(|| None, || Some(state())) else {
         return fail(libc::EIO);
     };

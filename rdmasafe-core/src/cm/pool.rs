@@ -1235,9 +1235,9 @@ thread_local! {
 /// (`rdma_get_request` keeps it as the *new* id's, until `rdma_accept` or
 /// the new id's destroy), so it tells nothing. Such a request held past
 /// the deadline by a synchronous server (under an LD_PRELOAD, between
-/// `rdma_get_request` and `rdma_accept`) is known by the mark the preload
-/// sets on the copies gets inside `rdma_get_request` make
-/// ([`mark_kept_by_librdmacm`]), not here.
+/// `rdma_get_request` and `rdma_accept`) is known instead by the mark the
+/// preload sets on the copy of each get made inside `rdma_get_request`
+/// ([`mark_kept_by_librdmacm`]).
 ///
 /// # Safety
 /// `t` and `id` are `event` and `id` of an original the caller holds
