@@ -22,15 +22,6 @@ static ACKED: AtomicU64 = AtomicU64::new(0);
 /// Acks of a pointer that is no live copy (refused with EINVAL).
 static NOT_COPIES: AtomicU64 = AtomicU64::new(0);
 
-thread_local! {
-    /// This thread is inside librdmacm's `rdma_get_request` (the
-    /// interposer's call of the real one): a get now is librdmacm's own,
-    /// whose connect request it keeps as the new id's current event until
-    /// `rdma_accept` acks it. A `Cell<bool>`: nothing to drop, so a thread
-    /// cancelled inside leaves no destructor to run on the way out.
-    pub(crate) static IN_GET_REQUEST: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
 /// `rdma_get_cm_event` in copy mode: `Ok(0)` with `*event` set to a copy,
 /// or `Err(errno)` with `*event` untouched.
 ///
@@ -50,11 +41,6 @@ pub(crate) unsafe fn get(channel: *mut rdma_event_channel, event: *mut *mut rdma
     match unsafe { ch.get_raw_cancellable(None) } {
         Ok(ev) => {
             GOT.fetch_add(1, Relaxed);
-            if IN_GET_REQUEST.get() {
-                // librdmacm keeps it (see IN_GET_REQUEST): its original
-                // held past the deadline is librdmacm's, not a late free.
-                cm::mark_kept_by_librdmacm(ev);
-            }
             // SAFETY: event checked non-NULL; writable (caller's contract).
             unsafe { *event = ev };
             Ok(0)

@@ -33,7 +33,7 @@
 //! No panic unwinds into C: each interposer catches panics (`-1` with
 //! EIO, or the call passed through). The interposers of calls that wait at
 //! a cancellation point (`rdma_get_cm_event`, `rdma_destroy_id`,
-//! `ibv_get_cq_event`, `ibv_destroy_cq`) are `extern "C-unwind"`: a thread
+//! `rdma_get_request`, `ibv_get_cq_event`, `ibv_destroy_cq`) are `extern "C-unwind"`: a thread
 //! cancelled inside one unwinds through it into the program, as through
 //! the real function (`rdmasafe_core::sys::cancel`). The drop-in CM calls keep librdmacm's
 //! -1/errno convention and leave errno untouched on success; in check mode
@@ -253,34 +253,34 @@ pub unsafe extern "C-unwind" fn rdma_destroy_id(id: *mut rdma_cm_id) -> c_int {
 
 /// Interposes librdmacm's `rdma_get_request`: passed through. In copy
 /// mode the get it makes inside (through the interposed
-/// `rdma_get_cm_event`) is marked as librdmacm's own: `rdma_get_request`
+/// `rdma_get_cm_event`) is marked as librdmacm's own
+/// (`rdmasafe_core::cm::set_gets_kept_by_librdmacm`): `rdma_get_request`
 /// keeps the connect request as the new id's current event until
-/// `rdma_accept` (or the id's destroy) acks it, so a request held past the
-/// ack deadline there (an rsockets or `rdma_create_ep` server that sets up
-/// for longer) is acked without the warning meant for a program's late
-/// free.
+/// `rdma_accept` (or the new id's destroy) acks it, so a request held past
+/// the ack deadline there (an rsockets or `rdma_create_ep` server that
+/// sets up for longer) is acked with an info line, not the warning meant
+/// for a program's late free.
 ///
 /// # Safety
 /// As `rdma_get_request`.
 #[no_mangle]
 pub unsafe extern "C-unwind" fn rdma_get_request(listen: *mut rdma_cm_id, id: *mut *mut rdma_cm_id) -> c_int {
     // A cancellation point (its get waits): "C-unwind", plain values across
-    // the call, as rdma_get_cm_event above. A thread cancelled inside
-    // leaves its flag set, harmlessly: the thread is ending.
+    // the call, as rdma_get_cm_event above. The mark is saved and restored
+    // (a nested call from a signal handler keeps the outer one's); a thread
+    // cancelled inside, or a siglongjmp out of the wait, leaves it set: that
+    // thread's later late frees would then be told at info level, not warn.
     let Some(st) = boundary(|| None, || Some(state())) else {
         return fail(libc::EIO);
     };
     let Some(real) = st.real.get_request else {
         return fail(libc::ENOSYS);
     };
-    let mark = matches!(st.mode, Mode::Copy);
-    if mark {
-        copy::IN_GET_REQUEST.set(true);
-    }
+    let prev = matches!(st.mode, Mode::Copy).then(|| rdmasafe_core::cm::set_gets_kept_by_librdmacm(true));
     // SAFETY: the program's arguments, as rdma_get_request takes them.
     let r = unsafe { real(listen, id) };
-    if mark {
-        copy::IN_GET_REQUEST.set(false);
+    if let Some(p) = prev {
+        rdmasafe_core::cm::set_gets_kept_by_librdmacm(p);
     }
     r
 }

@@ -99,8 +99,8 @@ pub(crate) struct Slot {
     /// again: its last copy's free's count + [`QUARANTINE`] (0: never
     /// held a copy). Written before the free list's push publishes it.
     ripe_at: AtomicU64,
-    /// The held original is one librdmacm keeps itself
-    /// ([`mark_kept_by_librdmacm`]); reset by each hold.
+    /// The held original is one librdmacm keeps itself: set by each hold
+    /// from [`set_gets_kept_by_librdmacm`]'s flag of the getting thread.
     kept_by_librdmacm: AtomicBool,
 }
 
@@ -588,7 +588,9 @@ impl SlotBox {
         };
         s.original.store(original, Relaxed);
         s.deadline_ms.store(now.saturating_add(ms), Relaxed);
-        s.kept_by_librdmacm.store(false, Relaxed);
+        // Before the original is published (the `ack` store): the reaper
+        // never sees it held without its mark.
+        s.kept_by_librdmacm.store(GETS_KEPT_BY_LIBRDMACM.get(), Relaxed);
         s.ack.store(gen << 1 | 1, Release);
         if ms < SHORTEST_DEADLINE_MS.load(Relaxed) {
             SHORTEST_DEADLINE_MS.fetch_min(ms, Relaxed);
@@ -1184,7 +1186,19 @@ fn scan(now: u64) {
             let librdmacms = s.kept_by_librdmacm.load(Acquire) || unsafe { held_by_librdmacm(t, id, s) };
             // SAFETY: claimed exactly once. Nothing reads it afterwards.
             unsafe { sys::ack_cm_event(o) };
-            let (level, line) = if librdmacms {
+            let (level, line) = if librdmacms && t == super::EventType::CONNECT_REQUEST {
+                // Marked: got inside rdma_get_request, which keeps it as
+                // the new id's current event until rdma_accept or the new
+                // id's destroy acks it (rdma_reject does not). Its new id
+                // may be gone by now: never read.
+                let line = "CM event CONNECT_REQUEST that librdmacm's rdma_get_request keeps for its new id was \
+                            neither accepted nor destroyed within the ack deadline: acked its original, so \
+                            rdma_destroy_id of the listen id no longer waits for it (harmless for a server \
+                            still setting the connection up, which accepts it later; a new id rejected and \
+                            never destroyed leaks)"
+                    .to_string();
+                (log::Level::Info, line)
+            } else if librdmacms {
                 let line = format!(
                     "CM event {t} (id {id:p}) is librdmacm's own current event of a synchronous id \
                      (rdma_create_ep, rsockets), kept past the ack deadline: acked its original (harmless: \
@@ -1235,9 +1249,8 @@ thread_local! {
 /// (`rdma_get_request` keeps it as the *new* id's, until `rdma_accept` or
 /// the new id's destroy), so it tells nothing. Such a request held past
 /// the deadline by a synchronous server (under an LD_PRELOAD, between
-/// `rdma_get_request` and `rdma_accept`) is known instead by the mark the
-/// preload sets on the copy of each get made inside `rdma_get_request`
-/// ([`mark_kept_by_librdmacm`]).
+/// `rdma_get_request` and `rdma_accept`) is known instead by the mark of
+/// each get made inside `rdma_get_request` ([`set_gets_kept_by_librdmacm`]).
 ///
 /// # Safety
 /// `t` and `id` are `event` and `id` of an original the caller holds
@@ -1255,20 +1268,22 @@ unsafe fn held_by_librdmacm(t: super::EventType, id: *mut sys::rdma_cm_id, slot:
     std::ptr::eq(unsafe { sys::current_event(id) }.cast::<Slot>(), slot)
 }
 
-/// Marks the copy `event` (a live copy handed to C, else nothing is done:
-/// false) as one librdmacm keeps itself: an LD_PRELOAD's get made inside
-/// librdmacm's own `rdma_get_request`, which keeps the connect request as
-/// the new id's current event until `rdma_accept` (or the id's destroy)
-/// acks it. Its original held past the deadline is then acked as
-/// librdmacm's (a debug line), not warned of as an app's late free.
-pub fn mark_kept_by_librdmacm(event: *const rdma_cm_event) -> bool {
-    match SlotBox::peek_c(event) {
-        Some(s) => {
-            s.kept_by_librdmacm.store(true, Release);
-            true
-        }
-        None => false,
-    }
+thread_local! {
+    /// This thread's gets are ones librdmacm keeps itself (see
+    /// [`set_gets_kept_by_librdmacm`]). A `Cell<bool>`: nothing to drop.
+    static GETS_KEPT_BY_LIBRDMACM: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Says whether the gets this thread makes from now on are librdmacm's own
+/// (returns the previous setting: restore it after). An LD_PRELOAD sets it
+/// around librdmacm's `rdma_get_request`, which keeps the connect request
+/// it gets (through the interposed `rdma_get_cm_event`) as the new id's
+/// current event until `rdma_accept` or the new id's destroy acks it: such
+/// an original held past the deadline is acked with an info line, not
+/// warned of as a program's late free. Marked at the hold, before the
+/// reaper can see the original.
+pub fn set_gets_kept_by_librdmacm(on: bool) -> bool {
+    GETS_KEPT_BY_LIBRDMACM.replace(on)
 }
 
 /// Lines of the reaper waiting for [`log_off_the_reaper`]'s thread.
