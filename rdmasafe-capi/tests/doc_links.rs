@@ -141,12 +141,18 @@ fn check_file(root: &Path, file: &Path, problems: &mut Vec<String>) {
     }
 }
 
-#[test]
-fn docs_stay_inside_the_repository() {
-    let root = root();
+/// The Markdown the checks read: README.md, docs/**/*.md, man/*.md.
+fn doc_files(root: &Path) -> Vec<PathBuf> {
     let mut files = vec![root.join("README.md")];
     markdown_files(&root.join("docs"), &mut files);
     markdown_files(&root.join("man"), &mut files);
+    files
+}
+
+#[test]
+fn docs_stay_inside_the_repository() {
+    let root = root();
+    let files = doc_files(&root);
     assert!(files.len() >= 5, "too few Markdown files: {files:?}");
     let mut problems = Vec::new();
     for f in &files {
@@ -249,13 +255,18 @@ fn test_stems(sources: &[PathBuf]) -> Vec<String> {
 }
 
 /// The citations of `file` that name no `fn` in a file of that path.
-fn check_citations(root: &Path, file: &Path, sources: &[PathBuf], problems: &mut Vec<String>) -> usize {
+fn check_citations(
+    root: &Path,
+    file: &Path,
+    sources: &[PathBuf],
+    stems: &[String],
+    problems: &mut Vec<String>,
+) -> usize {
     let text = fs::read_to_string(file).unwrap_or_else(|e| panic!("read {}: {e}", file.display()));
     let rel_file = file.strip_prefix(root).unwrap_or(file).display().to_string();
-    let stems = test_stems(sources);
     let mut cited = 0;
     for (n, line) in text.lines().enumerate() {
-        for (path, name) in test_citations(line, &stems) {
+        for (path, name) in test_citations(line, stems) {
             cited += 1;
             // A path relative to the doc ("../rdmasafe-core/tests/x.rs")
             // or the repository ("rdmasafe-core/tests/x.rs"), or a name
@@ -279,13 +290,12 @@ fn check_citations(root: &Path, file: &Path, sources: &[PathBuf], problems: &mut
 #[test]
 fn docs_name_tests_that_exist() {
     let root = root();
-    let mut files = vec![root.join("README.md")];
-    markdown_files(&root.join("docs"), &mut files);
-    markdown_files(&root.join("man"), &mut files);
+    let files = doc_files(&root);
     let mut sources = Vec::new();
     rust_files(&root, &mut sources);
+    let stems = test_stems(&sources);
     let mut problems = Vec::new();
-    let cited: usize = files.iter().map(|f| check_citations(&root, f, &sources, &mut problems)).sum();
+    let cited: usize = files.iter().map(|f| check_citations(&root, f, &sources, &stems, &mut problems)).sum();
     println!("[doc_links] {cited} test citations in {} files", files.len());
     assert!(cited >= 10, "the docs cite fewer tests than expected ({cited}): is the pattern still file.rs::name?");
     assert!(problems.is_empty(), "stale test citations:\n  {}", problems.join("\n  "));
@@ -308,7 +318,7 @@ fn the_citation_check_catches_a_renamed_test() {
     let mut sources = Vec::new();
     rust_files(&dir, &mut sources);
     let mut problems = Vec::new();
-    let cited = check_citations(&dir, &doc, &sources, &mut problems);
+    let cited = check_citations(&dir, &doc, &sources, &test_stems(&sources), &mut problems);
     let _ = fs::remove_dir_all(&dir);
     assert_eq!(cited, 7, "{problems:?}");
     assert_eq!(problems.len(), 3, "{problems:?}");
