@@ -100,7 +100,8 @@ pub(crate) struct Slot {
     /// held a copy). Written before the free list's push publishes it.
     ripe_at: AtomicU64,
     /// The held original is one librdmacm keeps itself: set by each hold
-    /// from [`set_gets_kept_by_librdmacm`]'s flag of the getting thread.
+    /// from [`set_gets_kept_by_librdmacm`]'s flag of the getting thread, or
+    /// a [`set_get_destination`] in its event's id's own field.
     kept_by_librdmacm: AtomicBool,
 }
 
@@ -590,7 +591,8 @@ impl SlotBox {
         s.deadline_ms.store(now.saturating_add(ms), Relaxed);
         // Before the original is published (the `ack` store): the reaper
         // never sees it held without its mark.
-        s.kept_by_librdmacm.store(GETS_KEPT_BY_LIBRDMACM.get(), Relaxed);
+        let kept = GETS_KEPT_BY_LIBRDMACM.get() || into_its_ids_own_field(self.raw(), GET_DESTINATION.get());
+        s.kept_by_librdmacm.store(kept, Relaxed);
         s.ack.store(gen << 1 | 1, Release);
         if ms < SHORTEST_DEADLINE_MS.load(Relaxed) {
             SHORTEST_DEADLINE_MS.fetch_min(ms, Relaxed);
@@ -1236,7 +1238,11 @@ thread_local! {
 
 /// True if the copy in `slot` is what librdmacm keeps as `id`'s current
 /// event ([`sys::current_event`]: a synchronous id's own get, which an
-/// LD_PRELOAD makes a copy). Not an app's late free.
+/// LD_PRELOAD makes a copy). Not an app's late free. A look at the
+/// deadline, after the mark taken at the hold ([`set_get_destination`],
+/// which also covers a getter that has not stored the copy yet): it finds
+/// a copy put into the field after the get (`rdma_get_request` keeps an
+/// error event as the listen id's).
 ///
 /// Never true for a CONNECT_REQUEST, whose `id` (the new id) is not read:
 /// librdmacm charges a request to the *listen* id (`rdma_ack_cm_event`
@@ -1284,6 +1290,45 @@ thread_local! {
 /// reaper can see the original.
 pub fn set_gets_kept_by_librdmacm(on: bool) -> bool {
     GETS_KEPT_BY_LIBRDMACM.replace(on)
+}
+
+/// True if a get of `ev` stores it at `dest`, the `event` field of `ev`'s
+/// own id: how librdmacm's synchronous calls keep it
+/// ([`set_get_destination`]). An address computed, nothing read through
+/// it. Never for a CONNECT_REQUEST: its id (the new one) did not exist
+/// before the get, so no caller can have named its field (and that id may
+/// be destroyed while the copy is held: see [`held_by_librdmacm`]).
+fn into_its_ids_own_field(ev: &rdma_cm_event, dest: *mut *mut rdma_cm_event) -> bool {
+    !dest.is_null()
+        && !ev.id.is_null()
+        && ev.event != super::EventType::CONNECT_REQUEST.0
+        && std::ptr::eq(
+            dest.cast::<u8>(),
+            ev.id.cast::<u8>().wrapping_add(std::mem::offset_of!(sys::rdma_cm_id, event)),
+        )
+}
+
+thread_local! {
+    /// Where this thread's C caller stores the copies it gets (see
+    /// [`set_get_destination`]). A `Cell` of a pointer: nothing to drop.
+    static GET_DESTINATION: std::cell::Cell<*mut *mut rdma_cm_event> = const { std::cell::Cell::new(std::ptr::null_mut()) };
+}
+
+/// Says where the C caller of this thread's gets from now on stores the
+/// copy (the `event` out-pointer of its `rdma_get_cm_event`; NULL: not
+/// known); returns the previous setting: restore it after. An LD_PRELOAD
+/// sets it around each interposed get. librdmacm's synchronous calls get
+/// into the id's own field (`ucma_complete` passes `&id->event`) and keep
+/// the event there until their next call on the id or its destroy, so a
+/// get whose destination is its event's id's `event` field is marked as
+/// librdmacm's own at the hold, before the reaper can see the original:
+/// held past the deadline, it is acked with a debug line, not warned of as
+/// a program's late free. (Looking at `id->event` at the deadline instead
+/// misses a getter that has not stored the copy yet: a 1 ms deadline under
+/// load warned of the ESTABLISHED that `rdma_accept` keeps.) Only an
+/// address is compared; nothing is read through it.
+pub fn set_get_destination(out: *mut *mut rdma_cm_event) -> *mut *mut rdma_cm_event {
+    GET_DESTINATION.replace(out)
 }
 
 /// Lines of the reaper waiting for [`log_off_the_reaper`]'s thread.
