@@ -119,7 +119,9 @@ fn build_once(profile: &Path) -> (PathBuf, PathBuf) {
         "make -C tests/preload",
         Command::new("make").current_dir(root()).args(["-C", "tests/preload"]).arg(format!("OUT={}", bin.display())),
     );
-    for p in ["check_cm_bugs", "check_cq_bugs", "cm_barrier_test_raw", "cm_cancel_test_raw"] {
+    for p in
+        ["check_cm_bugs", "check_cq_bugs", "cm_barrier_test_raw", "cm_cancel_test_raw", "late_cm", "late_cm_plugin.so"]
+    {
         assert!(bin.join(p).exists(), "make did not produce {p}");
     }
     (lib, bin)
@@ -673,6 +675,49 @@ fn check_copy_books(c: &mut Checks, runs: &BTreeMap<String, Block>) {
 /// keeps is acked at the deadline as librdmacm's own hold (an info line),
 /// never with the warning of a program's late free, which it got before
 /// the preload marked the gets inside `rdma_get_request`.
+/// A plugin linked with librdmacm, loaded with dlopen (RTLD_LOCAL or
+/// RTLD_GLOBAL) by a program that is not, also after the preload set
+/// itself up (a libibverbs call first): its CM calls work, copied in copy
+/// mode, watched in check mode. (The preload depends on librdmacm itself,
+/// so librdmacm is there before the plugin.)
+fn check_late_librdmacm(c: &mut Checks, runs: &BTreeMap<String, Block>) {
+    let empty = Block::default();
+    for how in ["local", "local_verbs", "global_verbs", "check_verbs"] {
+        let label = format!("late_cm.{how}.run");
+        let out = runs.get(&label).unwrap_or(&empty);
+        let err = runs.get(&format!("{label}.err")).unwrap_or(&empty);
+        let last = out.last_line();
+        let oks = out.lines().filter(|l| l.starts_with("ok   ")).count();
+        c.that(
+            out.exit == Some(0) && out.fails().is_empty() && last == format!("late_cm: {oks} passed, 0 failed"),
+            format!("{label}: exit {:?}, failures {:?}, last {last:?}", out.exit, out.fails()),
+        );
+        c.that(
+            out.has("ok   the plugin gets and acks ADDR_RESOLVED"),
+            format!("{label}: the plugin's CM calls were not checked"),
+        );
+        let l = exit_lines(err);
+        if how.starts_with("check") {
+            c.that(
+                l.len() == 1
+                    && l[0].contains("mode=check")
+                    && field(l[0], "cm_events") == Some(1)
+                    && field(l[0], "cm_acked") == Some(1),
+                format!("{label}: exit line {l:?} (want check mode, cm_events=1 cm_acked=1)"),
+            );
+        } else {
+            c.that(
+                l.len() == 1
+                    && l[0].contains("mode=copy")
+                    && field(l[0], "copied") == Some(1)
+                    && field(l[0], "freed") == Some(1)
+                    && field(l[0], "outstanding") == Some(0),
+                format!("{label}: exit line {l:?} (want copy mode, copied=1 freed=1 outstanding=0)"),
+            );
+        }
+    }
+}
+
 fn check_slow_accept(c: &mut Checks, runs: &BTreeMap<String, Block>) {
     let empty = Block::default();
     let client = runs.get("rstream.slowaccept.client").unwrap_or(&empty);
@@ -924,6 +969,7 @@ fn preload_on_rdma() {
     check_cancel(&mut c, &runs);
     check_copy_books(&mut c, &runs);
     check_slow_accept(&mut c, &runs);
+    check_late_librdmacm(&mut c, &runs);
     let cm_reports = check_cm_bugs(&mut c, &runs, &stdout);
     let cq_reports = check_cq_bugs(&mut c, &runs, &stdout);
     // perftest's own connect race, run once more by the script (see

@@ -21,6 +21,8 @@
 #     the destroy waits at most the ack deadline); the raw build of
 #     tests/c/cm_cancel_test (threads waiting in rdma_get_cm_event and
 #     ibv_get_cq_event cancelled and joined) in copy and in check mode;
+#     tests/preload/late_cm, a program without librdmacm whose plugin
+#     (dlopen) uses it, in copy mode three ways and in check mode;
 #     tests/preload/check_cm_bugs -m leak, double and destroy in copy mode;
 #     an rsockets server (rstream, 16 MB buffers) under the preload with a
 #     1 ms ack deadline: rdma_get_request keeps the connect request while
@@ -262,6 +264,20 @@ start cm_cancel_test_raw.preload.run "${W[@]}" "${PRE[@]}" "$pbin/cm_cancel_test
 finish cm_cancel_test_raw.preload.run
 start cm_cancel_test_raw.check.run "${W[@]}" "${PRE[@]}" RDMASAFE_CHECK=1 "$pbin/cm_cancel_test_raw" "$addr"
 finish cm_cancel_test_raw.check.run
+# A program not linked with librdmacm loads a plugin that is (dlopen,
+# RTLD_LOCAL or RTLD_GLOBAL), before or after a libibverbs call the
+# preload interposes: the plugin's CM calls go through the preload, copied
+# (the program asserts the calls; the exit line the copy)
+scenario "late_cm: a plugin linked with librdmacm, loaded with dlopen"
+for v in local:- local_verbs:-v global_verbs:-g,-v check_verbs:-v; do
+	label=late_cm.${v%%:*}.run
+	IFS=, read -r -a args <<<"${v#*:}"
+	[[ ${args[0]} == - ]] && args=()
+	check_env=()
+	[[ $label == late_cm.check_* ]] && check_env=(RDMASAFE_CHECK=1)
+	start "$label" "${W[@]}" "${PRE[@]}" "${check_env[@]}" "$pbin/late_cm" "$addr" "$pbin/late_cm_plugin.so" "${args[@]}"
+	finish "$label"
+done
 # copy mode's own books on buggy programs: a copy never freed (outstanding
 # at exit), an ack of a freed copy (refused with EINVAL, nothing freed
 # twice), rdma_destroy_id with the copy held and never freed (returns once
