@@ -130,7 +130,8 @@ unsafe fn get_first(ch: Option<ChannelRef<'_>>, event: *mut *mut rdma_cm_event, 
         return fail_errno(libc::EINVAL);
     };
     // SAFETY: the frames up to the export hold plain values (contract).
-    match unsafe { ch.get_raw_cancellable(wait) } {
+    // No destination: librdmacm's synchronous calls never come here.
+    match unsafe { ch.get_raw_cancellable(wait, std::ptr::null_mut()) } {
         Ok(ev) => {
             // SAFETY: event checked non-NULL; errno is this thread's.
             unsafe {

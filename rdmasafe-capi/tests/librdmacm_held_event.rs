@@ -14,16 +14,13 @@ mod standin;
 
 use std::collections::HashSet;
 use std::os::raw::{c_char, c_int, c_void};
-use std::ptr::null_mut;
+use std::ptr::{null_mut, NonNull};
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering::SeqCst};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use rdmasafe::{
-    rdmasafe_cm_set_ack_deadline, rdmasafe_event_free, rdmasafe_get_event, rdmasafe_set_log_callback,
-    rdmasafe_set_log_level,
-};
-use rdmasafe_core::cm::{EventType, SyntheticEvent};
+use rdmasafe::{rdmasafe_cm_set_ack_deadline, rdmasafe_event_free, rdmasafe_set_log_callback, rdmasafe_set_log_level};
+use rdmasafe_core::cm::{ChannelRef, EventType, SyntheticEvent};
 use rdmasafe_core::sys::{self, rdma_cm_event, rdma_cm_id, rdma_event_channel, CmEventCalls};
 use standin::{channel, ready, take_ready};
 
@@ -69,8 +66,8 @@ enum Keeper {
     /// The app, in a variable of its own.
     App,
     /// librdmacm, as `ucma_complete` does: the get's destination is
-    /// `&id->event` (what an LD_PRELOAD's get is told,
-    /// `set_get_destination`), stored when the get returns.
+    /// `&id->event` (what an LD_PRELOAD's get passes to
+    /// `get_raw_cancellable`), stored when the get returns.
     Librdmacm,
     /// As `Librdmacm`, but the getter is slow to return (preempted under
     /// load): the deadline passes before the copy lands in `id->event`.
@@ -92,10 +89,10 @@ fn held_past_the_deadline(
         Keeper::App => &mut ev,
         Keeper::Librdmacm | Keeper::LibrdmacmLate => &mut id.event,
     };
-    let prev = rdmasafe_core::cm::set_get_destination(dest);
-    // SAFETY: a live stand-in channel; ev is writable.
-    assert_eq!(unsafe { rdmasafe_get_event(ch, &mut ev) }, 0);
-    rdmasafe_core::cm::set_get_destination(prev);
+    // As the preload's get: the C get's one call, with its destination.
+    // SAFETY: a live stand-in channel for the call; no thread cancels this
+    // one (the frames' contract is about cancellation).
+    ev = unsafe { ChannelRef::from_raw(NonNull::from(&mut *ch)).get_raw_cancellable(None, dest) }.expect("the get");
     if keeper == Keeper::Librdmacm {
         id.event = ev; // as librdmacm's ucma_complete keeps it
     }

@@ -36,17 +36,13 @@ pub(crate) unsafe fn get(channel: *mut rdma_event_channel, event: *mut *mut rdma
     // SAFETY: the caller passes a live channel for the duration of the
     // call, as rdma_get_cm_event requires. rdmasafe never changes its mode.
     let ch = unsafe { ChannelRef::from_raw(raw) };
-    // The copy's destination: librdmacm's synchronous calls get into the
-    // id's own `event` field and keep it there (marked at the hold, so the
-    // deadline's line is not the warning for a program's late free). Saved
-    // and restored: a nested get from a signal handler keeps the outer
-    // one's; a cancelled thread leaves it set, and ends.
-    let prev = rdmasafe_core::cm::set_get_destination(event);
+    // `event` is the copy's destination: librdmacm's synchronous calls get
+    // into the id's own `event` field and keep it there (then marked at the
+    // hold as librdmacm's, so the deadline's line is not the warning for a
+    // program's late free).
     // SAFETY: the frames up to the interposer ("C-unwind") hold plain
     // values: a cancellation in the wait unwinds through them.
-    let got = unsafe { ch.get_raw_cancellable(None) };
-    rdmasafe_core::cm::set_get_destination(prev);
-    match got {
+    match unsafe { ch.get_raw_cancellable(None, event) } {
         Ok(ev) => {
             GOT.fetch_add(1, Relaxed);
             // SAFETY: event checked non-NULL; writable (caller's contract).

@@ -368,7 +368,7 @@ impl<'a> ChannelRef<'a> {
             }
             _ => None,
         };
-        self.settle(&mut slot, ev, alive, deadline_ms);
+        self.settle(&mut slot, ev, alive, deadline_ms, null_mut());
         Ok(CmEvent::new(slot, request))
     }
 
@@ -424,18 +424,27 @@ impl<'a> ChannelRef<'a> {
     /// The original `ev` of the copy in `slot` (fresh from
     /// [`ChannelRef::take_event`], un-acked, nothing read from it any more):
     /// acked at once (`deadline_ms` 0), or held by the slot until the copy
-    /// is freed or `deadline_ms` passes. Then the get path's log lines (the
-    /// trace of the copy, the "many copies held" warning for `alive`
-    /// copies).
+    /// is freed or `deadline_ms` passes (marked as librdmacm's own when
+    /// `destination`, an address only, is the event's id's own `event`
+    /// field: see [`ChannelRef::get_raw_cancellable`]). Then the get path's
+    /// log lines (the trace of the copy, the "many copies held" warning for
+    /// `alive` copies).
     #[inline]
-    fn settle(&self, slot: &mut pool::SlotBox, ev: *mut rdma_cm_event, alive: u64, deadline_ms: u64) {
+    fn settle(
+        &self,
+        slot: &mut pool::SlotBox,
+        ev: *mut rdma_cm_event,
+        alive: u64,
+        deadline_ms: u64,
+        destination: *mut *mut rdma_cm_event,
+    ) {
         if deadline_ms == 0 {
             // SAFETY: ev came from rdma_get_cm_event and is acked exactly
             // once; nothing reads it afterwards (the copy is complete).
             unsafe { sys::ack_cm_event(ev) };
         } else {
             // SAFETY: as above; from now on the slot acks it, once.
-            unsafe { slot.hold_original(ev, deadline_ms) };
+            unsafe { slot.hold_original(ev, deadline_ms, destination) };
         }
         // After the ack or the hold: a log callback that waits on the id
         // (rdma_destroy_id) is released by the free or the deadline.
@@ -460,18 +469,37 @@ impl<'a> ChannelRef<'a> {
     /// a cleanup handler; an event not yet read stays in the kernel).
     /// Panics are caught here (EIO) and never unwind.
     ///
+    /// `destination` is where the caller stores the copy (its C caller's
+    /// `event` out-pointer), or NULL; only its address is compared, never
+    /// read or written. A get into its event's id's own `event` field is
+    /// how librdmacm's synchronous calls keep an event (`ucma_complete`
+    /// passes `&id->event`, and keeps it there until its next call on the
+    /// id or `rdma_destroy_id` acks it): an LD_PRELOAD, which makes those
+    /// gets copies, passes its out-pointer, and such a copy held past the
+    /// ack deadline is acked with a debug line, not warned of as a
+    /// program's late free. Known at the hold, before the deadline thread
+    /// can see the original: it also covers a getter preempted before it
+    /// stores the copy (a 1 ms deadline under load warned of the
+    /// ESTABLISHED that `rdma_accept` keeps, when that was looked up in
+    /// `id->event` at the deadline). The drop-in `rdmasafe_get_event`
+    /// passes NULL: librdmacm's synchronous calls never reach it.
+    ///
     /// # Safety
     /// The callers' frames up to the C boundary hold nothing with a
     /// destructor and catch nothing, and the exported function is
     /// `extern "C-unwind"` ([`sys::cancel`]).
     #[inline]
-    pub unsafe fn get_raw_cancellable(&self, wait: Option<Wait>) -> Result<*mut rdma_cm_event> {
+    pub unsafe fn get_raw_cancellable(
+        &self,
+        wait: Option<Wait>,
+        destination: *mut *mut rdma_cm_event,
+    ) -> Result<*mut rdma_cm_event> {
         match wait {
             // The drop-in get: one get as the fd's mode makes it.
             // SAFETY: the caller's contract, passed on.
-            None => unsafe { self.get_once_cancellable() },
+            None => unsafe { self.get_once_cancellable(destination) },
             // SAFETY: as above.
-            Some(wait) => unsafe { self.get_waiting_cancellable(wait) },
+            Some(wait) => unsafe { self.get_waiting_cancellable(wait, destination) },
         }
     }
 
@@ -481,7 +509,11 @@ impl<'a> ChannelRef<'a> {
     /// # Safety
     /// As for [`ChannelRef::get_raw_cancellable`].
     #[inline(never)]
-    unsafe fn get_waiting_cancellable(&self, wait: Wait) -> Result<*mut rdma_cm_event> {
+    unsafe fn get_waiting_cancellable(
+        &self,
+        wait: Wait,
+        destination: *mut *mut rdma_cm_event,
+    ) -> Result<*mut rdma_cm_event> {
         let poll = |left: Wait| {
             let ms = left.poll_ms();
             // SAFETY: this frame and wait_and_get's hold plain values only
@@ -493,7 +525,7 @@ impl<'a> ChannelRef<'a> {
             }
         };
         // SAFETY: the caller's contract, passed on.
-        self.wait_and_get(wait, poll, || unsafe { self.get_once_cancellable() })
+        self.wait_and_get(wait, poll, || unsafe { self.get_once_cancellable(destination) })
     }
 
     /// One get of [`ChannelRef::get_raw_cancellable`]: the slot as a plain
@@ -503,7 +535,7 @@ impl<'a> ChannelRef<'a> {
     /// # Safety
     /// As for [`ChannelRef::get_raw_cancellable`].
     #[inline(always)]
-    unsafe fn get_once_cancellable(&self) -> Result<*mut rdma_cm_event> {
+    unsafe fn get_once_cancellable(&self, destination: *mut *mut rdma_cm_event) -> Result<*mut rdma_cm_event> {
         /// The cleanup handler: `arg` is the `PendingGet` in the frame
         /// being unwound, never used again by that frame.
         unsafe extern "C" fn give_back(arg: *mut std::os::raw::c_void) {
@@ -537,7 +569,7 @@ impl<'a> ChannelRef<'a> {
             // SAFETY: ev is a fresh, unacked librdmacm event (as in
             // take_event).
             let alive = unsafe { copy_raw(ev, &mut slot) };
-            self.settle(&mut slot, ev, alive, deadline_ms);
+            self.settle(&mut slot, ev, alive, deadline_ms, destination);
             Ok(slot.into_c())
         })
     }

@@ -101,7 +101,7 @@ pub(crate) struct Slot {
     ripe_at: AtomicU64,
     /// The held original is one librdmacm keeps itself: set by each hold
     /// from [`set_gets_kept_by_librdmacm`]'s flag of the getting thread, or
-    /// a [`set_get_destination`] in its event's id's own field.
+    /// a get's destination in its event's id's own field.
     kept_by_librdmacm: AtomicBool,
 }
 
@@ -574,12 +574,21 @@ impl SlotBox {
 
     /// Keeps librdmacm's `original` event un-acked until this copy is freed
     /// or `ms` milliseconds (the deadline) pass, whichever comes first.
+    /// Marked as one librdmacm keeps itself when the get is made inside
+    /// `rdma_get_request` ([`set_gets_kept_by_librdmacm`]) or its
+    /// `destination` (an address, never followed) is the event's id's own
+    /// `event` field ([`into_its_ids_own_field`]).
     ///
     /// # Safety
     /// `original` must be an un-acked event from `rdma_get_cm_event`, not
     /// acked by anyone else afterwards.
     #[inline]
-    pub(crate) unsafe fn hold_original(&mut self, original: *mut rdma_cm_event, ms: u64) {
+    pub(crate) unsafe fn hold_original(
+        &mut self,
+        original: *mut rdma_cm_event,
+        ms: u64,
+        destination: *mut *mut rdma_cm_event,
+    ) {
         let s = self.0;
         let gen = s.ack.load(Relaxed) >> 1;
         // The copy's time stamp (taken by mark_copied) is "now" here.
@@ -591,7 +600,7 @@ impl SlotBox {
         s.deadline_ms.store(now.saturating_add(ms), Relaxed);
         // Before the original is published (the `ack` store): the reaper
         // never sees it held without its mark.
-        let kept = GETS_KEPT_BY_LIBRDMACM.get() || into_its_ids_own_field(self.raw(), GET_DESTINATION.get());
+        let kept = GETS_KEPT_BY_LIBRDMACM.get() || into_its_ids_own_field(self.raw(), destination);
         s.kept_by_librdmacm.store(kept, Relaxed);
         s.ack.store(gen << 1 | 1, Release);
         if ms < SHORTEST_DEADLINE_MS.load(Relaxed) {
@@ -639,17 +648,20 @@ impl Slot {
     }
 
     /// If the original of generation `gen` is still pending, claims it
-    /// (exactly one caller wins) and returns it, to be acked.
+    /// (exactly one caller wins) and returns it, to be acked, with its
+    /// mark (`kept_by_librdmacm`).
     #[inline]
-    fn claim_original(&self, gen: u64) -> Option<*mut rdma_cm_event> {
+    fn claim_original(&self, gen: u64) -> Option<(*mut rdma_cm_event, bool)> {
         let pending = gen << 1 | 1;
         if self.ack.load(Acquire) != pending {
             return None;
         }
-        // Read before the claim: once the claim succeeds nobody rewrites it
-        // (a rewrite needs the slot freed and taken again, which changes `ack`).
+        // Read before the claim: once the claim succeeds the copy's owner
+        // may free the slot, and a later get rewrite both (until then a
+        // rewrite needs the slot freed and taken again, which changes `ack`).
         let o = self.original.load(Acquire);
-        self.ack.compare_exchange(pending, gen << 1, AcqRel, Relaxed).ok().map(|_| o)
+        let kept = self.kept_by_librdmacm.load(Relaxed);
+        self.ack.compare_exchange(pending, gen << 1, AcqRel, Relaxed).ok().map(|_| (o, kept))
     }
 }
 
@@ -667,7 +679,7 @@ impl SlotBox {
     #[inline(always)]
     fn release(&mut self) {
         let s = self.0;
-        let held = s.claim_original(s.ack.load(Relaxed) >> 1);
+        let held = s.claim_original(s.ack.load(Relaxed) >> 1).map(|(o, _)| o);
         // SAFETY: the owner's exclusive fields.
         let (counted, unit) = unsafe { (*s.counted.get(), std::mem::replace(&mut *s.unit.get(), false)) };
         if unit {
@@ -1177,7 +1189,7 @@ fn scan(now: u64) {
         if ack & 1 == 0 || s.deadline_ms.load(Relaxed) > now {
             continue;
         }
-        if let Some(o) = s.claim_original(ack >> 1) {
+        if let Some((o, kept)) = s.claim_original(ack >> 1) {
             ACKED_AT_DEADLINE.fetch_add(1, SeqCst);
             // SAFETY: the original is un-acked (claimed just now), so
             // librdmacm still owns it: only rdma_ack_cm_event frees it.
@@ -1185,7 +1197,7 @@ fn scan(now: u64) {
             let (t, id) = unsafe { ((*o).event, (*o).id) };
             let t = super::EventType(t);
             // SAFETY: an un-acked original's type and id (see there).
-            let librdmacms = s.kept_by_librdmacm.load(Acquire) || unsafe { held_by_librdmacm(t, id, s) };
+            let librdmacms = kept || unsafe { held_by_librdmacm(t, id, s) };
             // SAFETY: claimed exactly once. Nothing reads it afterwards.
             unsafe { sys::ack_cm_event(o) };
             let (level, line) = if librdmacms && t == super::EventType::CONNECT_REQUEST {
@@ -1238,11 +1250,13 @@ thread_local! {
 
 /// True if the copy in `slot` is what librdmacm keeps as `id`'s current
 /// event ([`sys::current_event`]: a synchronous id's own get, which an
-/// LD_PRELOAD makes a copy). Not an app's late free. A look at the
-/// deadline, after the mark taken at the hold ([`set_get_destination`],
-/// which also covers a getter that has not stored the copy yet): it finds
-/// a copy put into the field after the get (`rdma_get_request` keeps an
-/// error event as the listen id's).
+/// LD_PRELOAD makes a copy). Not an app's late free. A fallback, looked at
+/// the deadline, behind the mark taken at the hold (`kept_by_librdmacm`):
+/// a copy stored into `id->event` by a get whose destination the hold was
+/// not told. No such path of librdmacm is known today (`ucma_complete` is
+/// marked by its destination, the gets inside `rdma_get_request` by
+/// [`set_gets_kept_by_librdmacm`]); one would be missed by this look
+/// while its getter has not stored the copy yet.
 ///
 /// Never true for a CONNECT_REQUEST, whose `id` (the new id) is not read:
 /// librdmacm charges a request to the *listen* id (`rdma_ack_cm_event`
@@ -1293,9 +1307,9 @@ pub fn set_gets_kept_by_librdmacm(on: bool) -> bool {
 }
 
 /// True if a get of `ev` stores it at `dest`, the `event` field of `ev`'s
-/// own id: how librdmacm's synchronous calls keep it
-/// ([`set_get_destination`]). An address computed, nothing read through
-/// it. Never for a CONNECT_REQUEST: its id (the new one) did not exist
+/// own id: how librdmacm's synchronous calls keep it (see
+/// `ChannelRef::get_raw_cancellable`). An address computed, nothing read
+/// through it. Never for a CONNECT_REQUEST: its id (the new one) did not exist
 /// before the get, so no caller can have named its field (and that id may
 /// be destroyed while the copy is held: see [`held_by_librdmacm`]).
 fn into_its_ids_own_field(ev: &rdma_cm_event, dest: *mut *mut rdma_cm_event) -> bool {
@@ -1306,29 +1320,6 @@ fn into_its_ids_own_field(ev: &rdma_cm_event, dest: *mut *mut rdma_cm_event) -> 
             dest.cast::<u8>(),
             ev.id.cast::<u8>().wrapping_add(std::mem::offset_of!(sys::rdma_cm_id, event)),
         )
-}
-
-thread_local! {
-    /// Where this thread's C caller stores the copies it gets (see
-    /// [`set_get_destination`]). A `Cell` of a pointer: nothing to drop.
-    static GET_DESTINATION: std::cell::Cell<*mut *mut rdma_cm_event> = const { std::cell::Cell::new(std::ptr::null_mut()) };
-}
-
-/// Says where the C caller of this thread's gets from now on stores the
-/// copy (the `event` out-pointer of its `rdma_get_cm_event`; NULL: not
-/// known); returns the previous setting: restore it after. An LD_PRELOAD
-/// sets it around each interposed get. librdmacm's synchronous calls get
-/// into the id's own field (`ucma_complete` passes `&id->event`) and keep
-/// the event there until their next call on the id or its destroy, so a
-/// get whose destination is its event's id's `event` field is marked as
-/// librdmacm's own at the hold, before the reaper can see the original:
-/// held past the deadline, it is acked with a debug line, not warned of as
-/// a program's late free. (Looking at `id->event` at the deadline instead
-/// misses a getter that has not stored the copy yet: a 1 ms deadline under
-/// load warned of the ESTABLISHED that `rdma_accept` keeps.) Only an
-/// address is compared; nothing is read through it.
-pub fn set_get_destination(out: *mut *mut rdma_cm_event) -> *mut *mut rdma_cm_event {
-    GET_DESTINATION.replace(out)
 }
 
 /// Lines of the reaper waiting for [`log_off_the_reaper`]'s thread.
