@@ -57,6 +57,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <rdma/rdma_cma.h>
@@ -315,6 +316,7 @@ static void cancel_in_log_callback(struct rdma_event_channel *ch,
 struct destroyer {
 	struct rdma_cm_id *id;
 	atomic_int started, cleaned, returned;
+	struct timespec t0; /* just before rdma_destroy_id (CLOCK_MONOTONIC) */
 };
 
 static void destroyer_cleanup(void *arg)
@@ -326,6 +328,7 @@ static void *destroyer_main(void *arg)
 {
 	struct destroyer *d = arg;
 	pthread_cleanup_push(destroyer_cleanup, d);
+	clock_gettime(CLOCK_MONOTONIC, &d->t0);
 	atomic_store(&d->started, 1);
 	rdma_destroy_id(d->id); /* waits for the held event's ack */
 	atomic_store(&d->returned, 1);
@@ -340,7 +343,10 @@ static void *destroyer_main(void *arg)
  * HOLD_AFTER_MS more (well past a hold threshold of 300 ms, so that the
  * check-mode watcher has run meanwhile) and never acked:
  * librdmacm leaves the id's mutex locked when that wait is cancelled, so
- * an ack would block for good (docs/RDMA-FACTS.md, section 8). */
+ * an ack would block for good (docs/RDMA-FACTS.md, section 8). Prints
+ * how long the destroy waited, from just before the call to the join: a
+ * report of a waiting destroy is true only up to then (a busy machine may
+ * cancel it late). */
 #define HOLD_AFTER_MS 3000
 static void cancel_destroy(struct rdma_event_channel *ch, struct sockaddr *dst)
 {
@@ -372,6 +378,13 @@ static void cancel_destroy(struct rdma_event_channel *ch, struct sockaddr *dst)
 	usleep(100 * 1000); /* inside rdma_destroy_id's wait by now */
 	check(pthread_cancel(t) == 0, "pthread_cancel");
 	check(pthread_join(t, &res) == 0, "pthread_join");
+	{
+		struct timespec t1;
+
+		clock_gettime(CLOCK_MONOTONIC, &t1);
+		printf("info destroy: waited %ld ms until the join\n",
+		       (long)((t1.tv_sec - d.t0.tv_sec) * 1000 + (t1.tv_nsec - d.t0.tv_nsec) / 1000000));
+	}
 	check(res == PTHREAD_CANCELED,
 	      "rdma_destroy_id: the join reports PTHREAD_CANCELED");
 	check(atomic_load(&d.cleaned),
