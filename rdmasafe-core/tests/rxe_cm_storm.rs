@@ -95,13 +95,25 @@ fn storm_of_500_connections_batch_and_four_workers() {
         std::thread::sleep(Duration::from_millis(20));
     }
     // The kernel lists a request's new id just before its event handler
-    // queues the event for the channel: let the last few handlers finish
-    // (a kernel worker of a busy guest may be descheduled in between).
+    // queues the event for the channel: let the last few handlers finish.
+    // A kernel worker of a very busy guest may still be descheduled in
+    // between, so the batches go on until every request is in (that one
+    // batch takes all that is queued is proven with an ordered marker by
+    // tests/c/cm_capi_test.c's test_batch; here it is only shown).
     std::thread::sleep(Duration::from_secs(1));
     let mut requests: Vec<CmEvent> = Vec::with_capacity(2 * N);
     let first_batch = sch.get_batch(&mut requests, 2 * N, Wait::For(STEP)).unwrap();
-    println!("kernel held {seen} requests; one batch call returned {first_batch} events");
-    assert_eq!(first_batch, N, "one batch drains every queued request");
+    let mut calls = 1;
+    while requests.len() < N {
+        let before = requests.len();
+        sch.get_batch(&mut requests, 2 * N, Wait::For(STEP)).unwrap();
+        assert!(requests.len() > before, "a batch call waited {STEP:?} for more requests and got none");
+        calls += 1;
+    }
+    println!(
+        "kernel held {seen} requests; the first batch call returned {first_batch} events, {calls} call(s) in all"
+    );
+    assert_eq!(requests.len(), N, "no more requests than clients");
     let mut indices: Vec<u32> = requests
         .iter()
         .map(|e| {
