@@ -214,9 +214,12 @@ run cm_mcast_test_raw "$bin/cm_mcast_test_raw"
 
 # 10. ----------------------------------------------------------------------
 # Each run forks its own server and client (port passed through a pipe).
+# rdmasafe's barrier holds until the ack deadline: one no stall of a busy
+# machine between a get and its free reaches (the -H runs below use the
+# default, which they are about)
 scenario "cm_barrier_test (ASan): $barrier_runs runs"
 for ((i = 1; i <= barrier_runs; i++)); do
-	run "cm_barrier_test.$i" "$bin/cm_barrier_test"
+	run "cm_barrier_test.$i" env RDMASAFE_ACK_DEADLINE_MS=60000 "$bin/cm_barrier_test"
 done
 scenario "cm_barrier_test_raw (ASan, librdmacm only): $barrier_raw_runs runs"
 for ((i = 1; i <= barrier_raw_runs; i++)); do

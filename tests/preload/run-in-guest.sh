@@ -248,9 +248,11 @@ done
 # ASan wants its runtime first in the library list; the preload interposes
 # no allocator, so the order does not matter here.
 scenario "cm_barrier_test_raw (ASan) under the preload: $barrier_runs runs, then -H"
+# (the barrier holds until the ack deadline: one no stall of a busy machine
+# between a get and its ack reaches; -H is about the default one)
 for ((i = 1; i <= barrier_runs; i++)); do
 	start "cm_barrier_test_raw.preload.$i.run" "${W[@]}" env ASAN_OPTIONS=verify_asan_link_order=0 \
-		"${PRE[@]}" "$pbin/cm_barrier_test_raw"
+		RDMASAFE_ACK_DEADLINE_MS=60000 "${PRE[@]}" "$pbin/cm_barrier_test_raw"
 	finish "cm_barrier_test_raw.preload.$i.run"
 done
 start cm_barrier_test_raw.preload.hold.run "${W[@]}" env ASAN_OPTIONS=verify_asan_link_order=0 \
