@@ -249,7 +249,7 @@ case_hostkill() {
 	else
 		if wait_file "$shared/listening" 120; then
 			start hostkill_survivor "$bin/fault_node" survivor -x hostkill -p "$port" -k -r 6 \
-				-P 200 -B 2000 -F "$logs/hostkill.stamp" -W "$shared/killed-b" -t 90
+				-P 200 -B 10000 -F "$logs/hostkill.stamp" -W "$shared/killed-b" -t 90
 			if wait_line hostkill_survivor "fault_node: traffic flowing" 60; then
 				sleep "$traffic_s"
 				stamp "$logs/hostkill.stamp"
