@@ -110,9 +110,7 @@ fn storm_of_500_connections_batch_and_four_workers() {
         assert!(requests.len() > before, "a batch call waited {STEP:?} for more requests and got none");
         calls += 1;
     }
-    println!(
-        "kernel held {seen} requests; the first batch call returned {first_batch} events, {calls} call(s) in all"
-    );
+    println!("kernel held {seen} requests; the first batch call returned {first_batch} events, {calls} call(s) in all");
     assert_eq!(requests.len(), N, "no more requests than clients");
     let mut indices: Vec<u32> = requests
         .iter()

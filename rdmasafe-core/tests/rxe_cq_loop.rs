@@ -577,10 +577,7 @@ fn work_reported_again_begins_a_new_watchdog_period() {
     assert_eq!(lp.stats().watchdog_polls, polls, "no poll at once: a new period began");
     // (At most a period away; zero only if this thread stalled a period.)
     let next = lp.next_timeout();
-    assert!(
-        next.is_some_and(|t| t <= Duration::from_millis(20)),
-        "the new period's end is the next timeout: {next:?}"
-    );
+    assert!(next.is_some_and(|t| t <= Duration::from_millis(20)), "the new period's end is the next timeout: {next:?}");
 }
 
 /// Embedding: the app's own epoll watches the loop's fd and calls
