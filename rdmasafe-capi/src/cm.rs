@@ -6,7 +6,7 @@ use std::os::raw::{c_char, c_int, c_void};
 use std::ptr::NonNull;
 use std::time::Duration;
 
-use rdmasafe_core::cm::{self, ChannelRef, CmEvent, EventType};
+use rdmasafe_core::cm::{self, ChannelRef, CmEvent, CopyDestination, EventType};
 use rdmasafe_core::sys::{rdma_cm_event, rdma_event_channel};
 use rdmasafe_core::Wait;
 
@@ -130,8 +130,8 @@ unsafe fn get_first(ch: Option<ChannelRef<'_>>, event: *mut *mut rdma_cm_event, 
         return fail_errno(libc::EINVAL);
     };
     // SAFETY: the frames up to the export hold plain values (contract).
-    // No destination: librdmacm's synchronous calls never come here.
-    match unsafe { ch.get_raw_cancellable(wait, std::ptr::null_mut()) } {
+    // No destination: librdmacm's own calls never come here.
+    match unsafe { ch.get_raw_cancellable(wait, CopyDestination::Out(std::ptr::null_mut())) } {
         Ok(ev) => {
             // SAFETY: event checked non-NULL; errno is this thread's.
             unsafe {

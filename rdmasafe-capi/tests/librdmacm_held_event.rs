@@ -20,7 +20,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use rdmasafe::{rdmasafe_cm_set_ack_deadline, rdmasafe_event_free, rdmasafe_set_log_callback, rdmasafe_set_log_level};
-use rdmasafe_core::cm::{ChannelRef, EventType, SyntheticEvent};
+use rdmasafe_core::cm::{ChannelRef, CopyDestination, EventType, SyntheticEvent};
 use rdmasafe_core::sys::{self, rdma_cm_event, rdma_cm_id, rdma_event_channel, CmEventCalls};
 use standin::{channel, ready, take_ready};
 
@@ -72,6 +72,9 @@ enum Keeper {
     /// As `Librdmacm`, but the getter is slow to return (preempted under
     /// load): the deadline passes before the copy lands in `id->event`.
     LibrdmacmLate,
+    /// librdmacm inside `rdma_get_request`, into a variable of its own
+    /// (the preload says `CopyDestination::Librdmacm` there).
+    GetRequest,
 }
 
 /// A copy of an event of `id`, kept until the deadline's line about it.
@@ -85,9 +88,10 @@ fn held_past_the_deadline(
     NEXT_ID.store(id as *mut rdma_cm_id as usize, SeqCst);
     ready(w);
     let mut ev = null_mut();
-    let dest: *mut *mut rdma_cm_event = match keeper {
-        Keeper::App => &mut ev,
-        Keeper::Librdmacm | Keeper::LibrdmacmLate => &mut id.event,
+    let dest = match keeper {
+        Keeper::App => CopyDestination::Out(&mut ev),
+        Keeper::Librdmacm | Keeper::LibrdmacmLate => CopyDestination::Out(&mut id.event),
+        Keeper::GetRequest => CopyDestination::Librdmacm,
     };
     // As the preload's get: the C get's one call, with its destination.
     // SAFETY: a live stand-in channel for the call; no thread cancels this
@@ -140,5 +144,9 @@ fn librdmacms_own_held_event_is_no_late_app() {
     let (_, line) = held_past_the_deadline(&mut ch, w, &mut id, Keeper::Librdmacm);
     assert!(line.contains("was held past its ack deadline"), "a request's id is not read: {line}");
     assert!(line.contains("of the listen id no longer wait"), "{line}");
+    // A request got inside rdma_get_request: librdmacm's, an info line.
+    let (level, line) = held_past_the_deadline(&mut ch, w, &mut id, Keeper::GetRequest);
+    assert_eq!(level, 3, "a request rdma_get_request keeps: an info line: {line}");
+    assert!(line.contains("that librdmacm's rdma_get_request keeps"), "{line}");
     assert_eq!(rdmasafe_set_log_level(0), 0);
 }

@@ -10,7 +10,7 @@ use std::os::raw::c_int;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-use rdmasafe_core::cm::{self, ChannelRef, CmEvent};
+use rdmasafe_core::cm::{self, ChannelRef, CmEvent, CopyDestination};
 use rdmasafe_core::sys::{rdma_cm_event, rdma_event_channel};
 
 /// Gets that returned an event (a copy).
@@ -21,6 +21,19 @@ static GET_ERRORS: AtomicU64 = AtomicU64::new(0);
 static ACKED: AtomicU64 = AtomicU64::new(0);
 /// Acks of a pointer that is no live copy (refused with EINVAL).
 static NOT_COPIES: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    /// This thread is inside librdmacm's `rdma_get_request` (see
+    /// [`in_get_request`]). A `Cell<bool>`: nothing to drop.
+    static IN_GET_REQUEST: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Says whether this thread is inside librdmacm's `rdma_get_request` from
+/// now on (returns the previous setting: restore it after): its gets there
+/// are librdmacm's own ([`CopyDestination::Librdmacm`]).
+pub(crate) fn in_get_request(on: bool) -> bool {
+    IN_GET_REQUEST.replace(on)
+}
 
 /// `rdma_get_cm_event` in copy mode: `Ok(0)` with `*event` set to a copy,
 /// or `Err(errno)` with `*event` untouched.
@@ -36,13 +49,15 @@ pub(crate) unsafe fn get(channel: *mut rdma_event_channel, event: *mut *mut rdma
     // SAFETY: the caller passes a live channel for the duration of the
     // call, as rdma_get_cm_event requires. rdmasafe never changes its mode.
     let ch = unsafe { ChannelRef::from_raw(raw) };
-    // `event` is the copy's destination: librdmacm's synchronous calls get
-    // into the id's own `event` field and keep it there (then marked at the
-    // hold as librdmacm's, so the deadline's line is not the warning for a
+    // Where the copy goes: inside rdma_get_request librdmacm keeps it
+    // itself; otherwise `event`, which librdmacm's synchronous calls point
+    // at the id's own `event` field (either way marked at the hold as
+    // librdmacm's, so the deadline's line is not the warning for a
     // program's late free).
+    let destination = if IN_GET_REQUEST.get() { CopyDestination::Librdmacm } else { CopyDestination::Out(event) };
     // SAFETY: the frames up to the interposer ("C-unwind") hold plain
     // values: a cancellation in the wait unwinds through them.
-    match unsafe { ch.get_raw_cancellable(None, event) } {
+    match unsafe { ch.get_raw_cancellable(None, destination) } {
         Ok(ev) => {
             GOT.fetch_add(1, Relaxed);
             // SAFETY: event checked non-NULL; writable (caller's contract).

@@ -254,7 +254,7 @@ pub unsafe extern "C-unwind" fn rdma_destroy_id(id: *mut rdma_cm_id) -> c_int {
 /// Interposes librdmacm's `rdma_get_request`: passed through. In copy
 /// mode the get it makes inside (through the interposed
 /// `rdma_get_cm_event`) is marked as librdmacm's own
-/// (`rdmasafe_core::cm::set_gets_kept_by_librdmacm`): `rdma_get_request`
+/// (`rdmasafe_core::cm::CopyDestination::Librdmacm`): `rdma_get_request`
 /// keeps the connect request as the new id's current event until
 /// `rdma_accept` (or the new id's destroy) acks it, so a request held past
 /// the ack deadline there (an rsockets or `rdma_create_ep` server that
@@ -276,11 +276,11 @@ pub unsafe extern "C-unwind" fn rdma_get_request(listen: *mut rdma_cm_id, id: *m
     let Some(real) = st.real.get_request else {
         return fail(libc::ENOSYS);
     };
-    let prev = matches!(st.mode, Mode::Copy).then(|| rdmasafe_core::cm::set_gets_kept_by_librdmacm(true));
+    let prev = matches!(st.mode, Mode::Copy).then(|| copy::in_get_request(true));
     // SAFETY: the program's arguments, as rdma_get_request takes them.
     let r = unsafe { real(listen, id) };
     if let Some(p) = prev {
-        rdmasafe_core::cm::set_gets_kept_by_librdmacm(p);
+        copy::in_get_request(p);
     }
     r
 }

@@ -368,7 +368,7 @@ impl<'a> ChannelRef<'a> {
             }
             _ => None,
         };
-        self.settle(&mut slot, ev, alive, deadline_ms, null_mut());
+        self.settle(&mut slot, ev, alive, deadline_ms, pool::CopyDestination::Out(null_mut()));
         Ok(CmEvent::new(slot, request))
     }
 
@@ -424,9 +424,9 @@ impl<'a> ChannelRef<'a> {
     /// The original `ev` of the copy in `slot` (fresh from
     /// [`ChannelRef::take_event`], un-acked, nothing read from it any more):
     /// acked at once (`deadline_ms` 0), or held by the slot until the copy
-    /// is freed or `deadline_ms` passes (marked as librdmacm's own when
-    /// `destination`, an address only, is the event's id's own `event`
-    /// field: see [`ChannelRef::get_raw_cancellable`]). Then the get path's
+    /// is freed or `deadline_ms` passes (marked as librdmacm's own as
+    /// `destination` says: see [`ChannelRef::get_raw_cancellable`]). Then
+    /// the get path's
     /// log lines (the trace of the copy, the "many copies held" warning for
     /// `alive` copies).
     #[inline]
@@ -436,7 +436,7 @@ impl<'a> ChannelRef<'a> {
         ev: *mut rdma_cm_event,
         alive: u64,
         deadline_ms: u64,
-        destination: *mut *mut rdma_cm_event,
+        destination: pool::CopyDestination,
     ) {
         if deadline_ms == 0 {
             // SAFETY: ev came from rdma_get_cm_event and is acked exactly
@@ -469,20 +469,18 @@ impl<'a> ChannelRef<'a> {
     /// a cleanup handler; an event not yet read stays in the kernel).
     /// Panics are caught here (EIO) and never unwind.
     ///
-    /// `destination` is where the caller stores the copy (its C caller's
-    /// `event` out-pointer), or NULL; only its address is compared, never
-    /// read or written. A get into its event's id's own `event` field is
-    /// how librdmacm's synchronous calls keep an event (`ucma_complete`
-    /// passes `&id->event`, and keeps it there until its next call on the
-    /// id or `rdma_destroy_id` acks it): an LD_PRELOAD, which makes those
-    /// gets copies, passes its out-pointer, and such a copy held past the
-    /// ack deadline is acked with a debug line, not warned of as a
-    /// program's late free. Known at the hold, before the deadline thread
-    /// can see the original: it also covers a getter preempted before it
-    /// stores the copy (a 1 ms deadline under load warned of the
-    /// ESTABLISHED that `rdma_accept` keeps, when that was looked up in
-    /// `id->event` at the deadline). The drop-in `rdmasafe_get_event`
-    /// passes NULL: librdmacm's synchronous calls never reach it.
+    /// `destination` is where the caller puts the copy, as far as it knows
+    /// ([`super::CopyDestination`]): an LD_PRELOAD, which makes librdmacm's
+    /// own gets copies, passes its `event` out-pointer (librdmacm's
+    /// synchronous calls pass `&id->event`), or `Librdmacm` inside
+    /// `rdma_get_request`; such a copy held past the ack deadline is acked
+    /// with a debug or info line, not warned of as a program's late free.
+    /// Known at the hold, before the deadline thread can see the original:
+    /// it also covers a getter preempted before it stores the copy (a 1 ms
+    /// deadline under load warned of the ESTABLISHED that `rdma_accept`
+    /// keeps, when that was looked up in `id->event` at the deadline). The
+    /// drop-in `rdmasafe_get_event` passes `Out(NULL)`: librdmacm's own
+    /// calls never reach it.
     ///
     /// # Safety
     /// The callers' frames up to the C boundary hold nothing with a
@@ -492,7 +490,7 @@ impl<'a> ChannelRef<'a> {
     pub unsafe fn get_raw_cancellable(
         &self,
         wait: Option<Wait>,
-        destination: *mut *mut rdma_cm_event,
+        destination: pool::CopyDestination,
     ) -> Result<*mut rdma_cm_event> {
         match wait {
             // The drop-in get: one get as the fd's mode makes it.
@@ -512,7 +510,7 @@ impl<'a> ChannelRef<'a> {
     unsafe fn get_waiting_cancellable(
         &self,
         wait: Wait,
-        destination: *mut *mut rdma_cm_event,
+        destination: pool::CopyDestination,
     ) -> Result<*mut rdma_cm_event> {
         let poll = |left: Wait| {
             let ms = left.poll_ms();
@@ -535,7 +533,7 @@ impl<'a> ChannelRef<'a> {
     /// # Safety
     /// As for [`ChannelRef::get_raw_cancellable`].
     #[inline(always)]
-    unsafe fn get_once_cancellable(&self, destination: *mut *mut rdma_cm_event) -> Result<*mut rdma_cm_event> {
+    unsafe fn get_once_cancellable(&self, destination: pool::CopyDestination) -> Result<*mut rdma_cm_event> {
         /// The cleanup handler: `arg` is the `PendingGet` in the frame
         /// being unwound, never used again by that frame.
         unsafe extern "C" fn give_back(arg: *mut std::os::raw::c_void) {

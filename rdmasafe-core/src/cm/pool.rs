@@ -100,8 +100,7 @@ pub(crate) struct Slot {
     /// held a copy). Written before the free list's push publishes it.
     ripe_at: AtomicU64,
     /// The held original is one librdmacm keeps itself: set by each hold
-    /// from [`set_gets_kept_by_librdmacm`]'s flag of the getting thread, or
-    /// a get's destination in its event's id's own field.
+    /// from its get's [`CopyDestination`].
     kept_by_librdmacm: AtomicBool,
 }
 
@@ -574,21 +573,14 @@ impl SlotBox {
 
     /// Keeps librdmacm's `original` event un-acked until this copy is freed
     /// or `ms` milliseconds (the deadline) pass, whichever comes first.
-    /// Marked as one librdmacm keeps itself when the get is made inside
-    /// `rdma_get_request` ([`set_gets_kept_by_librdmacm`]) or its
-    /// `destination` (an address, never followed) is the event's id's own
-    /// `event` field ([`into_its_ids_own_field`]).
+    /// Marked as one librdmacm keeps itself as its [`CopyDestination`]
+    /// says.
     ///
     /// # Safety
     /// `original` must be an un-acked event from `rdma_get_cm_event`, not
     /// acked by anyone else afterwards.
     #[inline]
-    pub(crate) unsafe fn hold_original(
-        &mut self,
-        original: *mut rdma_cm_event,
-        ms: u64,
-        destination: *mut *mut rdma_cm_event,
-    ) {
+    pub(crate) unsafe fn hold_original(&mut self, original: *mut rdma_cm_event, ms: u64, destination: CopyDestination) {
         let s = self.0;
         let gen = s.ack.load(Relaxed) >> 1;
         // The copy's time stamp (taken by mark_copied) is "now" here.
@@ -600,7 +592,10 @@ impl SlotBox {
         s.deadline_ms.store(now.saturating_add(ms), Relaxed);
         // Before the original is published (the `ack` store): the reaper
         // never sees it held without its mark.
-        let kept = GETS_KEPT_BY_LIBRDMACM.get() || into_its_ids_own_field(self.raw(), destination);
+        let kept = match destination {
+            CopyDestination::Librdmacm => true,
+            CopyDestination::Out(out) => into_its_ids_own_field(self.raw(), out),
+        };
         s.kept_by_librdmacm.store(kept, Relaxed);
         s.ack.store(gen << 1 | 1, Release);
         if ms < SHORTEST_DEADLINE_MS.load(Relaxed) {
@@ -1254,8 +1249,8 @@ thread_local! {
 /// the deadline, behind the mark taken at the hold (`kept_by_librdmacm`):
 /// a copy stored into `id->event` by a get whose destination the hold was
 /// not told. No such path of librdmacm is known today (`ucma_complete` is
-/// marked by its destination, the gets inside `rdma_get_request` by
-/// [`set_gets_kept_by_librdmacm`]); one would be missed by this look
+/// marked by its destination, the gets inside `rdma_get_request` as
+/// [`CopyDestination::Librdmacm`]); one would be missed by this look
 /// while its getter has not stored the copy yet.
 ///
 /// Never true for a CONNECT_REQUEST, whose `id` (the new id) is not read:
@@ -1270,7 +1265,7 @@ thread_local! {
 /// the new id's destroy), so it tells nothing. Such a request held past
 /// the deadline by a synchronous server (under an LD_PRELOAD, between
 /// `rdma_get_request` and `rdma_accept`) is known instead by the mark of
-/// each get made inside `rdma_get_request` ([`set_gets_kept_by_librdmacm`]).
+/// each get made inside `rdma_get_request` ([`CopyDestination::Librdmacm`]).
 ///
 /// # Safety
 /// `t` and `id` are `event` and `id` of an original the caller holds
@@ -1288,28 +1283,31 @@ unsafe fn held_by_librdmacm(t: super::EventType, id: *mut sys::rdma_cm_id, slot:
     std::ptr::eq(unsafe { sys::current_event(id) }.cast::<Slot>(), slot)
 }
 
-thread_local! {
-    /// This thread's gets are ones librdmacm keeps itself (see
-    /// [`set_gets_kept_by_librdmacm`]). A `Cell<bool>`: nothing to drop.
-    static GETS_KEPT_BY_LIBRDMACM: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// Says whether the gets this thread makes from now on are librdmacm's own
-/// (returns the previous setting: restore it after). An LD_PRELOAD sets it
-/// around librdmacm's `rdma_get_request`, which keeps the connect request
-/// it gets (through the interposed `rdma_get_cm_event`) as the new id's
-/// current event until `rdma_accept` or the new id's destroy acks it: such
-/// an original held past the deadline is acked with an info line, not
-/// warned of as a program's late free. Marked at the hold, before the
-/// reaper can see the original.
-pub fn set_gets_kept_by_librdmacm(on: bool) -> bool {
-    GETS_KEPT_BY_LIBRDMACM.replace(on)
+/// Where the C caller of a get puts the copy, as far as it knows: what
+/// tells librdmacm's own holds from a program's. An original held past the
+/// ack deadline that librdmacm keeps itself (an LD_PRELOAD makes its gets
+/// copies) is acked with a debug or info line, a program's late free with
+/// a warning. Marked at the hold, before the deadline thread can see the
+/// original (see `ChannelRef::get_raw_cancellable`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyDestination {
+    /// The `event` out-pointer of the caller's get (NULL: not known):
+    /// librdmacm's own when it is the event's id's own `event` field, where
+    /// librdmacm's synchronous calls keep an event (`ucma_complete` passes
+    /// `&id->event`) until their next call on the id or its destroy. Only
+    /// the address is compared, never followed.
+    Out(*mut *mut rdma_cm_event),
+    /// A get librdmacm makes inside `rdma_get_request`, into storage no
+    /// caller can name: it keeps the connect request as the new id's
+    /// current event until `rdma_accept` or the new id's destroy acks it
+    /// (`rdma_reject` does not), and an error event as the listen id's.
+    Librdmacm,
 }
 
 /// True if a get of `ev` stores it at `dest`, the `event` field of `ev`'s
-/// own id: how librdmacm's synchronous calls keep it (see
-/// `ChannelRef::get_raw_cancellable`). An address computed, nothing read
-/// through it. Never for a CONNECT_REQUEST: its id (the new one) did not exist
+/// own id: how librdmacm's synchronous calls keep it
+/// ([`CopyDestination::Out`]). An address computed, nothing read through
+/// it. Never for a CONNECT_REQUEST: its id (the new one) did not exist
 /// before the get, so no caller can have named its field (and that id may
 /// be destroyed while the copy is held: see [`held_by_librdmacm`]).
 fn into_its_ids_own_field(ev: &rdma_cm_event, dest: *mut *mut rdma_cm_event) -> bool {
