@@ -697,11 +697,6 @@ fn check_copy_books(c: &mut Checks, runs: &BTreeMap<String, Block>) {
     }
 }
 
-/// An rsockets server whose accept outlasts a 1 ms ack deadline (the
-/// script's rstream.slowaccept): the connect request `rdma_get_request`
-/// keeps is acked at the deadline as librdmacm's own hold (an info line),
-/// never with the warning of a program's late free, which it got before
-/// the preload marked the gets inside `rdma_get_request`.
 /// A plugin linked with librdmacm, loaded with dlopen (RTLD_LOCAL or
 /// RTLD_GLOBAL) by a program that is not, also after the preload set
 /// itself up (a libibverbs call first): its CM calls work, copied in copy
@@ -745,6 +740,11 @@ fn check_late_librdmacm(c: &mut Checks, runs: &BTreeMap<String, Block>) {
     }
 }
 
+/// An rsockets server whose accept outlasts a 1 ms ack deadline (the
+/// script's rstream.slowaccept): the connect request `rdma_get_request`
+/// keeps is acked at the deadline as librdmacm's own hold (an info line),
+/// never with the warning of a program's late free, which it got before
+/// the preload marked the gets inside `rdma_get_request`.
 fn check_slow_accept(c: &mut Checks, runs: &BTreeMap<String, Block>) {
     let empty = Block::default();
     let client = runs.get("rstream.slowaccept.client").unwrap_or(&empty);
