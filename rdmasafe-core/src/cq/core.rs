@@ -457,12 +457,10 @@ impl Core {
             read += 1;
             sh.counters.cq_events.bump(1);
             sh.counters.unacked.bump(1);
-            let mut found = self.entries.find(ev.cq_addr());
-            if found.is_none() && sh.cmds_pending.load(SeqCst) {
+            if sh.cmds_pending.load(SeqCst) && self.entries.find(ev.cq_addr()).is_none() {
                 self.apply_cmds(ctl);
-                found = self.entries.find(ev.cq_addr());
             }
-            let Some(r) = found else {
+            let Some((r, e)) = self.entries.find_mut(ev.cq_addr()) else {
                 let cq = ev.cq_addr();
                 ev.ack();
                 sh.counters.unacked.drop_by(1);
@@ -477,7 +475,6 @@ impl Core {
                 continue;
             };
             let batch = self.opts.ack_batch;
-            let e = self.entries.get_mut(r).expect("found above");
             e.pending_acks += 1;
             if e.armed {
                 e.armed = false;

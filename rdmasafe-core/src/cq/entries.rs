@@ -105,13 +105,29 @@ impl Entries {
 
     #[inline]
     pub(crate) fn find(&self, cq: usize) -> Option<Ref> {
+        let i = self.index_of(cq)?;
+        self.slots[i].as_ref().map(|e| (i, e.gen))
+    }
+
+    /// [`Entries::find`] with the entry: one lookup where the caller
+    /// changes the entry it found.
+    #[inline]
+    pub(crate) fn find_mut(&mut self, cq: usize) -> Option<(Ref, &mut Entry)> {
+        let i = self.index_of(cq)?;
+        let e = self.slots[i].as_mut()?;
+        Some(((i, e.gen), e))
+    }
+
+    /// The slot of `cq`'s entry: the last one found, else from the index.
+    #[inline]
+    fn index_of(&self, cq: usize) -> Option<usize> {
         let i = self.last.get();
         if let Some(Some(e)) = self.slots.get(i) {
             if e.cq.addr() == cq {
-                return Some((i, e.gen));
+                return Some(i);
             }
         }
-        self.find_indexed(cq)
+        self.find_indexed(cq).map(|r| r.0)
     }
 
     #[inline(never)]
