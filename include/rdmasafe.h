@@ -632,6 +632,14 @@ struct rdmasafe_cq_loop_stats {
    * The plan comes from the last 32.
    */
   uint64_t learn_idle_samples;
+  /**
+   * Blocking changes (a drain, a CQ's or a keepalive's removal, from
+   * outside a callback) that ran the loop, callbacks included, on the
+   * calling thread because a thread waiting to run the loop showed no
+   * sign of life for 2 seconds (such a change otherwise waits for that
+   * thread, whose callbacks then run there).
+   */
+  uint64_t grace_takeovers;
 };
 
 /**

@@ -280,6 +280,12 @@ pub struct rdmasafe_cq_loop_stats {
     /// that returns -EINTR, is none).
     /// The plan comes from the last 32.
     pub learn_idle_samples: u64,
+    /// Blocking changes (a drain, a CQ's or a keepalive's removal, from
+    /// outside a callback) that ran the loop, callbacks included, on the
+    /// calling thread because a thread waiting to run the loop showed no
+    /// sign of life for 2 seconds (such a change otherwise waits for that
+    /// thread, whose callbacks then run there).
+    pub grace_takeovers: u64,
 }
 
 /// A CQ loop (opaque; the handle is looked up on every call).
@@ -915,6 +921,7 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_get_stats(
                 learn_wake_cost_ns: s.learn_wake_cost_ns,
                 learn_wake_batch_milli: s.learn_wake_batch_milli,
                 learn_idle_samples: s.learn_idle_samples,
+                grace_takeovers: s.grace_takeovers,
             };
             // SAFETY: out checked non-NULL; writable for its stated size (caller).
             match unsafe { crate::abi::write_out(out, &v) } {

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use common::rc::{rc_pair, SLOT};
 use rdmasafe_core::aio::{self, AsyncCqLoop, AsyncEventChannel};
 use rdmasafe_core::cm::{self, EventChannel, EventType, PortSpace};
-use rdmasafe_core::cq::{CqLoop, Keepalive, LoopOptions, DRAIN_RECV_WR_ID, DRAIN_SEND_WR_ID};
+use rdmasafe_core::cq::{CqLoop, Keepalive, LoopOptions, LoopStats, DRAIN_RECV_WR_ID, DRAIN_SEND_WR_ID};
 use rdmasafe_core::verbs::{CompChannel, WcStatus};
 use tokio::sync::mpsc::unbounded_channel;
 
@@ -332,11 +332,14 @@ fn a_blocking_drain_from_a_plain_thread_leaves_the_handlers_on_the_runtime() {
         let mut ids: Vec<u64> = calls.iter().map(|c| c.0).collect();
         ids.sort_unstable();
         assert_eq!(ids, [100, 101, 102, 103], "the four flushed receives, once each");
+        let st = lp.get_ref().stats();
+        if !no_handler_on_the_drainer(&calls, drainer_thread, &st) {
+            return;
+        }
         for (wr_id, thread) in calls {
-            assert_ne!(thread, drainer_thread, "wr_id {wr_id}: handler ran on the draining thread");
             assert_eq!(thread, runtime_thread, "wr_id {wr_id}: handler ran off the runtime's thread");
         }
-        assert_eq!(lp.get_ref().stats().unacked_now, 0);
+        assert_eq!(st.unacked_now, 0);
         drop(lp);
     });
 }
@@ -378,8 +381,38 @@ fn a_blocking_drain_does_not_wait_forever_for_an_idle_runtime() {
     drainer.join().unwrap().expect("the drain");
     assert_eq!(delivered.load(std::sync::atomic::Ordering::SeqCst), 4);
     let lp = rt.block_on(task.stop()).unwrap();
-    assert_eq!(lp.get_ref().stats().unacked_now, 0);
+    let st = lp.get_ref().stats();
+    assert_eq!(st.grace_takeovers, 1, "the drain drove the loop itself, once: {st:?}");
+    assert_eq!(st.unacked_now, 0);
     drop(lp);
+}
+
+/// Whether no handler ran on the draining thread (`calls`: wr_id, thread).
+/// The library's promise: a blocking change leaves the handlers to the
+/// async run while the run shows life, and runs them itself only after 2 s
+/// without a cycle of the run (`grace_takeovers`), which a busy machine
+/// can cause. So a handler on the drainer fails the test unless the stats
+/// count such a takeover (then it is reported, and the caller skips its
+/// checks of where the handlers ran: false).
+fn no_handler_on_the_drainer(
+    calls: &[(u64, std::thread::ThreadId)],
+    drainer: std::thread::ThreadId,
+    st: &LoopStats,
+) -> bool {
+    let on_drainer: Vec<u64> = calls.iter().filter(|c| c.1 == drainer).map(|c| c.0).collect();
+    if on_drainer.is_empty() {
+        return true;
+    }
+    assert!(
+        st.grace_takeovers > 0,
+        "wr_ids {on_drainer:?}: handlers ran on the draining thread, with no takeover after the grace period: {st:?}"
+    );
+    println!(
+        "info: the run showed no life for the grace period ({} takeover(s)): wr_ids {on_drainer:?} handled on the \
+         draining thread, as documented",
+        st.grace_takeovers
+    );
+    false
 }
 
 /// Two tasks await `next()` on one shared channel; two events come, one
@@ -474,10 +507,9 @@ fn a_loop_spawned_from_outside_a_multi_thread_runtime_keeps_its_handlers_there()
         let mut ids: Vec<u64> = calls.iter().map(|c| c.0).collect();
         ids.sort_unstable();
         assert_eq!(ids, [300, 301, 302, 303], "run {run}: the four flushed receives, once each");
-        for (wr_id, thread) in calls {
-            assert_ne!(thread, here, "run {run}: wr_id {wr_id}'s handler ran on the draining thread");
-        }
-        assert_eq!(lp.get_ref().stats().unacked_now, 0);
+        let st = lp.get_ref().stats();
+        no_handler_on_the_drainer(&calls, here, &st);
+        assert_eq!(st.unacked_now, 0);
         drop(lp);
         drop(p);
     }

@@ -40,7 +40,7 @@ use std::time::Duration;
 use super::core::Core;
 use super::handle::{LiveCq, LiveQp};
 use super::options::{CqOptions, Keepalive, LoopOptions};
-use super::stats::{Counters, LoopStats};
+use super::stats::{Bump, Counters, LoopStats};
 use super::{registry, DeadPeer, Handler};
 use crate::cm::CmId;
 use crate::sys::{self, ibv_cq, ibv_qp, Epoll, TimerFd, WakeFd};
@@ -763,7 +763,8 @@ impl LoopControl {
                 return r.map(|_| Outcome::Done);
             }
             let driver = sh.driver.load(SeqCst);
-            if (driver != 0 && driver != sys::thread_tag()) || sh.wanted.load(SeqCst) > 0 {
+            let other = (driver != 0 && driver != sys::thread_tag()) || sh.wanted.load(SeqCst) > 0;
+            if other {
                 // An async run drives the loop on its runtime's thread,
                 // which is woken (above), or a thread waits to run it (a
                 // non-blocking process_once must not wait for this drain):
@@ -785,8 +786,13 @@ impl LoopControl {
             match sh.core.try_lock() {
                 Ok(g) => {
                     drop(q);
-                    // Nobody drives the loop: apply (and drive, for a drain)
-                    // here, then let go through Held (which looks again).
+                    // Nobody drives the loop (or whoever should showed no
+                    // life for the grace period): apply (and drive, for a
+                    // drain) here, then let go through Held (which looks
+                    // again).
+                    if other {
+                        sh.counters.grace_takeovers.bump(1);
+                    }
                     let mut held = Held::new(sh, g, self.clone());
                     let (core, ctl) = held.parts();
                     if core.shut {

@@ -79,6 +79,7 @@ pub(crate) struct Counters {
     pub(crate) learn_wake_cost_ns: AtomicU64,
     pub(crate) learn_wake_batch_milli: AtomicU64,
     pub(crate) learn_idle_samples: AtomicU64,
+    pub(crate) grace_takeovers: AtomicU64,
     pub(crate) per_wakeup: Histogram,
     pub(crate) cycle_us: Histogram,
 }
@@ -120,6 +121,7 @@ impl Counters {
             learn_wake_cost_ns: self.learn_wake_cost_ns.load(Relaxed),
             learn_wake_batch_milli: self.learn_wake_batch_milli.load(Relaxed),
             learn_idle_samples: self.learn_idle_samples.load(Relaxed),
+            grace_takeovers: self.grace_takeovers.load(Relaxed),
             completions_per_wakeup: self.per_wakeup.snapshot(),
             cycle_time_us: self.cycle_us.snapshot(),
         }
@@ -236,6 +238,14 @@ pub struct LoopStats {
     /// `process_once` with a wait other than zero (not an EINTR) or the end
     /// of `run_for`, is none). The plan comes from the last 32.
     pub learn_idle_samples: u64,
+    /// Blocking changes (a drain, a CQ's or a keepalive's removal, from
+    /// outside a handler) that ran the loop on the calling thread, handlers included,
+    /// because the async run driving the loop, or a thread waiting to run
+    /// it, showed no sign of life (no cycle) for 2 seconds: an async run
+    /// whose runtime stalled or stopped polling it. Such a change
+    /// otherwise waits for that run, and the handlers run on the run's
+    /// thread.
+    pub grace_takeovers: u64,
     /// Histogram of completions delivered per wakeup (power-of-two
     /// buckets, see [`BUCKETS`]).
     pub completions_per_wakeup: [u64; BUCKETS],
