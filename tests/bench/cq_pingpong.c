@@ -34,7 +34,9 @@
  *           the client send at once;
  *   stream  the client streams -n sends (at most -q outstanding, posted as
  *           chained lists), the server receives them: counts wakeups,
- *           completions per wakeup, ack calls.
+ *           completions per wakeup, ack calls. The client starts when
+ *           the server's one "go" message, sent just before its loop
+ *           runs, arrives.
  *
  *   cq_pingpong -S -a ADDR -p PORT -w W -m MODE -n N [...]   server
  *   cq_pingpong    -a ADDR -p PORT -w W -m MODE -n N [...]   client
@@ -528,6 +530,26 @@ static void connect_both(struct app *a, const char *addr, const char *port)
 	rdma_freeaddrinfo(ai);
 }
 
+/* stream client: polls (outside the loop, which is not running yet) for the
+   receiver's "go" message */
+static void wait_go(struct app *a)
+{
+	for (;;) {
+		struct ibv_wc wc;
+		int n = ibv_poll_cq(a->cq, 1, &wc);
+		if (n < 0)
+			DIE("ibv_poll_cq");
+		if (n == 0)
+			continue;
+		if (wc.status != IBV_WC_SUCCESS)
+			DIE("go: completion error %s", ibv_wc_status_str(wc.status));
+		if (wc.opcode & IBV_WC_RECV) {
+			post_recv(a, wc.wr_id);
+			return;
+		}
+	}
+}
+
 static void teardown(struct app *a)
 {
 	/* both sides disconnect; each waits for its DISCONNECTED */
@@ -651,6 +673,14 @@ int main(int argc, char **argv)
 	}
 	connect_both(a, addr, port);
 	loop_setup(a);
+	if (a->workload == W_STREAM) {
+		/* the stream starts once the receiver runs its loop: measured
+		   under load, not found queued in one go by a late receiver */
+		if (a->server)
+			post_sends(a, 1); /* "go", just before its loop runs */
+		else
+			wait_go(a);
+	}
 
 	uint64_t t_run = now_ns();
 	if (a->warm == 0 && !(a->server && a->workload == W_STREAM))

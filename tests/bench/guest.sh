@@ -190,14 +190,24 @@ kill_tree() {
 
 # syscalls FILE: {"name":count,...} of the calls inside getppid() windows
 syscall_counts() {
+	# prints {all threads},"thread":{the marker thread's own}: the JSON of
+	# the "counts" key and a "thread" key after it
 	awk '
-		/ getppid\(\)/ { inwin = !inwin; next }
+		/ getppid\(\)/ { inwin = !inwin; split($0, f, / +/); marker = f[1]; next }
 		inwin && !/resumed>/ && !/^[0-9]+ +(\+\+\+|---)/ {
 			line = $0
+			pid = line; sub(/ .*/, "", pid)
 			sub(/^[0-9]+ +/, "", line)
-			if (match(line, /^[a-z_0-9]+\(/)) { n = substr(line, 1, RLENGTH - 1); cnt[n]++ }
+			if (match(line, /^[a-z_0-9]+\(/)) {
+				n = substr(line, 1, RLENGTH - 1); cnt[n]++
+				if (pid == marker) own[n]++
+			}
 		}
-		END { printf "{"; sep = ""; for (k in cnt) { printf "%s\"%s\":%d", sep, k, cnt[k]; sep = "," } printf "}" }
+		END {
+			printf "{"; sep = ""; for (k in cnt) { printf "%s\"%s\":%d", sep, k, cnt[k]; sep = "," }
+			printf "},\"thread\":{"; sep = ""; for (k in own) { printf "%s\"%s\":%d", sep, k, own[k]; sep = "," }
+			printf "}"
+		}
 	' "$1"
 }
 
