@@ -1465,3 +1465,128 @@ fn a_run_that_returns_with_work_left_leaves_the_fd_readable() {
         });
     }
 }
+
+/// A foreign event in the channel (a completion on CQ `z`, removed from
+/// the loop while armed), waited for until the channel is readable (a
+/// watchdog bound, not a timing).
+fn foreign_event(p: &RcPair, chan_fd: std::os::fd::RawFd) {
+    p.recv(0, SLOT as u32, 7);
+    p.send(0, &[], 8, 7);
+    let mut pfd = libc::pollfd { fd: chan_fd, events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd, for the duration of the call.
+    let r = unsafe { libc::poll(&mut pfd, 1, 60_000) };
+    assert_eq!(r, 1, "the premise: the removed CQ's event is in the channel");
+}
+
+/// A loop with CQs `z` (the pair's server CQ, then removed while armed:
+/// its next completion is a foreign event), `y` and `w`, all armed.
+fn loop_with_a_removed_armed_cq(
+    addr: std::net::IpAddr,
+) -> (Arc<CqLoop>, Arc<RcPair>, Cq, Cq, DeviceContext, CompChannel, EventChannel) {
+    let (ctx, keep) = device(addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = Arc::new(rc_pair(addr, &chan, false, 8));
+    let y = Cq::new(&ctx, 4, Some(&chan)).unwrap();
+    let w = Cq::new(&ctx, 4, Some(&chan)).unwrap();
+    let lp = Arc::new(CqLoop::new(&chan, LoopOptions::default()).unwrap());
+    for cq in [&p.server_cq, &y, &w] {
+        lp.add_cq(cq, |_, _| {}).unwrap();
+    }
+    lp.process_once(Wait::None).unwrap(); // arms all three
+    lp.remove_cq(&p.server_cq).unwrap(); // still armed in the device
+    (lp, p, y, w, ctx, chan, keep)
+}
+
+/// Changes apply in the order queued, a batch whole before the next: a
+/// removal in a batch reads the channel (the removed CQ's events), and an
+/// event there for a CQ not in the loop, with newer changes queued, made
+/// it apply those newer changes in the middle of the batch. Batch: remove
+/// w (whose done callback queues `remove(x)` and raises a foreign event),
+/// remove y, add x. `remove(x)`, queued after `add(x)`, ran first (ENOENT)
+/// and x stayed in the loop (a C app would then destroy a CQ the loop
+/// still polls); now it runs after the add.
+#[test]
+fn a_change_queued_during_a_batch_runs_after_it() {
+    let bed = common::bed();
+    let _dog = common::watchdog("change queued during a batch", Duration::from_secs(180));
+    let (lp, p, y, w, ctx, _chan, _keep) = loop_with_a_removed_armed_cq(bed.addr);
+    let x = Cq::new(&ctx, 4, Some(&_chan)).unwrap();
+    let chan_fd = lp.channel_fd();
+    let ctl = lp.control();
+    let x_removed = Arc::new(Mutex::new(None));
+    let once = Arc::new(AtomicBool::new(true));
+    let (p2, w2, y2, x2, xr) = (p.clone(), w.clone(), y.clone(), x.clone(), x_removed.clone());
+    lp.set_before_sleep_hook(Some(Box::new(move || {
+        if !once.swap(false, SeqCst) {
+            return;
+        }
+        // On the loop's thread, which holds the state: one batch.
+        let (c, p3, x3, xr2) = (ctl.clone(), p2.clone(), x2.clone(), xr.clone());
+        let done_w = Box::new(move |_| {
+            // Queued while the batch is applied, after add(x).
+            let xr3 = xr2.clone();
+            c.remove_raw_cq_then(x3.raw(), Box::new(move |r| *xr3.lock().unwrap() = Some(r.map_err(|e| e.errno()))))
+                .unwrap();
+            foreign_event(&p3, chan_fd);
+        });
+        ctl.remove_raw_cq_then(w2.raw(), done_w).unwrap();
+        ctl.remove_raw_cq_then(y2.raw(), Box::new(|r| r.unwrap())).unwrap();
+        ctl.add_cq(&x2, ctl.default_cq_options(), |_, _| {}).unwrap();
+    })));
+    lp.process_once(Wait::For(Duration::from_millis(20))).unwrap();
+    lp.set_before_sleep_hook(None);
+    assert_eq!(*x_removed.lock().unwrap(), Some(Ok(())), "x's removal, queued after its add");
+    assert_eq!(lp.len(), 0, "w, y and x removed: {:?}", lp.stats());
+    drop(p);
+}
+
+/// A second removal of a CQ whose first removal is in the batch being
+/// applied (allowed: the second gets ENOENT once the first is done). With
+/// a foreign event in the channel, the first removal's read of the channel
+/// applied the second in its middle, and the first then panicked the loop
+/// ("found above") and never called its done callback.
+#[test]
+fn a_second_removal_queued_during_the_first_gets_enoent() {
+    let bed = common::bed();
+    let _dog = common::watchdog("second removal during the first", Duration::from_secs(180));
+    let (lp, p, y, w, _ctx, _chan, _keep) = loop_with_a_removed_armed_cq(bed.addr);
+    let chan_fd = lp.channel_fd();
+    let ctl = lp.control();
+    let results = Arc::new(Mutex::new(Vec::new()));
+    let once = Arc::new(AtomicBool::new(true));
+    let (p2, w2, y2, res) = (p.clone(), w.clone(), y.clone(), results.clone());
+    lp.set_before_sleep_hook(Some(Box::new(move || {
+        if !once.swap(false, SeqCst) {
+            return;
+        }
+        let (c, p3, y3, res2) = (ctl.clone(), p2.clone(), y2.clone(), res.clone());
+        let done_w = Box::new(move |_| {
+            let res3 = res2.clone();
+            c.remove_raw_cq_then(
+                y3.raw(),
+                Box::new(move |r| res3.lock().unwrap().push(("second", r.map_err(|e| e.errno())))),
+            )
+            .unwrap();
+            foreign_event(&p3, chan_fd);
+        });
+        ctl.remove_raw_cq_then(w2.raw(), done_w).unwrap();
+        let res4 = res.clone();
+        ctl.remove_raw_cq_then(
+            y2.raw(),
+            Box::new(move |r| res4.lock().unwrap().push(("first", r.map_err(|e| e.errno())))),
+        )
+        .unwrap();
+    })));
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        lp.process_once(Wait::For(Duration::from_millis(20)))
+    }));
+    lp.set_before_sleep_hook(None);
+    assert!(r.is_ok(), "the loop panicked applying the removals");
+    assert_eq!(
+        *results.lock().unwrap(),
+        [("first", Ok(())), ("second", Err(libc::ENOENT))],
+        "each removal's callback once, in order"
+    );
+    assert_eq!(lp.len(), 0);
+    drop(p);
+}

@@ -44,6 +44,10 @@ pub(crate) struct Core {
     pub(super) polling_since: Option<Instant>,
     /// A cycle began and has not returned `Ok` (see `Core::settle`).
     pub(crate) unsettled: bool,
+    /// Queued changes are being applied (`apply_queued`): a nested look
+    /// (a removal reading the channel) applies none, so the changes apply
+    /// in the order queued, each batch whole before the next.
+    applying: bool,
     pub(super) keepalives: Keepalives,
     pub(super) drains: Drains,
     pub(super) hook: Option<Box<dyn FnMut() + Send>>,
@@ -221,6 +225,7 @@ impl Core {
             wcs: (0..opts.poll_batch).map(|_| Wc::zeroed()).collect(),
             polling_since: None,
             unsettled: false,
+            applying: false,
             keepalives: Keepalives::default(),
             drains: Drains::default(),
             hook: None,
@@ -241,10 +246,13 @@ impl Core {
 
     // ------------------------------------------------------------ changes
 
-    /// Applies every queued change (FIFO).
+    /// Applies every queued change (FIFO). Called while changes are being
+    /// applied (a removal reads the channel, which may meet an event for a
+    /// CQ whose add is queued), it applies none: the changes queued
+    /// meanwhile come after the batch in progress, in order.
     #[inline]
     pub(crate) fn apply_cmds(&mut self, ctl: &LoopControl) {
-        if ctl.0.cmds_pending.load(SeqCst) {
+        if ctl.0.cmds_pending.load(SeqCst) && !self.applying {
             self.apply_queued(ctl);
         }
     }
@@ -252,10 +260,19 @@ impl Core {
     #[cold]
     fn apply_queued(&mut self, ctl: &LoopControl) {
         let sh = &*ctl.0;
-        while sh.cmds_pending.load(SeqCst) {
-            for cmd in sh.take_cmds() {
-                self.apply(ctl, cmd);
+        self.applying = true;
+        // Nothing in `apply` unwinds (a done callback's panic is caught in
+        // `Done::finish`); should it all the same, the flag is reset.
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            while sh.cmds_pending.load(SeqCst) {
+                for cmd in sh.take_cmds() {
+                    self.apply(ctl, cmd);
+                }
             }
+        }));
+        self.applying = false;
+        if let Err(p) = r {
+            resume_unwind(p);
         }
     }
 
@@ -359,7 +376,11 @@ impl Core {
         // CQs' as usual), so its destroy has nothing left to wait for.
         let _ = self.read_events(ctl, true);
         self.flush(sh, r);
-        let e = self.entries.remove(r).expect("found above");
+        // (Nothing above applies a queued change, see `apply_cmds`: the
+        // entry is still there.)
+        let Some(e) = self.entries.remove(r) else {
+            return Err(Error::new("rdmasafe_cq_loop_remove_cq", libc::ENOENT));
+        };
         if e.armed {
             self.armed -= 1;
         }
@@ -422,8 +443,9 @@ impl Core {
     /// first only as [`ReadMore`] says (the rest stay in the channel for
     /// the next cycle). Counts an ack on the CQ each names and marks it
     /// fired. An event for a CQ whose add is still queued is credited to
-    /// it; one for a CQ not in the loop is acked at once, counted and
-    /// logged (once per CQ). Returns the events read.
+    /// it (unless changes are being applied: see `apply_cmds`); one for a
+    /// CQ not in the loop is acked at once, counted and logged (once per
+    /// CQ). Returns the events read.
     #[inline(always)]
     pub(super) fn read_events(&mut self, ctl: &LoopControl, all: bool) -> Result<usize> {
         let sh = &*ctl.0;
