@@ -1590,3 +1590,46 @@ fn a_second_removal_queued_during_the_first_gets_enoent() {
     assert_eq!(lp.len(), 0);
     drop(p);
 }
+
+/// A done callback that panics is caught (and logged): the rest of its
+/// batch is applied (an add queued after it was lost, its CQ claimed for
+/// good), and a caller that applied its own change while nobody ran the
+/// loop is not left marked as the loop's thread (every later call on it
+/// said EDEADLK).
+#[test]
+fn a_panicking_done_callback_loses_nothing() {
+    let bed = common::bed();
+    let _dog = common::watchdog("panicking done callback", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let [a, b, c] = [0; 3].map(|_| Cq::new(&ctx, 4, Some(&chan)).unwrap());
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    lp.add_cq(&a, |_, _| {}).unwrap();
+    lp.add_cq(&b, |_, _| {}).unwrap();
+    lp.process_once(Wait::None).unwrap();
+    // Applied by this caller itself (nobody runs the loop).
+    let ctl = lp.control();
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        ctl.remove_raw_cq_then(a.raw(), Box::new(|_| panic!("done callback panics (expected)")))
+    }));
+    assert!(matches!(r, Ok(Ok(()))), "the removal's submit returns normally");
+    assert!(!ctl.on_loop_thread(), "this thread is not left marked as the loop's");
+    lp.process_once(Wait::None).expect("no EDEADLK after a done callback's panic");
+    assert_eq!(lp.len(), 1, "a removed");
+    // In a batch on the loop's thread: the add after it is applied.
+    let once = Arc::new(AtomicBool::new(true));
+    let (b2, c2, ctl2) = (b.clone(), c.clone(), lp.control());
+    lp.set_before_sleep_hook(Some(Box::new(move || {
+        if once.swap(false, SeqCst) {
+            ctl2.remove_raw_cq_then(b2.raw(), Box::new(|_| panic!("done callback panics (expected)"))).unwrap();
+            ctl2.add_cq(&c2, ctl2.default_cq_options(), |_, _| {}).unwrap();
+        }
+    })));
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        lp.process_once(Wait::For(Duration::from_millis(50)))
+    }));
+    lp.set_before_sleep_hook(None);
+    assert!(matches!(r, Ok(Ok(_))), "the loop's call returns normally");
+    assert_eq!(lp.len(), 1, "b removed, c added");
+    assert_eq!(lp.remove_cq(&c).map(|_| ()).map_err(|e| e.errno()), Ok(()), "c is in the loop");
+}

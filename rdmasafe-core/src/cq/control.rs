@@ -75,6 +75,12 @@ pub(crate) enum Done {
 }
 
 impl Done {
+    /// Reports `r`. A done callback that panics is caught and logged at
+    /// error level: it runs while the loop applies a batch of changes or
+    /// finishes drains (on the loop's thread, or on a caller's that applies
+    /// its own change), and unwinding from there would drop the rest of
+    /// the batch (changes never applied, their callers waiting for good)
+    /// and leave the loop's state marked as held by that thread.
     pub(crate) fn finish(self, sh: &Shared, r: Result<()>) {
         match self {
             Done::Nothing => {
@@ -86,7 +92,19 @@ impl Done {
                 *c.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
                 sh.notify();
             }
-            Done::Call(f) => f(r),
+            Done::Call(f) => {
+                if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(r))) {
+                    let what = p
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| p.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "a non-string payload".into());
+                    log::error!(
+                        target: "rdmasafe",
+                        "CQ loop: a change's done callback panicked ({what}); caught, the loop goes on"
+                    );
+                }
+            }
         }
     }
 }
@@ -484,7 +502,9 @@ impl LoopControl {
     /// from `done`. Once this returns `Ok`, `done` is called exactly once:
     /// with ECANCELED if the loop is dropped first (on the dropping thread,
     /// or, when the drop raced with this call, on whichever thread held the
-    /// loop last: this caller's or another caller's).
+    /// loop last: this caller's or another caller's). A panic in `done`
+    /// (here and in the other `_then` calls) is caught and logged at error
+    /// level; the loop's other changes go on.
     pub fn remove_raw_cq_then(&self, cq: *mut ibv_cq, done: Box<dyn FnOnce(Result<()>) + Send>) -> Result<()> {
         self.check_cq(cq)?;
         self.submit_async(Cmd::RemoveCq { cq: cq as usize, done: Done::Call(done) })
@@ -586,7 +606,8 @@ impl LoopControl {
     /// [`LoopControl::remove_keepalive`] that never blocks: `done` gets the
     /// result once the loop applied the removal, on the thread that runs
     /// the loop (or on the caller's when nobody does). ENOENT at once (and
-    /// `done` dropped) if the QP had no keepalive.
+    /// `done` dropped) if the QP had no keepalive. A panic in `done` is
+    /// caught and logged.
     pub fn remove_keepalive_then(&self, qp_num: u32, done: Box<dyn FnOnce(Result<()>) + Send>) -> Result<()> {
         if self.0.keepalives.lock().unwrap_or_else(|e| e.into_inner()).remove(&qp_num).is_none() {
             return Err(Error::new("rdmasafe keepalive", libc::ENOENT));
@@ -658,7 +679,7 @@ impl LoopControl {
     /// leaves the loop during the drain, or if the loop is dropped first:
     /// then `done` runs on the dropping thread, before the drop returns
     /// (or, when the drop raced with this call, on whichever thread held
-    /// the loop last).
+    /// the loop last). A panic in `done` is caught and logged.
     ///
     /// # Safety
     /// As for [`LoopControl::drain_qp`], until `done` is called.
