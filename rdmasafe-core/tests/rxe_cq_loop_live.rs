@@ -1633,3 +1633,40 @@ fn a_panicking_done_callback_loses_nothing() {
     assert_eq!(lp.len(), 1, "b removed, c added");
     assert_eq!(lp.remove_cq(&c).map(|_| ()).map_err(|e| e.errno()), Ok(()), "c is in the loop");
 }
+
+/// `run_for(d)` in adaptive mode returns about `d` after it was called,
+/// also when a spin that ends before `d` is in progress: the sleep after
+/// the spin had the whole `d` again (returned after spin + d). The bound
+/// checked is the call's own contract with room for a busy machine (the
+/// spin's rest alone, which the old code added, is 1 s; the room is 0.9 s).
+#[test]
+fn run_for_in_adaptive_mode_keeps_its_timeout_across_a_spin() {
+    let bed = common::bed();
+    let _dog = common::watchdog("run_for across a spin", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = rc_pair(bed.addr, &chan, true, 8);
+    let spin = Duration::from_millis(1000);
+    {
+        let mode = Mode::Adaptive { spin };
+        let lp = CqLoop::new(&chan, LoopOptions { mode, ..LoopOptions::default() }).unwrap();
+        lp.add_cq(&p.server_cq, |_, _| {}).unwrap();
+        lp.add_cq(&p.client_cq, |_, _| {}).unwrap();
+        lp.process_once(Wait::None).unwrap(); // arms both: nothing pending
+        p.recv(0, SLOT as u32, 1);
+        p.send(0, &[], 8, 1);
+        // The call's first cycles deliver the two completions, and the loop
+        // spins from then on, for 1 s; the cycle that begins the spin was
+        // given the rest of `d` when it began.
+        let d = Duration::from_millis(1500);
+        let t = Instant::now();
+        let r = lp.run_for(d).unwrap();
+        let took = t.elapsed();
+        println!("{mode:?}: run_for({d:?}) -> {r:?} after {took:?}, {:?}", lp.stats().completions);
+        assert_eq!(lp.stats().completions, 2, "the premise: the call delivered both");
+        assert!(took >= d, "{mode:?}: returned early: {took:?}");
+        assert!(took < d + Duration::from_millis(900), "{mode:?}: run_for({d:?}) took {took:?}");
+        lp.remove_cq(&p.server_cq).unwrap();
+        lp.remove_cq(&p.client_cq).unwrap();
+    }
+}

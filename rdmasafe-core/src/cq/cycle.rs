@@ -339,16 +339,18 @@ impl Core {
     pub(super) fn adaptive_cycle(
         &mut self,
         ctl: &LoopControl,
-        wait: Wait,
+        mut wait: Wait,
         spin: Duration,
         honor_stop: bool,
     ) -> Result<usize> {
         if self.polling_since.is_some() {
+            let deadline = Self::deadline_of(wait);
             let n = self.poll_cycle(ctl, wait, Some(spin), honor_stop)?;
             if n > 0 || self.polling_since.is_some() {
                 return Ok(n);
             }
             self.end_polling(ctl)?;
+            wait = deadline.map_or(wait, Wait::until);
         }
         let own0 = self.own_taken;
         let n = self.event_cycle(ctl, wait, honor_stop)?;
@@ -360,6 +362,16 @@ impl Core {
             self.polling_since = self.last_stamp.or_else(|| Some(Instant::now()));
         }
         Ok(n)
+    }
+
+    /// When a timed `wait` runs out, from now: a spin that ends before it
+    /// leaves the sleep after it only the rest (the whole wait again would
+    /// make a call with a timeout return up to the spin late).
+    fn deadline_of(wait: Wait) -> Option<Instant> {
+        match wait {
+            Wait::For(d) => Some(sys::deadline_after(Instant::now(), d)),
+            _ => None,
+        }
     }
 
     /// Polling ends (adaptive modes): sleep from now on. Events raised
@@ -391,16 +403,18 @@ impl Core {
     /// plan's timer), then learn from what happened: the idle time before
     /// completions, the wake's lateness, the overhead of the sleep.
     #[inline(never)]
-    pub(super) fn learning_cycle(&mut self, ctl: &LoopControl, wait: Wait, honor_stop: bool) -> Result<usize> {
+    pub(super) fn learning_cycle(&mut self, ctl: &LoopControl, mut wait: Wait, honor_stop: bool) -> Result<usize> {
         // The loop's own completions (keepalive probes, drain markers) the
         // spin took before it decided to sleep.
         let mut spun = 0;
         if self.polling_since.is_some() {
+            let deadline = Self::deadline_of(wait);
             spun = self.learning_spin(ctl, wait, honor_stop)?;
             if self.polling_since.is_some() {
                 return Ok(spun);
             }
             self.end_polling(ctl)?;
+            wait = deadline.map_or(wait, Wait::until);
             self.plan_sleep();
             self.publish_plan(&ctl.0);
         }
