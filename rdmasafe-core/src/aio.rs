@@ -37,7 +37,8 @@
 //! that is alive but not polled (its runtime idle, its task blocked: never
 //! make a blocking call from the task that owns the run future) is waited
 //! for only 2 s without a sign of life; then the caller runs the loop
-//! itself (counted in [`crate::cq::LoopStats::grace_takeovers`]). In async code use the async forms: a blocking request from any
+//! itself (counted in [`crate::cq::LoopStats::grace_takeovers`]). In async
+//! code use the async forms: a blocking request from any
 //! task of the runtime holds its worker thread, and tokio may keep the
 //! run's wakeup on that very worker (its next-task slot, which other
 //! workers do not steal), so the run waits for the request and the request

@@ -967,8 +967,9 @@ fn held_originals() -> u64 {
 /// quarter of the shortest deadline used so far (1 to 250 ms) after its own
 /// deadline, or up to 250 ms after it while the thread ends a sleep begun
 /// before a deadline shorter than any before was first used (as the C
-/// API's `rdmasafe_cm_set_ack_deadline` says). After [`IDLE_SCANS`] scans without any original held, the
-/// thread parks until the next get that holds one unparks it.
+/// API's `rdmasafe_cm_set_ack_deadline` says). After [`IDLE_SCANS`] scans
+/// without any original held, the thread parks until the next get that
+/// holds one unparks it.
 ///
 /// Its state lives in a page the kernel zeroes in a forked child
 /// (`MADV_WIPEONFORK`), and all zeros is "not started": the thread does

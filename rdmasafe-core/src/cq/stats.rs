@@ -239,12 +239,12 @@ pub struct LoopStats {
     /// of `run_for`, is none). The plan comes from the last 32.
     pub learn_idle_samples: u64,
     /// Blocking changes (a drain, a CQ's or a keepalive's removal, from
-    /// outside a handler) that ran the loop on the calling thread, handlers included,
-    /// because the async run driving the loop, or a thread waiting to run
-    /// it, showed no sign of life (no cycle) for 2 seconds: an async run
-    /// whose runtime stalled or stopped polling it. Such a change
-    /// otherwise waits for that run, and the handlers run on the run's
-    /// thread.
+    /// outside a handler) that ran the loop on the calling thread, handlers
+    /// included, because the async run driving the loop, or a thread
+    /// waiting to run it, showed no sign of life (no cycle) for 2 seconds:
+    /// an async run whose runtime stalled or stopped polling it. Such a
+    /// change otherwise waits for that run, and the handlers run on the
+    /// run's thread.
     pub grace_takeovers: u64,
     /// Histogram of completions delivered per wakeup (power-of-two
     /// buckets, see [`BUCKETS`]).
