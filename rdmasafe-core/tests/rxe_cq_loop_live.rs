@@ -1670,3 +1670,49 @@ fn run_for_in_adaptive_mode_keeps_its_timeout_across_a_spin() {
         lp.remove_cq(&p.client_cq).unwrap();
     }
 }
+
+/// Two peers declared dead in the same tick, the first `on_dead` called
+/// panics: the second is called all the same (a peer is declared dead
+/// once, so a skipped callback never ran), and the panic reaches the
+/// caller once. Both keepalives probe from the same tick (the loop is not
+/// run until both periods passed), their peers' QPs are in the error state
+/// (disconnected), so both probes go unanswered past the same bound.
+#[test]
+fn a_panicking_on_dead_does_not_skip_another_peers() {
+    let bed = common::bed();
+    let _dog = common::watchdog("panicking on_dead", Duration::from_secs(180));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let pairs = [rc_pair(bed.addr, &chan, true, 8), rc_pair(bed.addr, &chan, true, 8)];
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let period = Duration::from_millis(50);
+    let cfg = Keepalive { period, bound: Duration::from_millis(300), wr_id: 0xdead };
+    for p in &pairs {
+        lp.add_cq(&p.client_cq, |_, _| {}).unwrap();
+        p.server.lock().unwrap().id.disconnect().unwrap(); // the peer answers no more
+        let qp = p.client.lock().unwrap().id.raw_qp().unwrap();
+        let c2 = calls.clone();
+        let on_dead = Box::new(move |qpn, _: &LoopControl| {
+            if c2.fetch_add(1, SeqCst) == 0 {
+                panic!("on_dead of QP {qpn} panics (expected)");
+            }
+        });
+        // SAFETY: the QP lives (in `pairs`) longer than the loop.
+        unsafe { lp.add_keepalive(qp, cfg, on_dead) }.unwrap();
+    }
+    std::thread::sleep(3 * period); // both probes due in the loop's first tick
+    let (mut panics, start) = (0, Instant::now());
+    while lp.stats().keepalive_dead < 2 && start.elapsed() < Duration::from_secs(60) {
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| lp.process_once(Wait::For(period))));
+        match r {
+            Ok(r) => drop(r.unwrap()),
+            Err(_) => panics += 1,
+        }
+    }
+    let s = lp.stats();
+    assert_eq!(s.keepalive_probes, 2, "the premise: one probe each, from the same tick: {s:?}");
+    assert_eq!(calls.load(SeqCst), 2, "both on_dead called: {s:?}");
+    assert_eq!(panics, 1, "the panic reached the caller once");
+    drop(lp);
+}

@@ -530,7 +530,9 @@ impl LoopControl {
     /// event, as on a send CQ armed [`CqOptions::solicited_only`]; the
     /// receive queue gets a marker only when its CQ is in this loop and
     /// the QP has no SRQ; the markers' wr_ids then belong to the loop on
-    /// that QP, as after `drain_qp`), then calls `on_dead` once. A timer
+    /// that QP, as after `drain_qp`), then calls `on_dead` once (a panic in
+    /// it goes on to whoever runs the loop, as a handler's does, after the
+    /// other peers found dead at the same time had theirs). A timer
     /// decides, not the retry count, so this works whatever `retry_cnt` the
     /// QP has (with 7, rxe retries
     /// forever and reports nothing). A probe that fails with an error status

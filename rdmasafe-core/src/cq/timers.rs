@@ -1,6 +1,7 @@
 //! The loop's timers: keepalive, drain and watchdog deadlines, the timerfd
 //! an embedding app's epoll wakes at, and what is due now (`tick`).
 
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering::*;
 use std::time::{Duration, Instant};
 
@@ -154,15 +155,25 @@ impl Core {
                 for &qpn in &dead {
                     self.drain_dead_peer(qpn);
                 }
+                // Every dead peer's on_dead runs, also after another one's
+                // panic (a peer is declared dead once: a callback skipped
+                // would never run); the first panic then goes on to whoever
+                // runs the loop, as a handler's does.
+                let mut panicked = None;
                 for qpn in dead {
                     sh.counters.keepalive_dead.bump(1);
                     if let Some(f) = self.keepalives.on_dead(qpn) {
-                        f(qpn, ctl);
+                        if let Err(p) = catch_unwind(AssertUnwindSafe(|| f(qpn, ctl))) {
+                            panicked.get_or_insert(p);
+                        }
                         // Its changes take effect now, as a handler's do:
                         // a CQ it removed is not polled (the watchdog below,
                         // a later on_dead's) and its handler never runs.
                         self.apply_cmds(ctl);
                     }
+                }
+                if let Some(p) = panicked {
+                    resume_unwind(p);
                 }
             }
             if let (Some(t), Some(since)) = (self.opts.watchdog, self.watchdog_since(sh)) {
