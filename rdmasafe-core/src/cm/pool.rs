@@ -1096,6 +1096,11 @@ impl Reaper {
 
     #[cold]
     fn start(&'static self) -> crate::Result<()> {
+        // On the app's thread, inside a get that catches panics (no forced
+        // unwind may cross it): the sleep below, the spawn and the log are
+        // no cancellation points here (a cancellation pending or arriving
+        // now is acted on at the get's own cancellable wait).
+        let _no_cancel = crate::sys::cancel::CancelDisabled::new();
         loop {
             match self.state.compare_exchange(NOT_STARTED, STARTING, Acquire, Acquire) {
                 Ok(_) => break,
