@@ -278,9 +278,12 @@ pub unsafe extern "C-unwind" fn rdmasafe_get_events(
 /// librdmacm event must go to `rdma_ack_cm_event`, or its id's destroy
 /// waits forever). A freed copy's storage is handed out again only after at
 /// least 64 other copies were got since its free, on any thread and
-/// channel (gets that fail do not count), so a stale pointer freed a second time within that window is
-/// always EINVAL; beyond it, it cannot be told apart from the newer copy
-/// that reuses the storage.
+/// channel (gets that fail do not count), so a stale pointer freed a
+/// second time within that window is EINVAL; beyond it, it cannot be told
+/// apart from the newer copy that reuses the storage. (The window gives
+/// way only when the storage is exhausted, at the process's address-space
+/// limit: a get then reuses the oldest free copy's storage rather than
+/// fail.)
 ///
 /// Returns 0, or -1 with errno EINVAL. errno is untouched on success.
 ///

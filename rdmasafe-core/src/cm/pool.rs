@@ -14,7 +14,9 @@
 //!   may be reused; a free list whose oldest slot is not there yet makes a
 //!   new slot instead), so a stale pointer freed a second time soon after
 //!   finds its slot still free (EINVAL) instead of freeing somebody else's
-//!   copy. A get that fails (EAGAIN on a non-blocking channel, say) hands
+//!   copy. When no new slot can be made (the arena full), the oldest free
+//!   slot is reused even in its quarantine (the quarantine ages only with
+//!   copies, which need slots). A get that fails (EAGAIN on a non-blocking channel, say) hands
 //!   no copy out: its slot is kept aside as the next get's, so failed gets
 //!   neither age the quarantine nor make new slots. The slots [`reserve`]
 //!   prepares are kept aside the same way (new ones, or free ones out of
@@ -379,6 +381,22 @@ impl Arena {
         None
     }
 
+    /// The oldest free slot, in its quarantine or not: for a get that
+    /// finds no slot otherwise (the arena full, or its memory not
+    /// committable). The quarantine ages only as copies are made, and none
+    /// can be made without a slot: without this, every get would fail for
+    /// good once the arena is full, even after every copy was freed.
+    #[cold]
+    fn pop_free_quarantined(&self) -> Option<u32> {
+        if let Some(i) = self.free.pop_if(|_| true) {
+            return Some(i);
+        }
+        let mut o = self.overflow.lock().unwrap_or_else(|e| e.into_inner());
+        let i = o.pop_front()?;
+        self.overflow_len.store(o.len(), Relaxed);
+        Some(i)
+    }
+
     #[cold]
     fn pop_overflow(&self) -> Option<u32> {
         let mut o = self.overflow.lock().unwrap_or_else(|e| e.into_inner());
@@ -724,6 +742,7 @@ pub(crate) fn take() -> crate::Result<SlotBox> {
         .take_ready()
         .or_else(|| a.pop_free())
         .or_else(|| a.new_slot())
+        .or_else(|| a.pop_free_quarantined())
         .ok_or_else(|| crate::Error::new("rdmasafe: CM event copy", libc::ENOMEM))?;
     let s = a.slot(i as usize);
     let gen = (s.ack.load(Relaxed) >> 1) + 1;
