@@ -75,12 +75,14 @@ fn times_inside(cell: usize) -> usize {
 pub(crate) struct Entered<'a, T> {
     cell: &'a Cell<T>,
     obj: &'a T,
+    /// The generation the handle was looked up with.
+    gen: u32,
     /// Counted in this thread's [`INSIDE`].
     noted: bool,
 }
 
 /// Why [`Table::remove`] did not remove.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum NotRemoved {
     /// Another thread removed it first.
     Gone,
@@ -178,7 +180,7 @@ impl<T> Table<T> {
         // handle's generation; destroy changes the generation first and
         // frees only once no user is left, so `p` stays valid while the
         // returned value (one user) lives.
-        Some(Entered { cell, obj: unsafe { &*p }, noted: false })
+        Some(Entered { cell, obj: unsafe { &*p }, gen, noted: false })
     }
 
     /// Makes `e`'s handle invalid (later lookups fail), waits until no
@@ -191,11 +193,19 @@ impl<T> Table<T> {
         if e.nested() {
             return Err(NotRemoved::Nested);
         }
-        let gen = cell.gen.load(SeqCst);
-        let p = cell.obj.load(SeqCst);
-        if p.is_null() || cell.gen.compare_exchange(gen, gen.wrapping_add(1).max(1), SeqCst, SeqCst).is_err() {
+        // From the generation `e` was looked up with: of two removes of one
+        // object, the second finds it changed (it once read the current
+        // one, changed already by the first, and both freed the object).
+        let p = std::ptr::from_ref(e.obj).cast_mut();
+        if cell.gen.compare_exchange(e.gen, e.gen.wrapping_add(1).max(1), SeqCst, SeqCst).is_err() {
             return Err(NotRemoved::Gone);
         }
+        // Before the wait: a lookup that still finds the object is counted
+        // in `users` (it adds itself before it reads `obj`) and waited for;
+        // one that comes later finds none (cleared after the wait, a lookup
+        // by a guessed handle of the next generation could find the object
+        // after the wait, and use it once freed).
+        cell.obj.store(std::ptr::null_mut(), SeqCst);
         drop(e);
         // Calls in flight on other threads: most end within microseconds
         // (yield), a blocking one (a drain) takes longer (sleep: no spin).
@@ -208,11 +218,11 @@ impl<T> Table<T> {
             }
             waits = waits.saturating_add(1);
         }
-        cell.obj.store(std::ptr::null_mut(), SeqCst);
         let i = (cell.addr() - self.cells().as_ptr() as usize) / std::mem::size_of::<Cell<T>>();
         self.free.lock().unwrap_or_else(|e| e.into_inner()).push(i as u32);
-        // SAFETY: from Box::into_raw in insert; no user is left and the
-        // generation changed, so nobody else can reach it.
+        // SAFETY: from Box::into_raw in insert (the object `e` entered);
+        // this call changed the generation from `e`'s, once, and cleared
+        // the cell, and no user is left: nobody else can reach it.
         Ok(unsafe { Box::from_raw(p) })
     }
 }
@@ -239,6 +249,31 @@ mod tests {
             assert!(T.enter(bad).is_none(), "{bad:#x}");
         }
         assert_eq!(*T.remove(T.enter(b).unwrap()).unwrap(), 2);
+    }
+
+    /// Two threads inside calls on one object both remove it: one gets
+    /// it, the other `Gone`. (Both got it, the second from the generation
+    /// the first had just changed: a double free.)
+    #[test]
+    fn of_two_removes_of_one_object_one_gets_it() {
+        static T: Table<u32> = Table::new();
+        for _ in 0..100 {
+            let a = T.insert(Box::new(9)).unwrap();
+            let mine = T.enter(a).unwrap();
+            let (tx, rx) = std::sync::mpsc::channel();
+            let t = std::thread::spawn(move || {
+                let theirs = T.enter(a).unwrap();
+                tx.send(()).unwrap();
+                T.remove(theirs).map(|b| *b)
+            });
+            rx.recv().unwrap();
+            let here = T.remove(mine).map(|b| *b);
+            let there = t.join().unwrap();
+            let mut got = [here, there];
+            got.sort();
+            assert_eq!(got, [Ok(9), Err(NotRemoved::Gone)]);
+            assert!(T.enter(a).is_none());
+        }
     }
 
     #[test]
