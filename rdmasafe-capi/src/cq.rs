@@ -967,8 +967,8 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_get_stats(
 /// Returns 0, RDMASAFE_PENDING, -EINVAL (NULL, unknown loop, CQs not in the
 /// loop, `timeout_ms <= 0`; also a CQ of the QP that left the loop
 /// between the call and the drain's start), -ETIMEDOUT, -ECANCELED (a CQ
-/// of the QP left the loop while the drain ran), or the negative errno of
-/// a verbs call.
+/// of the QP left the loop while the drain ran, or the loop was destroyed
+/// meanwhile), or the negative errno of a verbs call.
 ///
 /// # Safety
 /// `qp` NULL or a live QP with a free slot on each queue, alive until the
@@ -1162,14 +1162,16 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_remove_keepalive(cq_loop: *mut rdmasaf
 /// that afterwards each of its CQs can be destroyed. A drain still in
 /// progress ends with -ECANCELED: the `done` of
 /// `rdmasafe_cq_loop_drain_qp_async` is called on this thread before this
-/// returns. Does not destroy the
-/// CQs or the channel (the app's). The handle is invalid afterwards: every
-/// later call with it (destroy included) returns -EINVAL, even if a new
-/// loop is created at the same time.
+/// returns, and a `rdmasafe_cq_loop_drain_qp` blocked on another thread
+/// returns -ECANCELED (it is not waited for to its timeout). Does not
+/// destroy the CQs or the channel (the app's). The handle is invalid
+/// afterwards: every later call with it (destroy included) returns
+/// -EINVAL, even if a new loop is created at the same time.
 ///
 /// Calls on this loop in progress on other threads (`get_stats`, say) are
-/// waited for; a log callback must not wait for a thread that destroys the
-/// loop.
+/// waited for; those that change the loop fail (-EINVAL, a blocked one
+/// -ECANCELED) once the destroy began. A log callback must not wait for a
+/// thread that destroys the loop.
 ///
 /// Returns 0, -EINVAL (unknown or already destroyed loop), -EBUSY (another
 /// thread runs it, or is about to: stop it first), -EDEADLK (from one of its callbacks, or

@@ -1716,3 +1716,44 @@ fn a_panicking_on_dead_does_not_skip_another_peers() {
     assert_eq!(panics, 1, "the panic reached the caller once");
     drop(lp);
 }
+
+/// `try_close` (the C API's destroy) while another thread's blocking drain
+/// drives the loop (nobody runs it): the drain ends with ECANCELED at once.
+/// It ran on to its timeout (the C destroy, which waits for calls in
+/// flight, blocked that long: found by a review). The drain cannot finish:
+/// its QP's 64 flushed receives overrun the 4-entry CQ, and its markers
+/// are lost with them.
+#[test]
+fn closing_the_loop_cancels_a_blocking_drain_that_drives_it() {
+    let bed = common::bed();
+    let _dog = common::watchdog("close during a blocking drain", Duration::from_secs(180));
+    let (_ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&_ctx).unwrap();
+    let p = Arc::new(common::rc::rc_pair_sized(bed.addr, &chan, false, 64, 4));
+    for i in 0..64u64 {
+        p.recv((i as usize % 64) * SLOT, SLOT as u32, i);
+    }
+    let lp = Arc::new(CqLoop::new(&chan, LoopOptions::default()).unwrap());
+    lp.add_cq(&p.server_cq, |_, _| {}).unwrap();
+    lp.process_once(Wait::None).unwrap();
+    let (tx, rx) = mpsc::channel();
+    let once = Arc::new(AtomicBool::new(true));
+    lp.set_before_sleep_hook(Some(Box::new(move || {
+        if once.swap(false, SeqCst) {
+            tx.send(()).unwrap(); // the drainer drives the loop, about to sleep
+        }
+    })));
+    let (ctl, p2) = (lp.control(), p.clone());
+    let drainer = std::thread::spawn(move || {
+        let s = p2.server.lock().unwrap();
+        let t = Instant::now();
+        let r = ctl.drain_id(&s.id, Duration::from_secs(30)).map(|_| ()).map_err(|e| e.errno());
+        (r, t.elapsed())
+    });
+    rx.recv().unwrap();
+    lp.try_close().expect("nobody runs the loop");
+    let (r, took) = drainer.join().unwrap();
+    println!("the drain after the close: {r:?} after {took:?}");
+    assert_ne!(r, Ok(()), "the premise: a drain that cannot finish");
+    assert_eq!(r, Err(libc::ECANCELED), "the close ends the drain");
+}

@@ -243,19 +243,26 @@ impl CqLoop {
     }
 
     /// Marks the loop as going away: from now on `run`, `run_for`,
-    /// `process_once`, `process_ready` and `flush_acks` fail (EINVAL).
-    /// EBUSY (and nothing changes) while a thread runs it or waits for its
-    /// state to run it ([`CqLoop::is_running`]), EDEADLK from inside one of
-    /// its handlers. Of a run that starts and this, at once, one wins. For
-    /// an owner that must know nobody runs the loop before it drops it (the
-    /// C API's destroy).
+    /// `process_once`, `process_ready` and `flush_acks` fail (EINVAL), and
+    /// the loop is shut down at once, as its drop does: a blocking change
+    /// in progress on another thread (a drain that drives the loop itself,
+    /// nobody running it) ends with ECANCELED instead of running on to its
+    /// timeout, and later changes fail. EBUSY (and nothing changes) while
+    /// a thread runs it or waits for its state to run it
+    /// ([`CqLoop::is_running`]), EDEADLK from inside one of its handlers.
+    /// Of a run that starts and this, at once, one wins. For an owner that
+    /// must know nobody runs the loop before it drops it (the C API's
+    /// destroy, which then waits for the calls in flight).
     pub fn try_close(&self) -> Result<()> {
         let sh = &*self.sh;
         if sh.held_here() {
             return Err(Error::new("rdmasafe_cq_loop_destroy: from inside one of its handlers", libc::EDEADLK));
         }
         match sh.run_state.close() {
-            Ok(()) => Ok(()),
+            Ok(()) => {
+                self.shut();
+                Ok(())
+            }
             Err(Refused::Running) => {
                 Err(Error::new("rdmasafe_cq_loop_destroy: another thread runs the loop", libc::EBUSY))
             }
@@ -549,11 +556,12 @@ impl CqLoop {
     }
 }
 
-impl Drop for CqLoop {
-    fn drop(&mut self) {
-        // Controls may outlive the loop (a handler may even hold one): tear
-        // the state down now, so every CQ can be destroyed after this, and
-        // make later changes through a control fail.
+impl CqLoop {
+    /// Tears the state down (at drop, or at a successful `try_close`):
+    /// every CQ can be destroyed after this, and later changes through a
+    /// control fail. Idempotent.
+    fn shut(&self) {
+        // Controls may outlive the loop (a handler may even hold one).
         self.sh.alive.store(false, SeqCst);
         // A blocking change of another thread that drives the loop (a
         // drain) hands it over after its current cycle, and gets ECANCELED.
@@ -563,10 +571,16 @@ impl Drop for CqLoop {
         self.sh.wanted.fetch_sub(1, SeqCst);
         c.shutdown();
         // Let go through Held: changes queued by calls that raced with this
-        // drop (they passed the `alive` check first) are finished with
+        // (they passed the `alive` check first) are finished with
         // ECANCELED, also those queued while it lets go; and callers
         // blocked in a change are woken (they see ECANCELED).
         drop(Held::new(&self.sh, c, self.control()));
+    }
+}
+
+impl Drop for CqLoop {
+    fn drop(&mut self) {
+        self.shut();
         registry::release_loop(self.sh.id);
         self.sh.core.lock().unwrap_or_else(|e| e.into_inner()).release_channel();
     }
