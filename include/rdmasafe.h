@@ -36,7 +36,10 @@
  * reports PTHREAD_CANCELED), and nothing is kept: no copy or unit of
  * rdmasafe_cm_set_limit stays taken, and an event not yet read from the
  * kernel stays there for the next get (as with librdmacm, one the kernel
- * handed over as the cancellation came is lost). rdmasafe_get_events acts
+ * handed over as the cancellation came is lost: librdmacm's own get has
+ * cancellation points after its read, where it sets a CONNECT_REQUEST up,
+ * and a cancellation acted on there loses that event, as it does without
+ * rdmasafe). rdmasafe_get_events acts
  * on a cancellation only while it waits for its first event: once it has
  * one, the rest of the batch runs with cancellation deferred until it
  * returns (on a blocking-mode channel that another thread reads as well,
