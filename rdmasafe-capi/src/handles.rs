@@ -196,17 +196,20 @@ impl<T> Table<T> {
         // From the generation `e` was looked up with: of two removes of one
         // object, the second finds it changed (it once read the current
         // one, changed already by the first, and both freed the object).
-        let p = std::ptr::from_ref(e.obj).cast_mut();
         if cell.gen.compare_exchange(e.gen, e.gen.wrapping_add(1).max(1), SeqCst, SeqCst).is_err() {
             return Err(NotRemoved::Gone);
         }
-        // Before the wait: a lookup that still finds the object is counted
-        // in `users` (it adds itself before it reads `obj`) and waited for;
-        // one that comes later finds none (cleared after the wait, a lookup
-        // by a guessed handle of the next generation could find the object
-        // after the wait, and use it once freed).
-        cell.obj.store(std::ptr::null_mut(), SeqCst);
+        // Cleared before the wait: a lookup that still finds the object is
+        // counted in `users` (it adds itself before it reads `obj`) and
+        // waited for; one that comes later finds none (cleared after the
+        // wait, a lookup by a guessed handle of the next generation could
+        // find the object after the wait, and use it once freed). Only the
+        // remove that changed the generation clears it: `e`'s object.
+        let p = cell.obj.swap(std::ptr::null_mut(), SeqCst);
         drop(e);
+        if p.is_null() {
+            return Err(NotRemoved::Gone);
+        }
         // Calls in flight on other threads: most end within microseconds
         // (yield), a blocking one (a drain) takes longer (sleep: no spin).
         let mut waits = 0u32;

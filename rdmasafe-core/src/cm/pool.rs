@@ -16,11 +16,11 @@
 //!   finds its slot still free (EINVAL) instead of freeing somebody else's
 //!   copy. When no new slot can be made (the arena full), the oldest free
 //!   slot is reused even in its quarantine (the quarantine ages only with
-//!   copies, which need slots). A get that fails (EAGAIN on a non-blocking channel, say) hands
-//!   no copy out: its slot is kept aside as the next get's, so failed gets
-//!   neither age the quarantine nor make new slots. The slots [`reserve`]
-//!   prepares are kept aside the same way (new ones, or free ones out of
-//!   their quarantine) and taken before the free list.
+//!   copies, which need slots). A get that fails (EAGAIN on a non-blocking
+//!   channel, say) hands no copy out: its slot is kept aside as the next
+//!   get's, so failed gets neither age the quarantine nor make new slots.
+//!   The slots [`reserve`] prepares are kept aside the same way (new ones,
+//!   or free ones out of their quarantine) and taken before the free list.
 //! * The quarantine counts every copy of the process: all threads, all
 //!   channels, the Rust API's too.
 //!
