@@ -1478,6 +1478,16 @@ fn foreign_event(p: &RcPair, chan_fd: std::os::fd::RawFd) {
     assert_eq!(r, 1, "the premise: the removed CQ's event is in the channel");
 }
 
+/// Runs `f` once, on the loop's thread, right before its next sleep.
+fn before_next_sleep(lp: &CqLoop, f: impl FnOnce() + Send + 'static) {
+    let mut f = Some(f);
+    lp.set_before_sleep_hook(Some(Box::new(move || {
+        if let Some(f) = f.take() {
+            f();
+        }
+    })));
+}
+
 /// A loop with CQs `z` (the pair's server CQ, then removed while armed:
 /// its next completion is a foreign event), `y` and `w`, all armed.
 fn loop_with_a_removed_armed_cq(
@@ -1514,12 +1524,8 @@ fn a_change_queued_during_a_batch_runs_after_it() {
     let chan_fd = lp.channel_fd();
     let ctl = lp.control();
     let x_removed = Arc::new(Mutex::new(None));
-    let once = Arc::new(AtomicBool::new(true));
     let (p2, w2, y2, x2, xr) = (p.clone(), w.clone(), y.clone(), x.clone(), x_removed.clone());
-    lp.set_before_sleep_hook(Some(Box::new(move || {
-        if !once.swap(false, SeqCst) {
-            return;
-        }
+    before_next_sleep(&lp, move || {
         // On the loop's thread, which holds the state: one batch.
         let (c, p3, x3, xr2) = (ctl.clone(), p2.clone(), x2.clone(), xr.clone());
         let done_w = Box::new(move |_| {
@@ -1532,7 +1538,7 @@ fn a_change_queued_during_a_batch_runs_after_it() {
         ctl.remove_raw_cq_then(w2.raw(), done_w).unwrap();
         ctl.remove_raw_cq_then(y2.raw(), Box::new(|r| r.unwrap())).unwrap();
         ctl.add_cq(&x2, ctl.default_cq_options(), |_, _| {}).unwrap();
-    })));
+    });
     lp.process_once(Wait::For(Duration::from_millis(20))).unwrap();
     lp.set_before_sleep_hook(None);
     assert_eq!(*x_removed.lock().unwrap(), Some(Ok(())), "x's removal, queued after its add");
@@ -1553,12 +1559,8 @@ fn a_second_removal_queued_during_the_first_gets_enoent() {
     let chan_fd = lp.channel_fd();
     let ctl = lp.control();
     let results = Arc::new(Mutex::new(Vec::new()));
-    let once = Arc::new(AtomicBool::new(true));
     let (p2, w2, y2, res) = (p.clone(), w.clone(), y.clone(), results.clone());
-    lp.set_before_sleep_hook(Some(Box::new(move || {
-        if !once.swap(false, SeqCst) {
-            return;
-        }
+    before_next_sleep(&lp, move || {
         let (c, p3, y3, res2) = (ctl.clone(), p2.clone(), y2.clone(), res.clone());
         let done_w = Box::new(move |_| {
             let res3 = res2.clone();
@@ -1576,7 +1578,7 @@ fn a_second_removal_queued_during_the_first_gets_enoent() {
             Box::new(move |r| res4.lock().unwrap().push(("first", r.map_err(|e| e.errno())))),
         )
         .unwrap();
-    })));
+    });
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         lp.process_once(Wait::For(Duration::from_millis(20)))
     }));
@@ -1617,14 +1619,11 @@ fn a_panicking_done_callback_loses_nothing() {
     lp.process_once(Wait::None).expect("no EDEADLK after a done callback's panic");
     assert_eq!(lp.len(), 1, "a removed");
     // In a batch on the loop's thread: the add after it is applied.
-    let once = Arc::new(AtomicBool::new(true));
     let (b2, c2, ctl2) = (b.clone(), c.clone(), lp.control());
-    lp.set_before_sleep_hook(Some(Box::new(move || {
-        if once.swap(false, SeqCst) {
-            ctl2.remove_raw_cq_then(b2.raw(), Box::new(|_| panic!("done callback panics (expected)"))).unwrap();
-            ctl2.add_cq(&c2, ctl2.default_cq_options(), |_, _| {}).unwrap();
-        }
-    })));
+    before_next_sleep(&lp, move || {
+        ctl2.remove_raw_cq_then(b2.raw(), Box::new(|_| panic!("done callback panics (expected)"))).unwrap();
+        ctl2.add_cq(&c2, ctl2.default_cq_options(), |_, _| {}).unwrap();
+    });
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         lp.process_once(Wait::For(Duration::from_millis(50)))
     }));
@@ -1737,12 +1736,8 @@ fn closing_the_loop_cancels_a_blocking_drain_that_drives_it() {
     lp.add_cq(&p.server_cq, |_, _| {}).unwrap();
     lp.process_once(Wait::None).unwrap();
     let (tx, rx) = mpsc::channel();
-    let once = Arc::new(AtomicBool::new(true));
-    lp.set_before_sleep_hook(Some(Box::new(move || {
-        if once.swap(false, SeqCst) {
-            tx.send(()).unwrap(); // the drainer drives the loop, about to sleep
-        }
-    })));
+    // The drainer drives the loop, about to sleep.
+    before_next_sleep(&lp, move || tx.send(()).unwrap());
     let (ctl, p2) = (lp.control(), p.clone());
     let drainer = std::thread::spawn(move || {
         let s = p2.server.lock().unwrap();
