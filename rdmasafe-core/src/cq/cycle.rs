@@ -123,11 +123,11 @@ impl Core {
             self.settle();
         }
         self.unsettled = true;
-        let r = match self.opts.mode {
-            Mode::Event => self.event_cycle(ctl, wait, honor_stop),
-            Mode::BusyPoll => self.poll_cycle(ctl, wait, None, honor_stop),
-            Mode::Adaptive { spin } => self.adaptive_cycle(ctl, wait, spin, honor_stop),
-            Mode::Learning => self.learning_cycle(ctl, wait, honor_stop),
+        // Event mode first, with one test (a `match` here is a jump table).
+        let r = if self.opts.mode == Mode::Event {
+            self.event_cycle::<true>(ctl, wait, honor_stop)
+        } else {
+            self.other_cycle(ctl, wait, honor_stop)
         };
         match &r {
             // A signal ends only the sleep, which comes after the cycle's
@@ -137,6 +137,18 @@ impl Core {
             Err(_) => {}
         }
         r
+    }
+
+    /// A cycle in a mode other than event mode (`cycle` tests for event
+    /// mode first; its arm here keeps the match whole).
+    #[inline(never)]
+    fn other_cycle(&mut self, ctl: &LoopControl, wait: Wait, honor_stop: bool) -> Result<usize> {
+        match self.opts.mode {
+            Mode::Event => self.event_cycle::<true>(ctl, wait, honor_stop),
+            Mode::BusyPoll => self.poll_cycle(ctl, wait, None, honor_stop),
+            Mode::Adaptive { spin } => self.adaptive_cycle(ctl, wait, spin, honor_stop),
+            Mode::Learning => self.learning_cycle(ctl, wait, honor_stop),
+        }
     }
 
     /// After a cycle that ended early (an error, or a handler's panic
@@ -161,8 +173,16 @@ impl Core {
     /// Arms and drains new CQs, drains CQs over their budget; if that gave
     /// nothing, sleeps, then reads events and drains what fired (re-arming
     /// first when `rearm`).
+    /// `EVENT`: the loop is in event mode (`opts.mode == Mode::Event`),
+    /// known when compiled so event mode's cycle tests no mode.
     #[inline(always)]
-    pub(super) fn event_cycle(&mut self, ctl: &LoopControl, wait: Wait, honor_stop: bool) -> Result<usize> {
+    pub(super) fn event_cycle<const EVENT: bool>(
+        &mut self,
+        ctl: &LoopControl,
+        wait: Wait,
+        honor_stop: bool,
+    ) -> Result<usize> {
+        debug_assert_eq!(EVENT, self.opts.mode == Mode::Event);
         let sh = &*ctl.0;
         self.begin_cycle();
         let mut n = if self.unarmed.is_empty() { 0 } else { self.work_list(ctl, List::Unarmed, true, honor_stop)? };
@@ -182,12 +202,12 @@ impl Core {
                 }
             }
             if !self.fired.is_empty() {
-                let rearm = self.polling_since.is_none() && self.opts.mode == Mode::Event;
+                let rearm = self.polling_since.is_none() && EVENT;
                 n += self.work_list(ctl, List::Fired, rearm, honor_stop)?;
             }
             n += self.work_ready(ctl, honor_stop)?;
         }
-        if n == 0 && self.opts.mode != Mode::Event && self.armed < self.entries.len() {
+        if n == 0 && !EVENT && self.armed < self.entries.len() {
             // The loop sleeps below, and a mode that polls does not re-arm
             // what fired (it polls it when completions came): a CQ whose
             // event came for completions something else took (an earlier
@@ -207,7 +227,7 @@ impl Core {
         }
         // Event mode reads on after a first event only as `ReadMore` says;
         // the modes that poll read every event (see `ReadMore`).
-        let all = self.opts.mode != Mode::Event;
+        let all = !EVENT;
         let bits = if self.has_work_now(sh) {
             1 << KEY_CHANNEL
         } else if read_now {
@@ -237,7 +257,7 @@ impl Core {
             self.read_events(ctl, all)?;
         }
         let woke = !self.fired.is_empty();
-        let rearm = self.polling_since.is_none() && self.opts.mode == Mode::Event;
+        let rearm = self.polling_since.is_none() && EVENT;
         let mut n = if !woke {
             0
         } else if rearm && self.fired_is_one() {
@@ -353,7 +373,7 @@ impl Core {
             wait = deadline.map_or(wait, Wait::until);
         }
         let own0 = self.own_taken;
-        let n = self.event_cycle(ctl, wait, honor_stop)?;
+        let n = self.event_cycle::<false>(ctl, wait, honor_stop)?;
         if self.delivered(own0, n) > 0 {
             // Woken for completions handed to handlers (or new CQs had
             // some): poll from now on; CQs that fired stay unarmed until
@@ -421,7 +441,7 @@ impl Core {
         let handed = self.learn.handed;
         self.learn.event_cycles = self.learn.event_cycles.wrapping_add(1);
         let own0 = self.own_taken;
-        let r = self.event_cycle(ctl, wait, honor_stop);
+        let r = self.event_cycle::<false>(ctl, wait, honor_stop);
         // Taken whatever happened: a sleep that ended in an error (EINTR)
         // must not leave a decision or a timer wake for a later sleep to
         // measure against.
