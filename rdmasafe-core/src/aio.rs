@@ -92,7 +92,7 @@ use tokio::io::Interest;
 use tokio::sync::oneshot;
 
 use crate::cm::{CmEvent, CmId, EventChannel};
-use crate::cq::{CqLoop, LoopControl, Progress};
+use crate::cq::{CqLoop, LoopControl, Progress, RunClaim};
 use crate::sys::ibv_qp;
 use crate::verbs::Cq;
 use crate::{Error, Result};
@@ -318,7 +318,8 @@ impl AsyncCqLoop {
         Ok(AsyncCqLoop { fd: register(lp)?, active: AtomicBool::new(false) })
     }
 
-    /// The loop (its figures, options, CQ count, ...).
+    /// The loop (its figures, options, CQ count, ...). While a run future
+    /// is alive its runner calls get EBUSY (see [`AsyncCqLoop::run`]).
     pub fn get_ref(&self) -> &CqLoop {
         self.fd.get_ref()
     }
@@ -333,6 +334,11 @@ impl AsyncCqLoop {
     /// returns with every pending ack flushed and the stop request
     /// consumed (the loop can run again). EBUSY if another `run` future of
     /// this loop is alive or a thread runs the loop ([`CqLoop::run`]).
+    /// From its first poll until it returns or is dropped, the future
+    /// holds the loop as a running thread does: the runner calls of
+    /// [`AsyncCqLoop::get_ref`] (`run`, `run_for`, `process_once`,
+    /// `process_ready`, `flush_acks`) get EBUSY from any thread, and
+    /// [`CqLoop::is_running`] is true.
     /// Dropping the future mid-flight flushes every pending ack too; CQ
     /// events that arrive afterwards are read by the next run (or acked
     /// when the loop is dropped).
@@ -341,7 +347,11 @@ impl AsyncCqLoop {
         if self.active.swap(true, SeqCst) {
             return Err(Error::new("rdmasafe async CQ loop: another run future is alive", libc::EBUSY));
         }
-        let _flush = FlushOnDrop(lp, &self.active);
+        // The loop is this run's from now until it ends or is dropped: a
+        // thread's runner call in between two steps is refused, never one
+        // of the steps (which would end the run).
+        let mark = ActiveMark(&self.active);
+        let flush = FlushOnDrop { lp, claim: lp.claim_run()?, _mark: mark };
         // Blocking changes from other threads wait for the thread polling
         // the run now instead of running handlers there (set again after
         // every wait: the task may move to another thread).
@@ -374,14 +384,14 @@ impl AsyncCqLoop {
                 let p: Progress = match guard.as_mut() {
                     // Readiness is cleared only when the loop reports
                     // nothing ready.
-                    Some(g) => match g.try_io(|inner| match inner.get_ref().process_ready() {
+                    Some(g) => match g.try_io(|inner| match inner.get_ref().process_ready_claimed(&flush.claim) {
                         Ok(p) if !p.more && !p.stopped => Err(io::ErrorKind::WouldBlock.into()),
                         other => Ok(other),
                     }) {
                         Ok(r) => r.map_err(Error::from)??,
                         Err(_would_block) => break,
                     },
-                    None => lp.process_ready()?,
+                    None => lp.process_ready_claimed(&flush.claim)?,
                 };
                 if p.stopped {
                     return Ok(());
@@ -465,15 +475,30 @@ impl Drop for DriverMark {
     }
 }
 
-/// Flushes the loop's pending acks when a run future is dropped mid-flight
-/// (never blocks: the loop is not held across an await).
-struct FlushOnDrop<'a>(&'a CqLoop, &'a AtomicBool);
+/// A run future's hold on its loop: when the run ends or is dropped
+/// mid-flight, flushes the loop's pending acks (never blocks: the state is
+/// not held across an await), then lets the loop go: the fields drop in
+/// order, the claim before the mark (a run started meanwhile by another
+/// task, refused by the mark until then, is never refused by the claim).
+struct FlushOnDrop<'a> {
+    lp: &'a CqLoop,
+    claim: RunClaim<'a>,
+    _mark: ActiveMark<'a>,
+}
 
 impl Drop for FlushOnDrop<'_> {
     fn drop(&mut self) {
-        let _ = self.0.flush_acks();
-        self.0.set_async_driver(false);
-        self.1.store(false, SeqCst);
+        self.lp.flush_acks_claimed(&self.claim);
+        self.lp.set_async_driver(false);
+    }
+}
+
+/// A run future of the loop is alive (cleared on drop).
+struct ActiveMark<'a>(&'a AtomicBool);
+
+impl Drop for ActiveMark<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, SeqCst);
     }
 }
 

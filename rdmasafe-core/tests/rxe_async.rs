@@ -22,6 +22,7 @@ use rdmasafe_core::aio::{self, AsyncCqLoop, AsyncEventChannel};
 use rdmasafe_core::cm::{self, EventChannel, EventType, PortSpace};
 use rdmasafe_core::cq::{CqLoop, Keepalive, LoopOptions, LoopStats, DRAIN_RECV_WR_ID, DRAIN_SEND_WR_ID};
 use rdmasafe_core::verbs::{CompChannel, WcStatus};
+use rdmasafe_core::Wait;
 use tokio::sync::mpsc::unbounded_channel;
 
 const CLIENTS: usize = 64;
@@ -228,6 +229,58 @@ fn futures_dropped_mid_flight_then_a_clean_teardown() {
 /// makes the loop's fd readable before), complete, and are consumed by
 /// the loop, never delivered. Without deadlines honoured this hangs (the
 /// watchdog fails it).
+/// A run future holds its loop from its first poll to its end: a thread's
+/// runner call (`flush_acks`, `process_once`) made between two of its
+/// steps is refused (EBUSY), and the run goes on serving its CQ. (The run
+/// used to take the loop anew at each step: such a call got it, and the
+/// run's next step was the one refused, which ended the run with EBUSY and
+/// left its CQ to nobody.)
+#[test]
+fn a_threads_runner_call_is_refused_while_a_run_future_lives() {
+    let _s = serial();
+    let bed = common::bed();
+    let _dog = common::watchdog("runner calls vs a live run", Duration::from_secs(300));
+    let rt = current_thread();
+    rt.block_on(async {
+        let ctx = common::cm::device(bed.addr);
+        let chan = CompChannel::new(&ctx).unwrap();
+        let p = rc_pair(bed.addr, &chan, false, 16);
+        let lp = AsyncCqLoop::new(CqLoop::new(&chan, LoopOptions::default()).unwrap()).unwrap();
+        let ctl = lp.control();
+        let (tx, mut rx) = unbounded_channel();
+        ctl.add_cq(&p.server_cq, ctl.default_cq_options(), move |wcs, _| {
+            for wc in wcs {
+                let _ = tx.send(wc.wr_id());
+            }
+        })
+        .unwrap();
+        p.recv(SLOT, SLOT as u32, 1);
+        let run = lp.run();
+        tokio::pin!(run);
+        assert!(futures_poll_once(run.as_mut()).is_pending());
+        let (flush, once) = std::thread::scope(|s| {
+            s.spawn(|| {
+                let l = lp.get_ref();
+                (l.flush_acks().map_err(|e| e.errno()), l.process_once(Wait::None).map_err(|e| e.errno()))
+            })
+            .join()
+            .unwrap()
+        });
+        assert_eq!(flush, Err(libc::EBUSY), "flush_acks from a thread while the run lives");
+        assert_eq!(once, Err(libc::EBUSY), "process_once from a thread while the run lives");
+        assert!(lp.get_ref().is_running());
+        p.send(0, &[1; 8], 8, 101);
+        tokio::select! {
+            r = &mut run => panic!("the run ended: {r:?}"),
+            w = rx.recv() => assert_eq!(w, Some(1), "the run goes on"),
+        }
+        ctl.stop();
+        tokio::time::timeout(echo::STEP, run).await.expect("a stop ends the run").unwrap();
+        assert!(!lp.get_ref().is_running());
+        lp.get_ref().flush_acks().expect("the loop is free once the run is over");
+    });
+}
+
 #[test]
 fn keepalive_deadlines_drive_an_idle_async_loop() {
     let _s = serial();

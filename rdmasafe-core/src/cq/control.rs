@@ -413,7 +413,8 @@ impl LoopControl {
     /// True while a thread runs the loop (`run`, `run_for`,
     /// `process_once`, `process_ready`, `flush_acks`), or waits for its
     /// state to run it (while a blocking change from another thread hands
-    /// it over).
+    /// it over), and while an async run future of it is alive
+    /// (`AsyncCqLoop::run`, tokio feature).
     pub fn is_running(&self) -> bool {
         self.0.run_state.is_running()
     }

@@ -62,6 +62,21 @@ pub enum RunEnd {
     TimedOut,
 }
 
+/// An async run's claim on its loop ([`CqLoop::claim_run`]): held from
+/// the run future's first poll until it ends or is dropped, so that no
+/// thread's runner call (`run`, `process_once`, `process_ready`,
+/// `flush_acks`) slips in between two of its steps (and none of its steps
+/// is refused for one). Dropped, the loop is idle again.
+#[cfg(feature = "tokio")]
+pub(crate) struct RunClaim<'a>(&'a Shared);
+
+#[cfg(feature = "tokio")]
+impl Drop for RunClaim<'_> {
+    fn drop(&mut self) {
+        self.0.run_state.release();
+    }
+}
+
 /// What one [`CqLoop::process_ready`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Progress {
@@ -200,6 +215,22 @@ impl CqLoop {
     /// Takes the state for running: EBUSY if someone runs the loop, a
     /// short wait if a thread is applying a change.
     fn enter(&self) -> Result<Held<'_>> {
+        self.claim()?;
+        Ok(self.take_state().into_runner())
+    }
+
+    /// Claims the loop for an async run's whole life (`AsyncCqLoop::run`):
+    /// from then on other runners are refused (EBUSY) until the claim is
+    /// dropped, and the run's steps take the state with
+    /// [`CqLoop::process_ready_claimed`].
+    #[cfg(feature = "tokio")]
+    pub(crate) fn claim_run(&self) -> Result<RunClaim<'_>> {
+        self.claim()?;
+        Ok(RunClaim(&self.sh))
+    }
+
+    /// The run state idle -> running, with the errors of `enter`.
+    fn claim(&self) -> Result<()> {
         let sh = &*self.sh;
         if sh.held_here() {
             return Err(Error::new("rdmasafe_cq_loop_run: from inside one of its handlers", libc::EDEADLK));
@@ -217,6 +248,12 @@ impl CqLoop {
                 return Err(Error::new("rdmasafe_cq_loop_run: the loop is being destroyed", libc::EINVAL))
             }
         }
+        Ok(())
+    }
+
+    /// Takes the state (the run state claimed by the caller).
+    fn take_state(&self) -> Held<'_> {
+        let sh = &*self.sh;
         let g = match sh.core.try_lock() {
             Ok(g) => g,
             Err(TryLockError::Poisoned(p)) => p.into_inner(),
@@ -231,13 +268,14 @@ impl CqLoop {
                 g
             }
         };
-        Ok(Held::new(sh, g, self.control()).into_runner())
+        Held::new(sh, g, self.control())
     }
 
     /// True while a thread runs the loop (`run`, `run_for`,
     /// `process_once`, `process_ready`, `flush_acks`), or waits for its
     /// state to run it (while a blocking change from another thread hands
-    /// it over).
+    /// it over), and while an async run future of it is alive
+    /// (`AsyncCqLoop::run`, tokio feature).
     pub fn is_running(&self) -> bool {
         self.sh.run_state.is_running()
     }
@@ -409,7 +447,17 @@ impl CqLoop {
     /// and is reported in [`Progress::stopped`]. EINTR from the wait is
     /// reported as `more` (call again), never as an error.
     pub fn process_ready(&self) -> Result<Progress> {
-        let mut held = self.enter()?;
+        let held = self.enter()?;
+        self.ready_step(held)
+    }
+
+    /// [`CqLoop::process_ready`] by the holder of a run's claim.
+    #[cfg(feature = "tokio")]
+    pub(crate) fn process_ready_claimed(&self, _claim: &RunClaim<'_>) -> Result<Progress> {
+        self.ready_step(self.take_state())
+    }
+
+    fn ready_step(&self, mut held: Held<'_>) -> Result<Progress> {
         let r = {
             let (core, ctl) = held.parts();
             let sh = &*ctl.0;
@@ -457,11 +505,21 @@ impl CqLoop {
 
     /// Acks every pending CQ event now.
     pub fn flush_acks(&self) -> Result<()> {
-        let mut held = self.enter()?;
+        let held = self.enter()?;
+        self.flush_held(held);
+        Ok(())
+    }
+
+    /// [`CqLoop::flush_acks`] by the holder of a run's claim.
+    #[cfg(feature = "tokio")]
+    pub(crate) fn flush_acks_claimed(&self, _claim: &RunClaim<'_>) {
+        self.flush_held(self.take_state());
+    }
+
+    fn flush_held(&self, mut held: Held<'_>) {
         let (core, ctl) = held.parts();
         core.flush_all(&ctl.0);
         self.leave(held);
-        Ok(())
     }
 
     /// Starts a thread that runs the loop, optionally pinned to `cpu`.
