@@ -78,6 +78,12 @@
  * on getting CM events anyway starts its own at its first get with a
  * deadline and keeps the deadlines.
  *
+ * Signals: the threads rdmasafe starts (the CM ack thread, started by the
+ * first get, and its log writer; neither runs the app's code) block every
+ * signal, so a signal sent to the process reaches one of the app's
+ * threads only (a daemon that blocks SIGTERM in its threads and waits for
+ * it with sigwait or a signalfd gets it, as without rdmasafe).
+ *
  * Struct sizes: every struct rdmasafe reads or fills starts with
  * `uint32_t size`, which the caller sets to sizeof the struct as this header
  * declares it, e.g. `struct rdmasafe_cq_loop_stats st = { .size = sizeof st };`.
@@ -789,8 +795,9 @@ const char *rdmasafe_async_event_str(uint32_t event_type);
  * kernel), ENOMEM (no storage for the copy, or, with an ack deadline, the
  * thread that keeps the deadlines could not be started: the event stays
  * in the kernel either way), or the error of `rdma_get_cm_event`. errno is
- * left untouched on success, as librdmacm does. `*event` is left untouched
- * on failure.
+ * left untouched on success (librdmacm's own `rdma_get_cm_event` may leave
+ * a value from its internal calls there; rdmasafe restores the caller's).
+ * `*event` is left untouched on failure.
  *
  * # Safety
  * `channel` must be NULL or a live channel from `rdma_create_event_channel`; `event` NULL or writable.

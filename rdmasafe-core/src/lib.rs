@@ -112,6 +112,15 @@
 //! Raw pointers are reachable where interop needs them (`raw()` getters,
 //! `unsafe` constructors from raw objects); [`sys`] is the FFI layer the C
 //! library uses and is not part of the stable API.
+//!
+//! # Threads and signals
+//!
+//! The threads rdmasafe starts on its own (the CM ack-deadline thread,
+//! started by the first get, and its log writer) block every signal: a
+//! signal sent to the process reaches one of your threads, as without
+//! rdmasafe. The threads you ask for ([`cq::CqLoop::spawn`],
+//! [`cm::Dispatcher`], [`cq::AsyncEvents::spawn`]) run your callbacks and
+//! inherit the calling thread's mask, as `std::thread::spawn`'s do.
 #![deny(unsafe_op_in_unsafe_fn)]
 #![deny(missing_docs)]
 

@@ -522,6 +522,40 @@ pub fn set_fd_flags(fd: c_int, flags: c_int) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Starts a thread of rdmasafe's own (one the app did not ask for, which
+/// runs none of the app's code: the CM ack-deadline thread, its log
+/// writer, the preload's check thread) with every signal blocked, so that
+/// a signal sent to the process is never delivered to it. It would be
+/// otherwise: a thread inherits the mask of the thread that creates it,
+/// and these are created lazily (at the first CM get), from whatever app
+/// thread gets first, before the app blocks, say, SIGTERM everywhere and
+/// waits for it in one thread (`sigwait`, `signalfd`); the kernel then
+/// delivers the process's SIGTERM to the one thread that does not block
+/// it, and its default action ends the process. (glibc keeps its own
+/// cancellation and set*id signals deliverable whatever the mask.)
+pub fn spawn_signals_blocked<F, T>(name: &str, f: F) -> std::io::Result<std::thread::JoinHandle<T>>
+where
+    F: FnOnce() -> T + Send + 'static,
+    T: Send + 'static,
+{
+    // SAFETY: a sigset_t filled by sigfillset before use; pthread_sigmask
+    // changes only the calling thread's mask, given back below (a signal
+    // that comes meanwhile stays pending and is delivered then).
+    let old = unsafe {
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        let mut old: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut all);
+        if libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut old) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        old
+    };
+    let spawned = std::thread::Builder::new().name(name.into()).spawn(f);
+    // SAFETY: `old` is the mask pthread_sigmask gave back above.
+    unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut()) };
+    spawned
+}
+
 /// A number naming the calling thread, never 0 (for "am I the thread
 /// that runs this loop?").
 pub fn thread_tag() -> u64 {

@@ -447,7 +447,7 @@ impl Checker {
             return;
         }
         let tick = Duration::from_millis((self.hold_ms / 4).clamp(10, 250));
-        let spawned = std::thread::Builder::new().name("rdmasafe-check".into()).spawn(move || loop {
+        let spawned = sys::spawn_signals_blocked("rdmasafe-check", move || loop {
             std::thread::sleep(tick);
             let findings = guarded(Vec::new(), || {
                 let mut book = lock(&self.cm);

@@ -1131,7 +1131,7 @@ impl Reaper {
                 Err(_) => std::thread::sleep(Duration::from_millis(1)),
             }
         }
-        match std::thread::Builder::new().name("rdmasafe-ack".into()).spawn(move || self.run()) {
+        match crate::sys::spawn_signals_blocked("rdmasafe-ack", move || self.run()) {
             Ok(_) => {
                 self.state.store(RUNNING, Release);
                 Ok(())
@@ -1372,7 +1372,7 @@ fn log_off_the_reaper(level: log::Level, line: String) {
                     log::log!(target: "rdmasafe", level, "{line}");
                 }
             };
-            std::thread::Builder::new().name("rdmasafe-cm-log".into()).spawn(writer).ok().map(|_| tx)
+            crate::sys::spawn_signals_blocked("rdmasafe-cm-log", writer).ok().map(|_| tx)
         });
         if let Some(tx) = lines {
             let _ = tx.try_send((level, line));

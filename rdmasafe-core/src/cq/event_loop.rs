@@ -714,7 +714,7 @@ fn let_go(t: std::thread::JoinHandle<(CqLoop, Result<()>)>) {
     }
     let t = std::sync::Arc::new(std::sync::Mutex::new(Some(t)));
     let t2 = t.clone();
-    let spawned = std::thread::Builder::new().name("rdmasafe-cq-end".into()).spawn(move || {
+    let spawned = sys::spawn_signals_blocked("rdmasafe-cq-end", move || {
         if let Some(t) = t2.lock().unwrap_or_else(|e| e.into_inner()).take() {
             drop(t.join());
         }
