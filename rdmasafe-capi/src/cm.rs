@@ -94,8 +94,9 @@ fn wait_of(timeout_ms: c_int) -> Option<Wait> {
 /// kernel), ENOMEM (no storage for the copy, or, with an ack deadline, the
 /// thread that keeps the deadlines could not be started: the event stays
 /// in the kernel either way), or the error of `rdma_get_cm_event`. errno is
-/// left untouched on success, as librdmacm does. `*event` is left untouched
-/// on failure.
+/// left untouched on success (librdmacm's own `rdma_get_cm_event` may leave
+/// a value from its internal calls there; rdmasafe restores the caller's).
+/// `*event` is left untouched on failure.
 ///
 /// # Safety
 /// `channel` must be NULL or a live channel from `rdma_create_event_channel`; `event` NULL or writable.

@@ -296,6 +296,13 @@ impl std::fmt::Debug for AsyncEventChannel {
 /// sleeps until the loop has work. In busy-poll mode it never sleeps, and
 /// in adaptive mode not while it spins: it then keeps a runtime thread
 /// busy, letting the thread's other tasks run every few cycles.
+///
+/// The loop's deadlines (keepalive, drain, watchdog) are real time: the
+/// run waits for them with a `tokio::time` sleep of the real time left.
+/// Under tokio's paused clock (`start_paused`, test-util) such a sleep
+/// ends at once whenever the runtime is idle, so while the loop has a
+/// deadline the run keeps a thread busy until the real deadline, and the
+/// paused clock races ahead of real time meanwhile.
 pub struct AsyncCqLoop {
     fd: AsyncFd<CqLoop>,
     /// A `run` future is alive (a second one gets EBUSY).
