@@ -23,6 +23,12 @@
 //!   timed out, the dispatcher slept on; found by an adversarial test of
 //!   the tokio API, where the async get never saw them);
 //!
+//! * a keepalive's probe blocked by a full send queue is no dead peer once
+//!   the peer's requests succeed again; a probe out when its id is dropped
+//!   never reaches the handler; a panicking drain callback called by the
+//!   loop's drop is caught (found by an adversarial test of the timed
+//!   features);
+//!
 //! (and the cases of the CQ loop below). No timing is asserted: each wait
 //! ends when its condition holds, and a generous watchdog turns a hang into
 //! a failure; where a case needs an order of events, sleeps in handlers or
@@ -1100,4 +1106,185 @@ fn a_dispatcher_stopped_with_its_queue_full_loses_no_event_and_the_queue_reopens
     want.sort_unstable();
     assert_eq!(seen, want, "each id's ADDR_RESOLVED once, none lost at the stop");
     assert!(got.iter().all(|e| e.event_type() == cm::EventType::ADDR_RESOLVED));
+}
+
+/// A probe blocked by a full send queue is no dead peer once the peer
+/// answers: the peer stalls (no receive posted: RNR, retried forever) with
+/// our send queue full for longer than the keepalive's period, then
+/// recovers, while the app refills the queue from its handler, as a
+/// streaming app does. Successful completions flow, and the peer must not
+/// be declared dead. (It was, at the bound: a probe blocked by the full
+/// queue stayed blocked, since every retry came after the handler had
+/// refilled the queue; found by an adversarial test of the timed
+/// features.)
+#[test]
+fn a_full_send_queue_with_live_traffic_is_not_a_dead_peer() {
+    let _s = serial();
+    let _dog = common::watchdog("a full send queue with live traffic", Duration::from_secs(120));
+    let bed = common::bed();
+    let chan = channel();
+    let p = Arc::new(rc_pair(bed.addr, &chan, false, 16));
+    let lp = Arc::new(CqLoop::new(&chan, LoopOptions::default()).unwrap());
+    const APP: u64 = 42;
+    let fill = {
+        let p = p.clone();
+        move || {
+            let s = p.server.lock().unwrap();
+            let mut n = 0;
+            while s.id.post_send(&s.mr, 0, 8, APP).is_ok() {
+                n += 1;
+            }
+            n
+        }
+    };
+    assert!(fill() > 0, "the sends that fill the queue");
+    let ok = Arc::new(AtomicUsize::new(0));
+    let (o, f) = (ok.clone(), fill.clone());
+    lp.add_cq(&p.server_cq, move |wcs, _| {
+        o.fetch_add(wcs.iter().filter(|w| w.is_success() && w.wr_id() == APP).count(), SeqCst);
+        if wcs.iter().any(|w| w.is_success()) {
+            f();
+        }
+    })
+    .unwrap();
+    let dead = Arc::new(AtomicBool::new(false));
+    let d = dead.clone();
+    let cfg = Keepalive { period: Duration::from_millis(300), bound: Duration::from_secs(3), wr_id: 9999 };
+    // SAFETY: the server QP outlives the loop's use of it (the pair is
+    // dropped after the loop stops).
+    unsafe { lp.add_keepalive(p.server_qp(), cfg, Box::new(move |_, _| d.store(true, SeqCst))) }.unwrap();
+    let runner = {
+        let lp = lp.clone();
+        std::thread::spawn(move || lp.run())
+    };
+    // The peer: no receive for 800 ms, then receives kept posted.
+    let stop = Arc::new(AtomicBool::new(false));
+    let peer = {
+        let (p, stop) = (p.clone(), stop.clone());
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(800));
+            let mut out = 0usize;
+            let mut wcs = vec![rdmasafe_core::verbs::Wc::default(); 32];
+            while !stop.load(SeqCst) {
+                {
+                    let c = p.client.lock().unwrap();
+                    while out < 14 && c.id.post_recv(&c.mr, 0, 64, 7).is_ok() {
+                        out += 1;
+                    }
+                }
+                out = out.saturating_sub(p.client_cq.poll(&mut wcs).unwrap());
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        })
+    };
+    // Past the bound counted from the stall's first blocked probe (0.3 s
+    // in), with room: the blocked probe would have been declared dead by
+    // then.
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(8) && !dead.load(SeqCst) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let st = lp.control().stats();
+    stop.store(true, SeqCst);
+    peer.join().unwrap();
+    lp.control().stop();
+    runner.join().unwrap().unwrap();
+    let sent = ok.load(SeqCst);
+    println!(
+        "{sent} sends completed; probes {} ({} ok), dead {}",
+        st.keepalive_probes, st.keepalive_probes_ok, st.keepalive_dead
+    );
+    assert!(sent > 16, "the stream ran past the stall ({sent} sends completed)");
+    assert!(!dead.load(SeqCst), "a peer whose requests kept succeeding was declared dead: {st:?}");
+}
+
+/// A probe that completed into a solicited-only send CQ (no event) is not
+/// handed to the app's handler after its id is dropped, when another
+/// keepalive's tick notices the drop first (the keepalive ended without
+/// keeping its probe as one to consume: the next poll handed it to the
+/// handler; found by an adversarial test of the timed features).
+#[test]
+fn a_dropped_ids_probe_never_reaches_the_handler() {
+    let _s = serial();
+    let _dog = common::watchdog("a dropped id's probe", Duration::from_secs(120));
+    let bed = common::bed();
+    let ctx = device();
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = rc_pair(bed.addr, &chan, false, 16);
+    let cq2 = Cq::new(&ctx, 32, Some(&chan)).unwrap();
+    let (_keep2, qp2) = common::rc::second_qp_on(bed.addr, &cq2);
+    let lp = Arc::new(CqLoop::new(&chan, LoopOptions::default()).unwrap());
+    const PROBE: u64 = 9999;
+    let got: Arc<Mutex<Vec<u64>>> = Arc::default();
+    let g = got.clone();
+    let solicited = rdmasafe_core::cq::CqOptions { solicited_only: true, budget: 0 };
+    lp.add_cq_with(&p.server_cq, solicited, move |wcs: &[rdmasafe_core::verbs::Wc], _| {
+        g.lock().unwrap().extend(wcs.iter().map(|w| w.wr_id()));
+    })
+    .unwrap();
+    lp.add_cq(&cq2, |_, _| {}).unwrap();
+    let cfg = Keepalive { period: Duration::from_millis(100), bound: Duration::from_secs(30), wr_id: PROBE };
+    lp.control().add_keepalive_id(&p.server.lock().unwrap().id, cfg, Box::new(|_, _| {})).unwrap();
+    let cfg2 = Keepalive { period: Duration::from_millis(20), bound: Duration::from_secs(30), wr_id: PROBE + 1 };
+    // SAFETY: the second QP lives in `_keep2` until the end of the test.
+    unsafe { lp.add_keepalive(qp2, cfg2, Box::new(|_, _| {})) }.unwrap();
+    let runner = {
+        let lp = lp.clone();
+        std::thread::spawn(move || lp.run())
+    };
+    // A probe of the id's QP is out (its completion raises no event, so it
+    // stays out): it was due 100 ms after the add, and every tick of the
+    // other keepalive after that posts it if it is not out yet.
+    std::thread::sleep(Duration::from_millis(150));
+    let before = lp.control().stats().keepalive_probes;
+    assert!(wait_until(|| lp.control().stats().keepalive_probes >= before + 2), "the other keepalive ticks on");
+    drop(take_id(&p.server)); // rdma_destroy_qp with the id
+                              // The other keepalive's ticks see the drop.
+    let later = lp.control().stats().keepalive_probes;
+    assert!(wait_until(|| lp.control().stats().keepalive_probes >= later + 5), "the other keepalive ticks on");
+    lp.control().stop();
+    runner.join().unwrap().unwrap();
+    // The next run arms and polls every CQ.
+    lp.run_for(Duration::from_millis(200)).unwrap();
+    let got = got.lock().unwrap().clone();
+    assert!(!got.contains(&PROBE), "a keepalive probe reached the app's handler: {got:?}");
+}
+
+/// A `drain_qp_then` done callback that panics, called by the loop's drop
+/// (the drain still in progress: ECANCELED), is caught there as anywhere
+/// else: the drop finishes, and the channel takes a new loop. (The panic
+/// unwound out of the drop, which left the channel claimed for good:
+/// EBUSY for every later loop; found by an adversarial test of the timed
+/// features.)
+#[test]
+fn a_panicking_drain_callback_at_the_loops_drop_is_caught() {
+    let _s = serial();
+    let _dog = common::watchdog("a panicking drain callback at the drop", Duration::from_secs(120));
+    let bed = common::bed();
+    let chan = channel();
+    let p = rc_pair(bed.addr, &chan, false, 16);
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    lp.add_cq(&p.server_cq, |_, _| {}).unwrap();
+    let ctl = lp.control();
+    let called = Arc::new(AtomicBool::new(false));
+    let c = called.clone();
+    // Nobody runs the loop: the drain starts and stays in progress.
+    // SAFETY: the server QP outlives the drain (the pair outlives the loop).
+    unsafe {
+        ctl.drain_qp_then(
+            p.server_qp(),
+            false,
+            Duration::from_secs(60),
+            Box::new(move |r| {
+                c.store(true, SeqCst);
+                panic!("the done callback panics: {r:?}")
+            }),
+        )
+    }
+    .unwrap();
+    let dropped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(lp)));
+    assert!(called.load(SeqCst), "the drop called the drain's callback");
+    assert!(dropped.is_ok(), "the callback's panic unwound out of the loop's drop");
+    let again = CqLoop::new(&chan, LoopOptions::default()).expect("a new loop on the channel");
+    again.add_cq(&p.server_cq, |_, _| {}).expect("the CQ joins the new loop");
 }

@@ -92,20 +92,23 @@ impl Done {
                 *c.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
                 sh.notify();
             }
-            Done::Call(f) => {
-                if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(r))) {
-                    let what = p
-                        .downcast_ref::<&str>()
-                        .map(|s| s.to_string())
-                        .or_else(|| p.downcast_ref::<String>().cloned())
-                        .unwrap_or_else(|| "a non-string payload".into());
-                    log::error!(
-                        target: "rdmasafe",
-                        "CQ loop: a change's done callback panicked ({what}); caught, the loop goes on"
-                    );
-                }
-            }
+            Done::Call(f) => call_caught(f, r),
         }
+    }
+}
+
+/// Calls a done callback with `r`; a panic in it is caught and logged at
+/// error level (see [`Done::finish`]; the loop's drop too calls the
+/// callbacks of the drains still in progress, which must not unwind out
+/// of it).
+pub(crate) fn call_caught(f: Box<dyn FnOnce(Result<()>) + Send>, r: Result<()>) {
+    if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(r))) {
+        let what = p
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| p.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a non-string payload".into());
+        log::error!(target: "rdmasafe", "CQ loop: a change's done callback panicked ({what}); caught, the loop goes on");
     }
 }
 

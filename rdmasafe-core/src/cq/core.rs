@@ -835,7 +835,9 @@ impl Core {
         for done in self.drains.take_all() {
             let gone = || Error::new("rdmasafe drain_qp: the loop is gone", libc::ECANCELED);
             match done {
-                Done::Call(f) => f(Err(gone())),
+                // Caught: a panic would unwind out of the loop's drop,
+                // leaving its channel claimed and its state poisoned.
+                Done::Call(f) => super::control::call_caught(f, Err(gone())),
                 // A caller blocked in drain_qp: the owner of the loop wakes
                 // it (`Shared::notify`) once this returns.
                 Done::Wait(c) => c.set(Err(gone())),

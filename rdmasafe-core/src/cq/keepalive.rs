@@ -286,6 +286,16 @@ impl Keepalives {
             if ok {
                 e.last_activity = now;
                 e.connected = true;
+                if matches!(e.probe, Probe::Blocked(_)) {
+                    // A probe waiting for room in the send queue: the
+                    // peer answers (a request of the QP succeeded), so the
+                    // full queue is no dead peer; the next probe is due a
+                    // period after this activity. (A streaming app that
+                    // refills the queue from its handler would otherwise
+                    // keep every retry blocked until the bound.)
+                    e.probe = Probe::Idle;
+                    earliest(&mut self.next, sys::deadline_after(now, e.cfg.period));
+                }
             }
             let probe = !orphan && wc.wr_id() == e.cfg.wr_id && matches!(e.probe, Probe::Sent(_));
             if !probe && wc.status() == crate::wc::WcStatus::RETRY_EXC_ERR && !e.dead && !e.quiet {
@@ -340,6 +350,11 @@ impl Keepalives {
             if e.qp.is_destroyed() {
                 // Its CmId was dropped: nothing to watch any more (dead or
                 // quiet too: the keepalive ends by itself, as promised).
+                // A probe still out may have completed into its CQ: it is
+                // consumed when polled, never handed to the handler.
+                if let Some(p) = e.late_probe(*qpn) {
+                    push_orphan(&mut self.orphans, p);
+                }
                 destroyed.push(*qpn);
                 continue;
             }
