@@ -30,7 +30,7 @@
 
 use std::collections::HashMap;
 use std::os::raw::{c_int, c_uint, c_void};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -400,6 +400,28 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// `m` locked for the exit report, or None (said on stderr) if it stays
+/// taken for 200 ms: its holder may be the exiting thread itself.
+fn lock_at_exit<'a, T>(m: &'a Mutex<T>, what: &str) -> Option<std::sync::MutexGuard<'a, T>> {
+    let patience = std::time::Instant::now() + Duration::from_millis(200);
+    loop {
+        match m.try_lock() {
+            Ok(g) => return Some(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => return Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) if std::time::Instant::now() < patience => {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(std::sync::TryLockError::WouldBlock) => {
+                crate::out::setup_error(&format!(
+                    "exit: the {what} book stayed locked (exit called from a signal handler inside a get or an ack?): \
+                     its findings and counts are left out of the exit report"
+                ));
+                return None;
+            }
+        }
+    }
+}
+
 /// True if `ev` is librdmacm's own current event of a synchronous id.
 ///
 /// # Safety
@@ -420,7 +442,9 @@ pub(crate) struct Checker {
     hold_ms: u64,
     cm: Mutex<CmBook>,
     cq: Mutex<CqBook>,
-    watcher: AtomicBool,
+    /// The process whose watcher thread runs (0: none yet). A forked child
+    /// inherits its parent's value but not the thread: it starts its own.
+    watcher: AtomicU32,
 }
 
 impl Checker {
@@ -433,17 +457,17 @@ impl Checker {
             }),
         }
         .max(1);
-        Checker { fix, hold_ms, cm: Mutex::default(), cq: Mutex::default(), watcher: AtomicBool::new(false) }
+        Checker { fix, hold_ms, cm: Mutex::default(), cq: Mutex::default(), watcher: AtomicU32::new(0) }
     }
 
     pub(crate) fn describe(&self) -> String {
         format!("check{} (hold threshold {} ms)", if self.fix { " with fix" } else { "" }, self.hold_ms)
     }
 
-    /// Starts the thread that reports held events (once, at the first CM
-    /// event).
-    fn start_watcher(&'static self) {
-        if self.watcher.load(Relaxed) || self.watcher.swap(true, Relaxed) {
+    /// Starts the thread that reports held events (once per process `pid`,
+    /// at its first CM event).
+    fn start_watcher(&'static self, pid: u32) {
+        if self.watcher.load(Relaxed) == pid || self.watcher.swap(pid, Relaxed) == pid {
             return;
         }
         let tick = Duration::from_millis((self.hold_ms / 4).clamp(10, 250));
@@ -482,6 +506,7 @@ impl Checker {
                 (ev, (*ev).event, (*ev).status, (*ev).id as usize, (*ev).listen_id as usize)
             };
             let charged = if EventType(ty) == EventType::CONNECT_REQUEST && listen_id != 0 { listen_id } else { id };
+            let pid = std::process::id();
             let entry = CmEntry {
                 ty,
                 status,
@@ -489,13 +514,13 @@ impl Checker {
                 charged,
                 id_gone: false,
                 got_ms: sys::coarse_now_ms(),
-                pid: std::process::id(),
+                pid,
                 held_reported: false,
                 destroy_reported: false,
             };
             guarded((), || {
                 lock(&self.cm).got(ev as usize, entry);
-                self.start_watcher();
+                self.start_watcher(pid);
             });
             sys::set_errno(errno);
         }
@@ -648,18 +673,28 @@ impl Checker {
     }
 
     /// At exit: reports what was never acked; the info-level summary line.
+    /// A book that stays locked (its holder is the exiting thread itself,
+    /// which a signal handler that calls `exit` interrupted inside a get or
+    /// an ack, or a thread that exit(3) left running) is left out after a
+    /// short wait, with a line that says so, rather than waited for.
     pub(crate) fn at_exit(&self) {
         let now = sys::coarse_now_ms();
-        let (mut findings, librdmacm_held, cm) = {
-            let book = lock(&self.cm);
-            // SAFETY: the book is locked and every event it holds is unacked.
-            let (f, held) = book.at_exit(now, std::process::id(), |ev, e| unsafe { librdmacm_holds(ev, e) });
-            (f, held, (book.seen, book.acked, book.unacked(), book.bad_acks))
+        let mut findings = Vec::new();
+        let (librdmacm_held, cm) = match lock_at_exit(&self.cm, "CM") {
+            Some(book) => {
+                // SAFETY: the book is locked and every event it holds is unacked.
+                let (f, held) = book.at_exit(now, std::process::id(), |ev, e| unsafe { librdmacm_holds(ev, e) });
+                findings = f;
+                (held, (book.seen, book.acked, book.unacked(), book.bad_acks))
+            }
+            None => (0, (0, 0, 0, 0)),
         };
-        let cq = {
-            let book = lock(&self.cq);
-            findings.extend(book.at_exit());
-            (book.events, book.acks, book.problems)
+        let cq = match lock_at_exit(&self.cq, "CQ") {
+            Some(book) => {
+                findings.extend(book.at_exit());
+                (book.events, book.acks, book.problems)
+            }
+            None => (0, 0, 0),
         };
         emit(&findings);
         log::info!(

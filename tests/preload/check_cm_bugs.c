@@ -16,7 +16,13 @@
  *   leak     exits without acking it (nor destroying the id);
  *   destroy  calls rdma_destroy_id without acking it: that call waits
  *            forever (the harness kills the program);
- *   double   acks it twice (with raw librdmacm a double free).
+ *   double   acks it twice (with raw librdmacm a double free);
+ *   forkheld acks it, destroys the id, then forks: the child (whose
+ *            process never got a CM event of its own) does what "held"
+ *            does with an id and an event of its own, printed as
+ *            "child got ... event %p of id %p"; the parent waits for it
+ *            and exits as it did (check mode's watcher must run in the
+ *            child too, though the parent's started before the fork).
  *
  * Prints what it does, with the event's and id's addresses as %p (check
  * mode's reports name them the same way), then "check_cm_bugs: done" and
@@ -29,9 +35,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <rdma/rdma_cma.h>
+
+/* The process main started in (a forked child's lines say "child"). */
+static pid_t first_pid;
 
 static void on_alarm(int sig)
 {
@@ -60,7 +70,8 @@ static struct rdma_cm_event *expect(struct rdma_event_channel *ch, enum rdma_cm_
 		       rdma_event_str(want));
 		exit(1);
 	}
-	printf("got %s event %p of id %p\n", rdma_event_str(ev->event), (void *)ev, (void *)ev->id);
+	printf("%sgot %s event %p of id %p\n", getpid() == first_pid ? "" : "child ", rdma_event_str(ev->event),
+	       (void *)ev, (void *)ev->id);
 	return ev;
 }
 
@@ -84,6 +95,41 @@ static void wait_for_report(const char *file, const char *needle)
 		}
 		usleep(20000);
 	}
+}
+
+/* Holds EV (of ID) until REPORT names it as held, then acks it. */
+static void hold_until_reported(const char *report, struct rdma_cm_event *ev, struct rdma_cm_id *id)
+{
+	char needle[64];
+
+	snprintf(needle, sizeof needle, "event %p of id %p", (void *)ev, (void *)id);
+	printf("holding it until %s reports it\n", report);
+	wait_for_report(report, needle);
+	printf("reported as held: acking it now\n");
+	if (rdma_ack_cm_event(ev))
+		die("rdma_ack_cm_event");
+}
+
+/* forkheld's child: "held" with a channel, an id and an event of its own. */
+static void held_in_a_child(const char *report, struct sockaddr_in *dst, int watchdog)
+{
+	struct rdma_event_channel *ch;
+	struct rdma_cm_id *id;
+
+	alarm(watchdog); /* a child inherits no alarm */
+	ch = rdma_create_event_channel();
+	if (!ch)
+		die("rdma_create_event_channel (child)");
+	if (rdma_create_id(ch, &id, NULL, RDMA_PS_TCP))
+		die("rdma_create_id (child)");
+	if (rdma_resolve_addr(id, NULL, (struct sockaddr *)dst, 5000))
+		die("rdma_resolve_addr (child)");
+	hold_until_reported(report, expect(ch, RDMA_CM_EVENT_ADDR_RESOLVED), id);
+	if (rdma_destroy_id(id))
+		die("rdma_destroy_id (child)");
+	rdma_destroy_event_channel(ch);
+	printf("child: done\n");
+	exit(0);
 }
 
 int main(int argc, char **argv)
@@ -111,11 +157,12 @@ int main(int argc, char **argv)
 		}
 	}
 	if (!mode || !addr || inet_pton(AF_INET, addr, &dst.sin_addr) != 1) {
-		printf("usage: RDMASAFE_TEST_ADDR=A check_cm_bugs -m ok|held|leak|destroy|double [-w FILE]\n");
+		printf("usage: RDMASAFE_TEST_ADDR=A check_cm_bugs -m ok|held|leak|destroy|double|forkheld [-w FILE]\n");
 		return 2;
 	}
-	if (!strcmp(mode, "held") && !report) {
-		printf("check_cm_bugs: -m held needs -w REPORT_FILE\n");
+	first_pid = getpid();
+	if ((!strcmp(mode, "held") || !strcmp(mode, "forkheld")) && !report) {
+		printf("check_cm_bugs: -m %s needs -w REPORT_FILE\n", mode);
 		return 2;
 	}
 	setvbuf(stdout, NULL, _IOLBF, 0);
@@ -140,14 +187,24 @@ int main(int argc, char **argv)
 		if (rdma_ack_cm_event(ev))
 			die("rdma_ack_cm_event");
 	} else if (!strcmp(mode, "held")) {
-		char needle[64];
+		hold_until_reported(report, ev, id);
+	} else if (!strcmp(mode, "forkheld")) {
+		pid_t child;
+		int st;
 
-		snprintf(needle, sizeof needle, "event %p of id %p", (void *)ev, (void *)id);
-		printf("holding it until %s reports it\n", report);
-		wait_for_report(report, needle);
-		printf("reported as held: acking it now\n");
 		if (rdma_ack_cm_event(ev))
 			die("rdma_ack_cm_event");
+		fflush(stdout);
+		child = fork();
+		if (child < 0)
+			die("fork");
+		if (child == 0)
+			held_in_a_child(report, &dst, watchdog);
+		if (waitpid(child, &st, 0) != child)
+			die("waitpid");
+		printf("child exit %d\n", WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st));
+		if (!WIFEXITED(st) || WEXITSTATUS(st))
+			return 1;
 	} else if (!strcmp(mode, "leak")) {
 		printf("exiting without acking it\n");
 		printf("check_cm_bugs: done\n");

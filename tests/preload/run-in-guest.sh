@@ -337,7 +337,7 @@ check() {
 }
 
 scenario "check mode: CM event bugs"
-for m in ok held leak double; do
+for m in ok held leak double forkheld; do
 	# ok must report nothing: a threshold that no stall of a busy machine
 	# between its get and its ack reaches (held waits for its report)
 	check_hold_ms=300
