@@ -26,8 +26,10 @@
 //! * a keepalive's probe blocked by a full send queue is no dead peer once
 //!   the peer's requests succeed again; a probe out when its id is dropped
 //!   never reaches the handler; a panicking drain callback called by the
-//!   loop's drop is caught (found by an adversarial test of the timed
-//!   features);
+//!   loop's drop is caught; a handler that drains its QP on "retry
+//!   exceeded" still gets the dead peer reported, and a keepalive added
+//!   again on that QP goes quiet (found by an adversarial test of the
+//!   timed features);
 //!
 //! (and the cases of the CQ loop below). No timing is asserted: each wait
 //! ends when its condition holds, and a generous watchdog turns a hang into
@@ -1287,4 +1289,112 @@ fn a_panicking_drain_callback_at_the_loops_drop_is_caught() {
     assert!(dropped.is_ok(), "the callback's panic unwound out of the loop's drop");
     let again = CqLoop::new(&chan, LoopOptions::default()).expect("a new loop on the channel");
     again.add_cq(&p.server_cq, |_, _| {}).expect("the CQ joins the new loop");
+}
+
+/// What [`retry_exceeded`] saw: the completions the handler got, and the
+/// `on_dead` calls.
+struct RetryExceeded {
+    got: Vec<(u64, rdmasafe_core::verbs::WcStatus)>,
+    deaths: usize,
+}
+
+/// The peer goes away (its QP destroyed) and a send of ours fails with
+/// "retry exceeded" (after some 16 s of retries on rxe), a keepalive on
+/// our QP with a period far longer than that (so only the failure can
+/// declare the peer dead). With `drain_in_handler`, the handler drains the
+/// QP when it sees the failure (an app's teardown). With `readd`, once the
+/// peer is declared dead, the app removes the keepalive and adds one again
+/// on the same QP, in the error state now: its probe flushes, and it must
+/// go quiet (the QP is in an error state it did not cause).
+fn retry_exceeded(drain_in_handler: bool, readd: bool) -> RetryExceeded {
+    use rdmasafe_core::verbs::WcStatus;
+    let bed = common::bed();
+    let chan = channel();
+    let p = rc_pair(bed.addr, &chan, false, 16);
+    let lp = Arc::new(CqLoop::new(&chan, LoopOptions::default()).unwrap());
+    let got: Arc<Mutex<Vec<(u64, WcStatus)>>> = Arc::default();
+    let g = got.clone();
+    let qp = p.server_qp();
+    let qp_addr = qp.as_ptr() as usize;
+    lp.add_cq(&p.server_cq, move |wcs, ctl| {
+        for w in wcs {
+            g.lock().unwrap().push((w.wr_id(), w.status()));
+            if drain_in_handler && w.status() == WcStatus::RETRY_EXC_ERR {
+                let qp = std::ptr::NonNull::new(qp_addr as *mut rdmasafe_core::sys::ibv_qp).unwrap();
+                // SAFETY: the server QP outlives the loop's use of it.
+                let r = unsafe { ctl.drain_qp(qp, false, Duration::from_secs(30)) };
+                assert!(r.is_ok(), "the drain requested from the handler: {r:?}");
+            }
+        }
+    })
+    .unwrap();
+    let deaths = Arc::new(AtomicUsize::new(0));
+    let n = deaths.clone();
+    const PROBE: u64 = 9999;
+    let cfg = Keepalive { period: Duration::from_secs(600), bound: Duration::from_secs(600), wr_id: PROBE };
+    // SAFETY: the server QP outlives the loop's use of it.
+    unsafe { lp.add_keepalive(qp, cfg, Box::new(move |_, _| _ = n.fetch_add(1, SeqCst))) }.unwrap();
+    let runner = {
+        let lp = lp.clone();
+        std::thread::spawn(move || lp.run())
+    };
+    drop(take_id(&p.client)); // the peer's QP is gone
+    {
+        let s = p.server.lock().unwrap();
+        s.id.post_send(&s.mr, 0, 8, 42).unwrap();
+    }
+    assert!(
+        wait_until(|| deaths.load(SeqCst) > 0),
+        "the peer was never declared dead; the handler got {:?}",
+        got.lock().unwrap()
+    );
+    if readd {
+        let qpn = p.server.lock().unwrap().id.qp_num().unwrap();
+        lp.control().remove_keepalive(qpn).unwrap();
+        let n = deaths.clone();
+        let cfg = Keepalive { period: Duration::from_millis(50), bound: Duration::from_millis(500), wr_id: PROBE };
+        // SAFETY: as above.
+        unsafe { lp.add_keepalive(qp, cfg, Box::new(move |_, _| _ = n.fetch_add(1, SeqCst))) }.unwrap();
+        // Its probe goes out a period after the add, and flushes (the QP is
+        // in the error state): wait for that probe's completion.
+        let ok0 = lp.control().stats().keepalive_probes;
+        assert!(wait_until(|| lp.control().stats().keepalive_probes > ok0), "the new keepalive probed");
+        // Past its bound, with room: a probe taken by something else would
+        // have made it declare the peer dead again by then. (A keepalive's
+        // first probe has a bound of at least twice the QP's ack timeout,
+        // about 4.3 s on rxe: see `Keepalive::bound`.)
+        std::thread::sleep(Duration::from_secs(8));
+    }
+    lp.control().stop();
+    runner.join().unwrap().unwrap();
+    let got = got.lock().unwrap().clone();
+    RetryExceeded { got, deaths: deaths.load(SeqCst) }
+}
+
+/// A handler that drains the QP when a request fails with "retry
+/// exceeded" does not keep the peer from being declared dead (the drain
+/// silenced the keepalive before its next look: `on_dead` was never
+/// called; found by an adversarial test of the timed features).
+#[test]
+fn retry_exceeded_is_a_dead_peer_also_when_the_handler_drains() {
+    let _s = serial();
+    let _dog = common::watchdog("retry exceeded, the handler drains", Duration::from_secs(180));
+    let r = retry_exceeded(true, false);
+    assert!(r.got.iter().any(|w| w.1 == rdmasafe_core::verbs::WcStatus::RETRY_EXC_ERR), "{:?}", r.got);
+    assert_eq!(r.deaths, 1, "on_dead once: {:?}", r.got);
+}
+
+/// After a dead peer found by a request's "retry exceeded" (no probe out),
+/// a keepalive removed and added again on the same QP goes quiet (a probe
+/// that was never posted was remembered as one still out, and took the
+/// new keepalive's probe: the peer was declared dead a second time; found
+/// by an adversarial test of the timed features).
+#[test]
+fn a_keepalive_added_again_on_a_dead_peers_qp_goes_quiet() {
+    let _s = serial();
+    let _dog = common::watchdog("a keepalive added again on a dead peer's QP", Duration::from_secs(180));
+    let r = retry_exceeded(false, true);
+    assert!(r.got.iter().any(|w| w.1 == rdmasafe_core::verbs::WcStatus::RETRY_EXC_ERR), "{:?}", r.got);
+    assert_eq!(r.deaths, 1, "on_dead once, not again for the keepalive added anew: {:?}", r.got);
+    assert!(r.got.iter().all(|w| w.0 != 9999), "a probe reached the handler: {:?}", r.got);
 }

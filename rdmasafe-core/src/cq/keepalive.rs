@@ -19,6 +19,12 @@ enum Probe {
     /// The send queue was full (ENOMEM) since this time: retried until
     /// the bound, not taken for a dead peer.
     Blocked(Instant),
+    /// The peer is declared dead at the next look: a request of the QP
+    /// failed with "retry exceeded", a probe failed, or the QP cannot take
+    /// one. `out`: a probe of it is still outstanding (its completion is
+    /// consumed; none is invented when there is none, which would take
+    /// the probe of a keepalive added again on the QP).
+    Failed { out: bool },
 }
 
 struct Entry {
@@ -81,9 +87,14 @@ pub(crate) struct LateProbe {
 }
 
 impl Entry {
+    /// A probe of it is outstanding.
+    fn probe_out(&self) -> bool {
+        matches!(self.probe, Probe::Sent(_) | Probe::Failed { out: true })
+    }
+
     /// Its probe still out, if any, as a late probe (through its send CQ).
     fn late_probe(&self, qp_num: u32) -> Option<LateProbe> {
-        matches!(self.probe, Probe::Sent(_)).then(|| LateProbe {
+        self.probe_out().then(|| LateProbe {
             qp_num,
             qp: self.qp.raw() as usize,
             wr_id: self.cfg.wr_id,
@@ -124,16 +135,10 @@ impl Entry {
         }
     }
 
-    /// A probe state that is overdue now: the peer is declared dead at the
-    /// next look.
-    fn overdue(&self, now: Instant) -> Probe {
-        Probe::Sent(now.checked_sub(self.bound()).unwrap_or(now))
-    }
-
-    /// Makes the probe overdue and the next look `now` (the timer need not
-    /// wait: the peer is dead).
+    /// The peer is dead: declared at the next look, which is `now` (the
+    /// timer need not wait).
     fn fail_now(&mut self, next: &mut Option<Instant>, now: Instant) {
-        self.probe = self.overdue(now);
+        self.probe = Probe::Failed { out: self.probe_out() };
         *next = Some(now);
     }
 
@@ -165,7 +170,7 @@ impl Entry {
                 self.quiet = true;
             }
             // The QP cannot take a probe at all.
-            Err(_) => self.probe = self.overdue(now),
+            Err(_) => self.probe = Probe::Failed { out: false },
         }
         Attempt::NotPosted
     }
@@ -297,7 +302,7 @@ impl Keepalives {
                     earliest(&mut self.next, sys::deadline_after(now, e.cfg.period));
                 }
             }
-            let probe = !orphan && wc.wr_id() == e.cfg.wr_id && matches!(e.probe, Probe::Sent(_));
+            let probe = !orphan && wc.wr_id() == e.cfg.wr_id && e.probe_out();
             if !probe && wc.status() == crate::wc::WcStatus::RETRY_EXC_ERR && !e.dead && !e.quiet {
                 // The peer is unreachable (the QP is in error now): dead,
                 // whatever the probe's flush says after this.
@@ -383,6 +388,7 @@ impl Keepalives {
             }
             let overdue = match e.probe {
                 Probe::Sent(t) | Probe::Blocked(t) => now.saturating_duration_since(t) >= e.bound(),
+                Probe::Failed { .. } => true,
                 Probe::Idle => false,
             };
             if overdue {
@@ -398,6 +404,8 @@ impl Keepalives {
                 Probe::Blocked(t) => {
                     sys::deadline_after(now, retry_interval(&e.cfg)).min(sys::deadline_after(t, e.bound()))
                 }
+                // Overdue above.
+                Probe::Failed { .. } => now,
             };
             earliest(&mut next, d);
         }
@@ -410,10 +418,14 @@ impl Keepalives {
 
     /// A drain of `qpn` started: its keepalive stays registered (remove it
     /// as usual) but probes no more, and the flush of an outstanding probe
-    /// is consumed, never taken for a dead peer.
+    /// is consumed, never taken for a dead peer. A peer found unreachable
+    /// already (a request failed with "retry exceeded": a handler that
+    /// drains the QP on that error, say) is still declared dead.
     pub(crate) fn draining(&mut self, qpn: u32) {
         if let Some(e) = self.by_qpn.get_mut(&qpn) {
-            e.quiet = true;
+            if !e.peer_lost {
+                e.quiet = true;
+            }
         }
     }
 
@@ -428,7 +440,8 @@ impl Keepalives {
             .filter(|e| !e.dead && !e.quiet)
             .filter(|e| match e.probe {
                 Probe::Sent(t) | Probe::Blocked(t) => now.saturating_duration_since(t) >= e.bound(),
-                Probe::Idle => false,
+                // Dead whatever a poll finds.
+                Probe::Failed { .. } | Probe::Idle => false,
             })
             .map(|e| e.send_cq)
             .collect();
