@@ -79,10 +79,13 @@
  * deadline and keeps the deadlines.
  *
  * Signals: the threads rdmasafe starts (the CM ack thread, started by the
- * first get, and its log writer; neither runs the app's code) block every
- * signal, so a signal sent to the process reaches one of the app's
- * threads only (a daemon that blocks SIGTERM in its threads and waits for
- * it with sigwait or a signalfd gets it, as without rdmasafe).
+ * first get, and its log writer) block every signal, so a signal sent to
+ * the process reaches one of the app's threads only (a daemon that blocks
+ * SIGTERM in its threads and waits for it with sigwait or a signalfd gets
+ * it, as without rdmasafe). The log writer writes the ack thread's lines
+ * (an original held past its deadline): through the app's log callback
+ * (rdmasafe_set_log_callback), if one is set, which then runs with every
+ * signal blocked.
  *
  * Struct sizes: every struct rdmasafe reads or fills starts with
  * `uint32_t size`, which the caller sets to sizeof the struct as this header
@@ -227,9 +230,10 @@
  * when one comes. Successful send completions raise no event, so a send
  * CQ armed so is drained only then (and before a keepalive probe on its
  * QP is judged overdue: such a keepalive sees its probe's completion only
- * then, so it probes less often than once per period, up to once per
- * bound, and still declares a dead peer within period + bound): size it
- * for the sends in between. Nor, on rxe,
+ * then, a bound after it posted the probe, so it probes about once per
+ * period + bound, and declares a peer that died just after answering a
+ * probe dead within period + 2 x bound of that answer, not period +
+ * bound): size it for the sends in between. Nor, on rxe,
  * does a send queue's flush (its QP moved to the error state): a
  * keepalive that declares the peer dead drains the QP itself, so that
  * flush is delivered; after moving a QP to the error state yourself,
@@ -831,8 +835,11 @@ int rdmasafe_get_event(struct rdma_event_channel *channel,
  *
  * Returns 0, or -1 with errno: EINVAL (NULL argument, `timeout_ms < -1`),
  * EAGAIN (`timeout_ms == 0`, nothing ready), ETIMEDOUT (nothing within
- * `timeout_ms`), EINTR (a signal), ENOBUFS, ENOMEM, or the error of
- * `rdma_get_cm_event`. errno is untouched on success.
+ * `timeout_ms`), EINTR (a signal), ENOBUFS (`rdmasafe_cm_set_limit`
+ * copies are held: the event stays in the kernel), ENOMEM (no storage for
+ * the copy, or, with an ack deadline, the thread that keeps the deadlines
+ * could not be started: the event stays in the kernel either way), or
+ * the error of `rdma_get_cm_event`. errno is untouched on success.
  *
  * # Safety
  * As for `rdmasafe_get_event`.
@@ -853,9 +860,14 @@ int rdmasafe_get_event_timeout(struct rdma_event_channel *channel,
  * cancellation deferred (it is acted on only while the first event is
  * waited for): set O_NONBLOCK on a channel that threads share.
  *
- * Returns n >= 1, or -1 with errno: EINVAL (NULL argument, `max < 1`,
- * `timeout_ms < -1`), EAGAIN, ETIMEDOUT, EINTR (a signal), ENOBUFS,
- * ENOMEM, or the error of `rdma_get_cm_event`. Nothing is stored on
+ * Returns n >= 1, or -1 with errno (each about the first event; an error
+ * after it ends the batch, which then returns the events taken): EINVAL
+ * (NULL argument, `max < 1`, `timeout_ms < -1`), EAGAIN (`timeout_ms ==
+ * 0`, nothing ready), ETIMEDOUT (nothing within `timeout_ms`), EINTR (a
+ * signal), ENOBUFS (`rdmasafe_cm_set_limit` copies are held: the event
+ * stays in the kernel), ENOMEM (no storage for the copy, or the thread
+ * that keeps the ack deadlines could not be started: the event stays in
+ * the kernel), or the error of `rdma_get_cm_event`. Nothing is stored on
  * failure; errno is untouched on success.
  *
  * # Safety
@@ -887,9 +899,10 @@ int rdmasafe_get_events(struct rdma_event_channel *channel,
  * channel (gets that fail do not count), so a stale pointer freed a
  * second time within that window is EINVAL; beyond it, it cannot be told
  * apart from the newer copy that reuses the storage. (The window gives
- * way only when the storage is exhausted, at the process's address-space
- * limit: a get then reuses the oldest free copy's storage rather than
- * fail.)
+ * way only when the storage is exhausted: 2,097,152 copies alive, or
+ * fewer under an address-space limit (RLIMIT_AS), of which the storage
+ * takes a sixteenth at most. A get then reuses the oldest free copy's
+ * storage rather than fail.)
  *
  * Returns 0, or -1 with errno EINVAL. errno is untouched on success.
  *

@@ -170,8 +170,11 @@ unsafe fn get_first(ch: Option<ChannelRef<'_>>, event: *mut *mut rdma_cm_event, 
 ///
 /// Returns 0, or -1 with errno: EINVAL (NULL argument, `timeout_ms < -1`),
 /// EAGAIN (`timeout_ms == 0`, nothing ready), ETIMEDOUT (nothing within
-/// `timeout_ms`), EINTR (a signal), ENOBUFS, ENOMEM, or the error of
-/// `rdma_get_cm_event`. errno is untouched on success.
+/// `timeout_ms`), EINTR (a signal), ENOBUFS (`rdmasafe_cm_set_limit`
+/// copies are held: the event stays in the kernel), ENOMEM (no storage for
+/// the copy, or, with an ack deadline, the thread that keeps the deadlines
+/// could not be started: the event stays in the kernel either way), or
+/// the error of `rdma_get_cm_event`. errno is untouched on success.
 ///
 /// # Safety
 /// As for `rdmasafe_get_event`.
@@ -199,9 +202,14 @@ pub unsafe extern "C-unwind" fn rdmasafe_get_event_timeout(
 /// cancellation deferred (it is acted on only while the first event is
 /// waited for): set O_NONBLOCK on a channel that threads share.
 ///
-/// Returns n >= 1, or -1 with errno: EINVAL (NULL argument, `max < 1`,
-/// `timeout_ms < -1`), EAGAIN, ETIMEDOUT, EINTR (a signal), ENOBUFS,
-/// ENOMEM, or the error of `rdma_get_cm_event`. Nothing is stored on
+/// Returns n >= 1, or -1 with errno (each about the first event; an error
+/// after it ends the batch, which then returns the events taken): EINVAL
+/// (NULL argument, `max < 1`, `timeout_ms < -1`), EAGAIN (`timeout_ms ==
+/// 0`, nothing ready), ETIMEDOUT (nothing within `timeout_ms`), EINTR (a
+/// signal), ENOBUFS (`rdmasafe_cm_set_limit` copies are held: the event
+/// stays in the kernel), ENOMEM (no storage for the copy, or the thread
+/// that keeps the ack deadlines could not be started: the event stays in
+/// the kernel), or the error of `rdma_get_cm_event`. Nothing is stored on
 /// failure; errno is untouched on success.
 ///
 /// # Safety
@@ -282,9 +290,10 @@ pub unsafe extern "C-unwind" fn rdmasafe_get_events(
 /// channel (gets that fail do not count), so a stale pointer freed a
 /// second time within that window is EINVAL; beyond it, it cannot be told
 /// apart from the newer copy that reuses the storage. (The window gives
-/// way only when the storage is exhausted, at the process's address-space
-/// limit: a get then reuses the oldest free copy's storage rather than
-/// fail.)
+/// way only when the storage is exhausted: 2,097,152 copies alive, or
+/// fewer under an address-space limit (RLIMIT_AS), of which the storage
+/// takes a sixteenth at most. A get then reuses the oldest free copy's
+/// storage rather than fail.)
 ///
 /// Returns 0, or -1 with errno EINVAL. errno is untouched on success.
 ///

@@ -59,9 +59,10 @@ pub const RDMASAFE_NOTIFY_ALL: c_int = 1;
 /// when one comes. Successful send completions raise no event, so a send
 /// CQ armed so is drained only then (and before a keepalive probe on its
 /// QP is judged overdue: such a keepalive sees its probe's completion only
-/// then, so it probes less often than once per period, up to once per
-/// bound, and still declares a dead peer within period + bound): size it
-/// for the sends in between. Nor, on rxe,
+/// then, a bound after it posted the probe, so it probes about once per
+/// period + bound, and declares a peer that died just after answering a
+/// probe dead within period + 2 x bound of that answer, not period +
+/// bound): size it for the sends in between. Nor, on rxe,
 /// does a send queue's flush (its QP moved to the error state): a
 /// keepalive that declares the peer dead drains the QP itself, so that
 /// flush is delivered; after moving a QP to the error state yourself,

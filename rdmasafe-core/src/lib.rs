@@ -116,9 +116,10 @@
 //! # Threads and signals
 //!
 //! The threads rdmasafe starts on its own (the CM ack-deadline thread,
-//! started by the first get, and its log writer) block every signal: a
-//! signal sent to the process reaches one of your threads, as without
-//! rdmasafe. The threads you ask for ([`cq::CqLoop::spawn`],
+//! started by the first get, and its log writer, which hands the ack
+//! thread's lines to your `log` backend) block every signal: a signal
+//! sent to the process reaches one of your threads, as without rdmasafe.
+//! The threads you ask for ([`cq::CqLoop::spawn`],
 //! [`cm::Dispatcher`], [`cq::AsyncEvents::spawn`]) run your callbacks and
 //! inherit the calling thread's mask, as `std::thread::spawn`'s do.
 #![deny(unsafe_op_in_unsafe_fn)]

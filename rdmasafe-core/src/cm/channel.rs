@@ -259,7 +259,8 @@ impl AsFd for EventChannel {
 /// [`ChannelRef::with_ack_deadline`]), whichever comes first: as with plain
 /// librdmacm, `rdma_destroy_id` / `rdma_migrate_id` of the id wait while a
 /// copy is held (a thread handling an event finishes before the id goes),
-/// but never longer than the deadline. Ids are the app's: a CONNECT_REQUEST's new id is reported by pointer
+/// but never much longer than the deadline (the ack thread scans every
+/// quarter of it, at most every 250 ms). Ids are the app's: a CONNECT_REQUEST's new id is reported by pointer
 /// only ([`CmEvent::raw_id`]), and the app accepts or rejects and destroys
 /// it as with plain librdmacm. With several threads getting from one
 /// blocking-mode channel, a thread whose poll() saw an event that another

@@ -156,9 +156,11 @@ pub struct CqOptions {
     /// errors. The CQ is drained when such an event comes (everything in it
     /// then, unsolicited completions included) and, for a QP with a
     /// keepalive, before a probe is judged overdue (a keepalive whose send
-    /// CQ is armed so sees its probe's completion only then: it probes
-    /// less often than once per `period`, up to once per `bound`, and still
-    /// declares a dead peer within `period` + `bound`). Successful send
+    /// CQ is armed so sees its probe's completion only then, a `bound`
+    /// after it posted the probe: it probes about once per `period` +
+    /// `bound`, and declares a peer that died just after answering a probe
+    /// dead within `period` + 2 × `bound` of that answer, not `period` +
+    /// `bound`). Successful send
     /// completions raise no event: a send CQ armed so is only drained by
     /// those, so size it for the sends between two of them. Nor, on rxe,
     /// does a send queue's flush (its QP moved to the error state): a
