@@ -123,11 +123,11 @@ impl Core {
             self.settle();
         }
         self.unsettled = true;
-        // Event mode first, with one test (a `match` here is a jump table).
-        let r = if self.opts.mode == Mode::Event {
-            self.event_cycle::<true>(ctl, wait, honor_stop)
-        } else {
-            self.other_cycle(ctl, wait, honor_stop)
+        let r = match self.opts.mode {
+            Mode::Event => self.event_cycle::<true>(ctl, wait, honor_stop),
+            Mode::BusyPoll => self.poll_cycle(ctl, wait, None, honor_stop),
+            Mode::Adaptive { spin } => self.adaptive_cycle(ctl, wait, spin, honor_stop),
+            Mode::Learning => self.learning_cycle(ctl, wait, honor_stop),
         };
         match &r {
             // A signal ends only the sleep, which comes after the cycle's
@@ -137,18 +137,6 @@ impl Core {
             Err(_) => {}
         }
         r
-    }
-
-    /// A cycle in a mode other than event mode (`cycle` tests for event
-    /// mode first; its arm here keeps the match whole).
-    #[inline(never)]
-    fn other_cycle(&mut self, ctl: &LoopControl, wait: Wait, honor_stop: bool) -> Result<usize> {
-        match self.opts.mode {
-            Mode::Event => self.event_cycle::<true>(ctl, wait, honor_stop),
-            Mode::BusyPoll => self.poll_cycle(ctl, wait, None, honor_stop),
-            Mode::Adaptive { spin } => self.adaptive_cycle(ctl, wait, spin, honor_stop),
-            Mode::Learning => self.learning_cycle(ctl, wait, honor_stop),
-        }
     }
 
     /// After a cycle that ended early (an error, or a handler's panic

@@ -154,7 +154,9 @@ impl LiveChannel {
     }
 
     /// Reads one CQ event (the fd is non-blocking): `None` when none is
-    /// ready. EINTR is retried.
+    /// ready. EINTR is retried. Inlined: it is on every wakeup's path
+    /// (out of line, its call cost about 16 instructions per completion).
+    #[inline(always)]
     pub(crate) fn get_event(&self) -> Result<Option<CqEvent>> {
         if self.released {
             return Ok(None);
