@@ -292,7 +292,11 @@ impl Core {
         };
         let idle_from = self.polling_since.or(start);
         loop {
-            let n = self.poll_pass(ctl, spin, honor_stop, || start)?;
+            // A pass that delivers restarts the spin from now (read only
+            // then, in adaptive mode: its empty passes read the clock
+            // anyway), not from this call's start: the spin lasts `spin`
+            // after the last completion also when it came late in a call.
+            let n = self.poll_pass(ctl, spin, honor_stop, || Some(Instant::now()))?;
             if n > 0 {
                 return Ok(n);
             }
