@@ -78,6 +78,49 @@ fn run_for_ends_on_time_or_on_stop() {
     assert_eq!(lp.run_for(Duration::from_millis(10)).unwrap(), RunEnd::TimedOut, "the stop was consumed");
 }
 
+/// A local loop's dead-peer callback need not be `Send` either: it runs
+/// on the loop's thread and gets a `LocalControl`, never a `LoopControl`
+/// (one sent to another thread from it let that thread run the loop, whose
+/// forwarders found no handler there: completions were lost; found by an
+/// adversarial test of the local loop). A second keepalive for the QP is
+/// refused (EBUSY) and the first one's callback stays; the callback goes
+/// with the loop.
+#[test]
+fn a_local_loops_dead_peer_callback_runs_on_its_thread() {
+    let bed = common::bed();
+    let _dog = common::watchdog("local loop dead peer", Duration::from_secs(120));
+    let (ctx, _keep) = device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = rc_pair(bed.addr, &chan, false, 16);
+    let lp = LocalCqLoop::new(&chan, LoopOptions::default()).unwrap();
+    lp.add_cq(&p.server_cq, |_, _| {}).unwrap();
+    let deaths: Rc<RefCell<Vec<(u32, std::thread::ThreadId, u64)>>> = Rc::default();
+    let d = deaths.clone();
+    let cfg = Keepalive { period: Duration::from_millis(100), bound: Duration::from_millis(500), wr_id: 9999 };
+    let (qpn, e) = {
+        let s = p.server.lock().unwrap();
+        lp.add_keepalive_id(&s.id, cfg, move |qpn, ctl| {
+            d.borrow_mut().push((qpn, std::thread::current().id(), ctl.stats().keepalive_dead))
+        })
+        .unwrap();
+        let e = lp.add_keepalive_id(&s.id, cfg, |_, _| panic!("the refused keepalive's callback ran")).unwrap_err();
+        (s.id.qp_num().unwrap(), e)
+    };
+    assert_eq!(e.errno(), libc::EBUSY, "a second keepalive for the QP");
+    p.client.lock().unwrap().id.disconnect().unwrap(); // the peer goes away
+    let end = Instant::now() + Duration::from_secs(60);
+    while deaths.borrow().is_empty() && Instant::now() < end {
+        lp.process_once(Wait::For(Duration::from_millis(100))).unwrap();
+    }
+    let got = deaths.borrow().clone();
+    assert_eq!(got.len(), 1, "the peer declared dead once: {got:?}");
+    assert_eq!((got[0].0, got[0].1), (qpn, std::thread::current().id()), "its QP, on the loop's thread");
+    assert_eq!(got[0].2, 1, "its LocalControl shows the loop's figures");
+    assert_eq!(Rc::strong_count(&deaths), 2, "the callback is held until the keepalive or the loop goes");
+    drop(lp);
+    assert_eq!(Rc::strong_count(&deaths), 1, "the callback went with the loop");
+}
+
 /// Handlers with `Rc<RefCell<..>>` state; one adds a second CQ and removes
 /// itself from inside; the local loop's stop handle crosses threads.
 #[test]

@@ -3,17 +3,31 @@
 //!
 //! It is the thread-safe [`CqLoop`] underneath, kept on the thread that
 //! made it (the type is neither `Send` nor `Sync`) and handing out no
-//! [`LoopControl`], so nothing but this thread can run it or change it; a
-//! [`StopHandle`] may still stop it from anywhere. The app's handlers live
-//! in this thread's storage, keyed by loop and CQ; the loop itself holds a
-//! small `Send` forwarder per CQ that looks the handler up there. A
-//! forwarder that ever ran on another thread would find nothing and do
-//! nothing, so no unsafe code is needed to make the promise.
+//! [`LoopControl`] (its handlers and dead-peer callbacks get a
+//! [`LocalControl`]), so nothing but this thread can run it or change it;
+//! a [`StopHandle`] may still stop it from anywhere. The app's handlers
+//! and dead-peer callbacks live in this thread's storage, keyed by loop
+//! and CQ or QP; the loop itself holds a small `Send` forwarder for each
+//! that looks it up there. A forwarder that ever ran on another thread
+//! would find nothing and do nothing, so no unsafe code is needed to make
+//! the promise.
 //!
 //! ```compile_fail
 //! fn needs_send<T: Send>(_: T) {}
 //! fn check(lp: rdmasafe_core::cq::LocalCqLoop) {
 //!     needs_send(lp); // a local loop never leaves its thread
+//! }
+//! ```
+//!
+//! A dead-peer callback gets no [`LoopControl`] either (one sent to
+//! another thread from it used to let that thread run the loop, whose
+//! forwarders then found no handler there: completions were lost):
+//!
+//! ```compile_fail
+//! use rdmasafe_core::cq::{Keepalive, LocalCqLoop, LoopControl};
+//! fn check(lp: &LocalCqLoop, id: &rdmasafe_core::cm::CmId, cfg: Keepalive, tx: std::sync::mpsc::Sender<LoopControl>) {
+//!     let on_dead = move |_: u32, ctl: &LoopControl| tx.send(ctl.clone()).unwrap();
+//!     lp.add_keepalive_id(id, cfg, Box::new(on_dead)).unwrap();
 //! }
 //! ```
 
@@ -32,6 +46,7 @@ use crate::wc::Wc;
 use crate::{Result, Wait};
 
 type LocalHandler = Box<dyn FnMut(&[Wc], &LocalControl<'_>)>;
+type LocalDeadPeer = Box<dyn FnMut(u32, &LocalControl<'_>)>;
 
 enum Slot {
     Idle(LocalHandler),
@@ -41,6 +56,42 @@ enum Slot {
 
 thread_local! {
     static HANDLERS: RefCell<HashMap<(u64, usize), Slot>> = RefCell::new(HashMap::new());
+    /// Dead-peer callbacks by (loop, QP number); `None` while one runs.
+    static DEAD: RefCell<HashMap<(u64, u32), Option<LocalDeadPeer>>> = RefCell::new(HashMap::new());
+}
+
+/// The loop's `Send` stand-in for a local dead-peer callback: calls it
+/// when it runs on this thread, and takes it out of this thread's storage
+/// when the loop lets the keepalive go.
+struct DeadForwarder {
+    key: (u64, u32),
+}
+
+impl DeadForwarder {
+    fn call(&self, qpn: u32, ctl: &LoopControl) {
+        let taken = DEAD.with(|m| m.borrow_mut().get_mut(&self.key).and_then(Option::take));
+        let Some(mut f) = taken else { return };
+        let local = LocalControl { ctl, loop_id: self.key.0, _not_send: PhantomData };
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(qpn, &local)));
+        let back = DEAD.with(|m| match m.borrow_mut().get_mut(&self.key) {
+            Some(slot) => {
+                *slot = Some(f);
+                None
+            }
+            None => Some(f),
+        });
+        drop(back); // outside the borrow
+        if let Err(p) = result {
+            std::panic::resume_unwind(p);
+        }
+    }
+}
+
+impl Drop for DeadForwarder {
+    fn drop(&mut self) {
+        let old = DEAD.try_with(|m| m.borrow_mut().remove(&self.key)).ok().flatten();
+        drop(old); // outside the borrow
+    }
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -151,7 +202,15 @@ impl Drop for Handlers {
                 keys.into_iter().filter_map(|k| m.remove(&k)).collect()
             })
             .unwrap_or_default();
-        drop(olds); // outside the borrow
+        let dead: Vec<Option<LocalDeadPeer>> = DEAD
+            .try_with(|m| {
+                let mut m = m.borrow_mut();
+                let keys: Vec<_> = m.keys().filter(|k| k.0 == id).copied().collect();
+                keys.into_iter().filter_map(|k| m.remove(&k)).collect()
+            })
+            .unwrap_or_default();
+        drop(olds); // outside the borrows
+        drop(dead);
     }
 }
 
@@ -259,9 +318,30 @@ impl LocalCqLoop {
     }
 
     /// Dead-peer detection for the QP `id` owns (see
-    /// [`LoopControl::add_keepalive_id`]).
-    pub fn add_keepalive_id(&self, id: &CmId, cfg: Keepalive, on_dead: super::DeadPeer) -> Result<()> {
-        self.inner.add_keepalive_id(id, cfg, on_dead)
+    /// [`LoopControl::add_keepalive_id`]), with a callback that need not be
+    /// `Send`, called on this thread with the QP number and a
+    /// [`LocalControl`]. Errors as [`LoopControl::add_keepalive_id`]'s
+    /// (EBUSY: the QP has a keepalive already; its callback stays).
+    pub fn add_keepalive_id<F>(&self, id: &CmId, cfg: Keepalive, on_dead: F) -> Result<()>
+    where
+        F: FnMut(u32, &LocalControl<'_>) + 'static,
+    {
+        let qpn = id.qp_num().ok_or(crate::Error::new("rdmasafe keepalive: the id has no QP", libc::EINVAL))?;
+        let key = (self.handlers.id, qpn);
+        let installed = DEAD.with(|m| {
+            let mut m = m.borrow_mut();
+            if m.contains_key(&key) {
+                return false;
+            }
+            m.insert(key, Some(Box::new(on_dead)));
+            true
+        });
+        if !installed {
+            return Err(crate::Error::new("rdmasafe add_keepalive: the QP has a keepalive already", libc::EBUSY));
+        }
+        let fwd = DeadForwarder { key };
+        // On failure the forwarder is dropped with the box: the callback goes.
+        self.inner.add_keepalive_id(id, cfg, Box::new(move |qpn, ctl: &LoopControl| fwd.call(qpn, ctl)))
     }
 }
 
