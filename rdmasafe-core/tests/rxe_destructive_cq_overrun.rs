@@ -18,8 +18,16 @@ use rdmasafe_core::verbs::WcStatus;
 use rdmasafe_core::verbs::{empty_wc, CompChannel};
 use rdmasafe_core::Wait;
 
+/// One test at a time: librdmacm's ids on one device share its verbs
+/// context, and with it the context's one stream of async events.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static L: Mutex<()> = Mutex::new(());
+    L.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 #[test]
 fn cq_overrun_reaches_the_app() {
+    let _s = serial();
     let bed = common::bed();
     assert!(bed.in_guest, "rxe_destructive_* run in the guest only");
     let _dog = common::watchdog("CQ overrun", Duration::from_secs(300));
@@ -99,4 +107,84 @@ fn dedup(v: &[WcStatus]) -> Vec<(WcStatus, usize)> {
         }
     }
     out
+}
+
+/// An async-event thread stopped from its own callback (an app that tears
+/// its device state down on an error event) says EDEADLK and ends once
+/// the callback returns; one dropped there ends the same way. (Both used
+/// to join the thread from itself, which panicked in std: the callback
+/// never went on, and with `panic = "abort"` the process ended; found by
+/// an adversarial test of the async events.) The event is a CQ overrun's
+/// CQ_ERR.
+#[test]
+fn an_async_thread_stopped_or_dropped_from_its_own_callback_ends() {
+    let _s = serial();
+    let bed = common::bed();
+    assert!(bed.in_guest, "rxe_destructive_* run in the guest only");
+    let _dog = common::watchdog("async thread stopped from its callback", Duration::from_secs(300));
+    for stop in [true, false] {
+        let ch = EventChannel::new().unwrap();
+        let id = ch.create_id(PortSpace::Tcp).unwrap();
+        id.bind_addr((bed.addr, 0).into()).unwrap();
+        let ctx = id.device_context().unwrap();
+        let chan = CompChannel::new(&ctx).unwrap();
+        let slot: Arc<Mutex<Option<rdmasafe_core::cq::AsyncThread>>> = Arc::default();
+        let said: Arc<Mutex<Vec<String>>> = Arc::default();
+        let (s2, d2) = (slot.clone(), said.clone());
+        let th = AsyncEvents::new(&ctx)
+            .spawn(move |ev| {
+                let Some(t) = s2.lock().unwrap().take() else { return };
+                if stop {
+                    let e = t.stop().expect_err("a stop from the callback");
+                    d2.lock().unwrap().push(format!("{:?} stop: errno {}", ev.event_type, e.errno()));
+                } else {
+                    drop(t);
+                    d2.lock().unwrap().push(format!("{:?} dropped", ev.event_type));
+                }
+            })
+            .unwrap();
+        let thread_name = "rdmasafe-async";
+        *slot.lock().unwrap() = Some(th);
+        // A CQ of 4 entries, 64 receives completed into it: overrun.
+        let p = rc_pair_sized(bed.addr, &chan, false, 64, 4);
+        for i in 0..64u64 {
+            p.recv((i as usize % 64) * SLOT, SLOT as u32, i);
+        }
+        for i in 0..64u64 {
+            p.send(0, &[], 8, i);
+        }
+        let mut wcs: Vec<_> = (0..16).map(|_| empty_wc()).collect();
+        let end = Instant::now() + Duration::from_secs(60);
+        let mut done = 0;
+        while done < 64 && Instant::now() < end {
+            let n = p.client_cq.poll(&mut wcs).unwrap();
+            done += n;
+            if n == 0 {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+        while said.lock().unwrap().is_empty() && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let said = said.lock().unwrap().clone();
+        println!("{said:?}");
+        assert_eq!(said.len(), 1, "the callback went on after the stop or drop: {said:?}");
+        if stop {
+            assert!(said[0].ends_with(&format!("errno {}", libc::EDEADLK)), "{said:?}");
+        }
+        // The thread ends once the callback returns.
+        while threads_named(thread_name) > 0 && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(threads_named(thread_name), 0, "the async thread ended");
+    }
+}
+
+/// This process's threads named `name`.
+fn threads_named(name: &str) -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|c| c.trim() == name)
+        .count()
 }

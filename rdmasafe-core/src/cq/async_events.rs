@@ -186,7 +186,9 @@ impl AsyncEvents {
     /// it delivered IBV_EVENT_DEVICE_FATAL (a device that failed; a
     /// removed rxe device reports nothing: stop the thread),
     /// or when reading fails with EIO / ENODEV; it keeps the context open
-    /// until then (see [`DeviceContext`]).
+    /// until then (see [`DeviceContext`]). A panic of `f` ends the thread
+    /// too ([`AsyncThread::stop`] then reports EIO). The thread inherits
+    /// the calling thread's signal mask.
     pub fn spawn<F>(self, mut f: F) -> Result<AsyncThread>
     where
         F: FnMut(AsyncEvent) + Send + 'static,
@@ -241,7 +243,11 @@ pub struct AsyncThread {
 }
 
 impl AsyncThread {
-    /// Stops and joins the thread; returns the error it ended on, if any.
+    /// Stops and joins the thread; returns the error it ended on, if any
+    /// (EIO: the callback panicked). From the thread's own callback (an
+    /// app that tears its device state down there): EDEADLK, since the
+    /// thread cannot wait for itself; it ends once the callback returns.
+    /// Dropping the handle there does the same, silently.
     pub fn stop(mut self) -> Result<()> {
         self.stop_join()
     }
@@ -250,6 +256,10 @@ impl AsyncThread {
         self.stop.store(true, SeqCst);
         self.wake.wake();
         match self.thread.take() {
+            // Joining itself would fail (and std's join panics on that).
+            Some(t) if t.thread().id() == std::thread::current().id() => {
+                Err(Error::new("AsyncThread::stop: from its own callback", libc::EDEADLK))
+            }
             Some(t) => t.join().unwrap_or(Err(Error::new("rdmasafe-async thread panicked", libc::EIO))),
             None => Ok(()),
         }
