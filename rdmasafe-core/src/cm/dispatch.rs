@@ -226,7 +226,22 @@ impl WorkQueue {
     }
 
     /// Takes a copy, waiting at most `timeout`. `None` on timeout, or at once
-    /// when the queue is closed and empty.
+    /// when the queue is closed and empty ([`WorkQueue::is_closed`] tells
+    /// the two apart):
+    ///
+    /// ```no_run
+    /// # fn handle(_: rdmasafe_core::cm::CmEvent) {}
+    /// # fn worker(q: &rdmasafe_core::cm::WorkQueue) {
+    /// loop {
+    ///     match q.pop_timeout(std::time::Duration::from_millis(100)) {
+    ///         Some(ev) => handle(ev),
+    ///         // No dispatcher feeds the queue any more, and it is empty.
+    ///         None if q.is_closed() && q.is_empty() => break,
+    ///         None => {}
+    ///     }
+    /// }
+    /// # }
+    /// ```
     pub fn pop_timeout(&self, timeout: Duration) -> Option<CmEvent> {
         if let Some(ev) = self.try_pop() {
             return Some(ev);
@@ -321,9 +336,20 @@ impl WorkQueue {
         Ok(())
     }
 
+    /// True once the queue is closed ([`WorkQueue::close`], or the last
+    /// dispatcher feeding it stopped or ended), until a dispatcher starts
+    /// on it again: with the queue empty too, no copy will come.
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(SeqCst)
+    }
+
     /// Marks the queue closed: consumers drain what is queued, then
     /// `pop_timeout` returns `None` at once (until a dispatcher starts on
-    /// it again).
+    /// it again). It stops no dispatcher: one still feeding the queue goes
+    /// on queueing the copies it takes, which workers that saw it closed
+    /// and empty may never take (they are freed with the queue, a
+    /// CONNECT_REQUEST's id rejected). Stop every dispatcher feeding the
+    /// queue first; the last one to stop closes it anyway.
     pub fn close(&self) {
         self.closed.store(true, SeqCst);
         let _g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
@@ -624,7 +650,9 @@ mod tests {
         assert!(q.push_wait(ev(4), &|| false, &waits).is_ok());
         assert_eq!(t.join().unwrap(), (Some(2), Some(4)));
         assert_eq!(q.pop_timeout(Duration::from_millis(10)).map(|e| e.status()), None);
+        assert!(!q.is_closed(), "a None of a timeout: the queue is open");
         q.close();
+        assert!(q.is_closed(), "a None from here on says: closed and empty");
         assert!(q.pop_timeout(Duration::from_secs(30)).is_none(), "closed and empty returns at once");
     }
 
@@ -633,7 +661,7 @@ mod tests {
     #[test]
     fn the_last_producer_closes_the_queue_and_the_next_opens_it() {
         let q = WorkQueue::new(1);
-        let closed = || q.closed.load(SeqCst);
+        let closed = || q.is_closed();
         assert!(!q.producer_started() && !q.producer_started(), "a new queue is open");
         q.producer_stopped();
         assert!(!closed(), "one producer still feeds it");
