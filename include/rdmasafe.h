@@ -371,6 +371,8 @@ struct rdmasafe_cq_loop_options {
   /**
    * Adaptive mode: microseconds of polling after the last completion
    * handed to a callback (default 50). Must be >= 0 in every mode (-EINVAL otherwise).
+   * 0, as in a zeroed struct, is the default (50), like every field's
+   * 0 here: the shortest spin is 1.
    */
   int adaptive_spin_us;
   /**

@@ -112,6 +112,8 @@ pub struct rdmasafe_cq_loop_options {
     pub ack_batch: c_int,
     /// Adaptive mode: microseconds of polling after the last completion
     /// handed to a callback (default 50). Must be >= 0 in every mode (-EINVAL otherwise).
+    /// 0, as in a zeroed struct, is the default (50), like every field's
+    /// 0 here: the shortest spin is 1.
     pub adaptive_spin_us: c_int,
     /// Watchdog: poll anyway after this many ms without an event while
     /// outstanding work is reported (0: off). The time runs in periods, one

@@ -5,7 +5,12 @@
 //! destroy, just like an unacked CQ event. [`AsyncEvents`] acks each event
 //! the moment it has copied it, so no copy the app holds can block a
 //! destroy. One reader per device context: rdmasafe polls the context's
-//! async fd before each read and never changes the fd's blocking mode.
+//! async fd before each read and never changes the fd's blocking mode, so
+//! of two readers that both saw it readable, the one that finds the event
+//! taken blocks in the read until the next event: its wait runs past its
+//! timeout, and an [`AsyncThread`]'s stop waits for that event. (The ids
+//! librdmacm makes on one device share its context: read each device's
+//! async events in one place.)
 
 use std::fmt;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
@@ -142,7 +147,8 @@ pub struct AsyncEvents {
 }
 
 impl AsyncEvents {
-    /// For `ctx` (one reader per context); keeps the context open.
+    /// For `ctx` (one reader per context: see the module docs); keeps the
+    /// context open.
     pub fn new(ctx: &DeviceContext) -> AsyncEvents {
         AsyncEvents { ctx: ctx.clone() }
     }
