@@ -490,7 +490,10 @@ impl Dispatcher {
     /// the kernel (a new dispatcher or a get on the channel finds them; the
     /// thread takes no event it has no room for, so a full queue leaves
     /// none in its hands). Returns the thread's error, if it ended on one
-    /// (e.g. the channel failed).
+    /// (e.g. the channel failed). From the dispatcher's own callback it
+    /// cannot wait for its thread: it asks for the stop and returns `Ok`
+    /// at once; the thread ends once the callback returns (an error it
+    /// then ends on is not reported).
     pub fn stop(mut self) -> Result<()> {
         self.stop_and_join()
     }
