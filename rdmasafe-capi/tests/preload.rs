@@ -59,7 +59,7 @@
 
 mod common;
 
-use common::{blocks, profile_dir, root, run_logged, Block};
+use common::{blocks, build_cdylib, profile_dir, root, run_logged, Block};
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::RangeInclusive;
@@ -107,15 +107,7 @@ fn build(profile: &Path) -> (PathBuf, PathBuf) {
 
 fn build_once(profile: &Path) -> (PathBuf, PathBuf) {
     let target = profile.parent().expect("<target>");
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| env!("CARGO").to_string());
-    let mut cmd = Command::new(cargo);
-    cmd.current_dir(root()).args(["build", "-p", "rdmasafe-preload"]).env("CARGO_TARGET_DIR", target);
-    if profile.file_name().is_some_and(|n| n == "release") {
-        cmd.arg("--release");
-    }
-    run_logged("cargo build -p rdmasafe-preload", &mut cmd);
-    let lib = profile.join("librdmasafe_preload.so");
-    assert!(lib.exists(), "{} is missing after the build", lib.display());
+    let lib = build_cdylib(profile, "rdmasafe-preload", "librdmasafe_preload.so");
     let bin = target.join("preload");
     run_logged(
         "make -C tests/preload",

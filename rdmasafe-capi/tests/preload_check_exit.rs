@@ -14,21 +14,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{profile_dir, root, run_logged};
+use common::{build_cdylib, profile_dir, root, run_logged};
 
 /// Builds the preload and the two C files into `<target>/preload-host/`.
 fn build() -> (PathBuf, PathBuf, PathBuf) {
     let profile = profile_dir();
     let target = profile.parent().expect("<target>");
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| env!("CARGO").to_string());
-    let mut cmd = Command::new(cargo);
-    cmd.current_dir(root()).args(["build", "-p", "rdmasafe-preload"]).env("CARGO_TARGET_DIR", target);
-    if profile.file_name().is_some_and(|n| n == "release") {
-        cmd.arg("--release");
-    }
-    run_logged("cargo build -p rdmasafe-preload", &mut cmd);
-    let preload = profile.join("librdmasafe_preload.so");
-    assert!(preload.exists(), "{} is missing after the build", preload.display());
+    let preload = build_cdylib(&profile, "rdmasafe-preload", "librdmasafe_preload.so");
     let out = target.join("preload-host");
     std::fs::create_dir_all(&out).expect("the output folder");
     let src = root().join("rdmasafe-capi/tests/preload_host");

@@ -97,19 +97,23 @@ pub fn run_logged(what: &str, cmd: &mut Command) -> std::process::Output {
 /// c_programs` compiles only the rlib this test needs, so an existing
 /// librdmasafe.so may be stale. A no-op when it is up to date.
 pub fn ensure_library(profile: &Path) -> PathBuf {
-    let lib = profile.join("librdmasafe.so");
-    {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| env!("CARGO").to_string());
-        let mut cmd = Command::new(cargo);
-        cmd.current_dir(root()).args(["build", "-p", "rdmasafe-capi"]);
-        if profile.file_name().is_some_and(|n| n == "release") {
-            cmd.arg("--release");
-        }
-        if let Some(target) = profile.parent() {
-            cmd.env("CARGO_TARGET_DIR", target);
-        }
-        run_logged("cargo build -p rdmasafe-capi", &mut cmd);
+    build_cdylib(profile, "rdmasafe-capi", "librdmasafe.so")
+}
+
+/// `cargo build -p <package>` into this test's target dir and profile;
+/// the library `<profile>/<file>` it made.
+pub fn build_cdylib(profile: &Path, package: &str, file: &str) -> PathBuf {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| env!("CARGO").to_string());
+    let mut cmd = Command::new(cargo);
+    cmd.current_dir(root()).args(["build", "-p", package]);
+    if profile.file_name().is_some_and(|n| n == "release") {
+        cmd.arg("--release");
     }
+    if let Some(target) = profile.parent() {
+        cmd.env("CARGO_TARGET_DIR", target);
+    }
+    run_logged(&format!("cargo build -p {package}"), &mut cmd);
+    let lib = profile.join(file);
     assert!(lib.exists(), "{} is missing after the build", lib.display());
     lib
 }
