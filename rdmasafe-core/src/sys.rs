@@ -522,9 +522,9 @@ pub fn set_fd_flags(fd: c_int, flags: c_int) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Starts a thread of rdmasafe's own (one the app did not ask for, which
-/// runs none of the app's code: the CM ack-deadline thread, its log
-/// writer, the preload's check thread) with every signal blocked, so that
+/// Starts a thread of rdmasafe's own (one the app did not ask for: the CM
+/// ack-deadline thread, its log writer, which may call the app's log
+/// callback, the preload's check thread) with every signal blocked, so that
 /// a signal sent to the process is never delivered to it. It would be
 /// otherwise: a thread inherits the mask of the thread that creates it,
 /// and these are created lazily (at the first CM get), from whatever app
@@ -545,8 +545,10 @@ where
         let mut all: libc::sigset_t = std::mem::zeroed();
         let mut old: libc::sigset_t = std::mem::zeroed();
         libc::sigfillset(&mut all);
-        if libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut old) != 0 {
-            return Err(std::io::Error::last_os_error());
+        // It returns the error number (errno is left alone).
+        let rc = libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut old);
+        if rc != 0 {
+            return Err(std::io::Error::from_raw_os_error(rc));
         }
         old
     };
