@@ -1298,15 +1298,28 @@ struct RetryExceeded {
     deaths: usize,
 }
 
+/// The cases of [`retry_exceeded`].
+#[derive(Clone, Copy, PartialEq)]
+enum AfterRetryExceeded {
+    /// The handler drains the QP when it sees the failure (an app's
+    /// teardown).
+    HandlerDrains,
+    /// Once the peer is declared dead, the app removes the keepalive and
+    /// adds one again on the same QP, in the error state now: its probe
+    /// flushes, and it must go quiet (an error state it did not cause).
+    KeepaliveAddedAgain,
+    /// A probe is out first, and fails with "retry exceeded" (consumed by
+    /// the loop); the app's send behind it flushes, and the handler drains
+    /// the QP when it sees that flush, in the same batch.
+    ProbeFirstHandlerDrains,
+}
+
 /// The peer goes away (its QP destroyed) and a send of ours fails with
 /// "retry exceeded" (after some 16 s of retries on rxe), a keepalive on
-/// our QP with a period far longer than that (so only the failure can
-/// declare the peer dead). With `drain_in_handler`, the handler drains the
-/// QP when it sees the failure (an app's teardown). With `readd`, once the
-/// peer is declared dead, the app removes the keepalive and adds one again
-/// on the same QP, in the error state now: its probe flushes, and it must
-/// go quiet (the QP is in an error state it did not cause).
-fn retry_exceeded(drain_in_handler: bool, readd: bool) -> RetryExceeded {
+/// our QP with a bound far longer than that (so only the failure can
+/// declare the peer dead), and a period as long, but in
+/// `ProbeFirstHandlerDrains`, where a probe goes out before the send.
+fn retry_exceeded(case: AfterRetryExceeded) -> RetryExceeded {
     use rdmasafe_core::verbs::WcStatus;
     let bed = common::bed();
     let chan = channel();
@@ -1316,10 +1329,15 @@ fn retry_exceeded(drain_in_handler: bool, readd: bool) -> RetryExceeded {
     let g = got.clone();
     let qp = p.server_qp();
     let qp_addr = qp.as_ptr() as usize;
+    let drains_on = match case {
+        AfterRetryExceeded::HandlerDrains => Some(WcStatus::RETRY_EXC_ERR),
+        AfterRetryExceeded::ProbeFirstHandlerDrains => Some(WcStatus::WR_FLUSH_ERR),
+        AfterRetryExceeded::KeepaliveAddedAgain => None,
+    };
     lp.add_cq(&p.server_cq, move |wcs, ctl| {
         for w in wcs {
             g.lock().unwrap().push((w.wr_id(), w.status()));
-            if drain_in_handler && w.status() == WcStatus::RETRY_EXC_ERR {
+            if Some(w.status()) == drains_on {
                 let qp = std::ptr::NonNull::new(qp_addr as *mut rdmasafe_core::sys::ibv_qp).unwrap();
                 // SAFETY: the server QP outlives the loop's use of it.
                 let r = unsafe { ctl.drain_qp(qp, false, Duration::from_secs(30)) };
@@ -1331,14 +1349,22 @@ fn retry_exceeded(drain_in_handler: bool, readd: bool) -> RetryExceeded {
     let deaths = Arc::new(AtomicUsize::new(0));
     let n = deaths.clone();
     const PROBE: u64 = 9999;
-    let cfg = Keepalive { period: Duration::from_secs(600), bound: Duration::from_secs(600), wr_id: PROBE };
+    let probe_first = case == AfterRetryExceeded::ProbeFirstHandlerDrains;
+    let period = if probe_first { Duration::from_millis(200) } else { Duration::from_secs(600) };
+    let cfg = Keepalive { period, bound: Duration::from_secs(600), wr_id: PROBE };
     // SAFETY: the server QP outlives the loop's use of it.
     unsafe { lp.add_keepalive(qp, cfg, Box::new(move |_, _| _ = n.fetch_add(1, SeqCst))) }.unwrap();
     let runner = {
         let lp = lp.clone();
         std::thread::spawn(move || lp.run())
     };
+    let probes = || lp.control().stats().keepalive_probes;
+    let before = probes();
     drop(take_id(&p.client)); // the peer's QP is gone
+    if probe_first {
+        // A probe posted after the peer went: first in the send queue.
+        assert!(wait_until(|| probes() > before), "a probe went out");
+    }
     {
         let s = p.server.lock().unwrap();
         s.id.post_send(&s.mr, 0, 8, 42).unwrap();
@@ -1348,7 +1374,7 @@ fn retry_exceeded(drain_in_handler: bool, readd: bool) -> RetryExceeded {
         "the peer was never declared dead; the handler got {:?}",
         got.lock().unwrap()
     );
-    if readd {
+    if case == AfterRetryExceeded::KeepaliveAddedAgain {
         let qpn = p.server.lock().unwrap().id.qp_num().unwrap();
         lp.control().remove_keepalive(qpn).unwrap();
         let n = deaths.clone();
@@ -1379,8 +1405,23 @@ fn retry_exceeded(drain_in_handler: bool, readd: bool) -> RetryExceeded {
 fn retry_exceeded_is_a_dead_peer_also_when_the_handler_drains() {
     let _s = serial();
     let _dog = common::watchdog("retry exceeded, the handler drains", Duration::from_secs(180));
-    let r = retry_exceeded(true, false);
+    let r = retry_exceeded(AfterRetryExceeded::HandlerDrains);
     assert!(r.got.iter().any(|w| w.1 == rdmasafe_core::verbs::WcStatus::RETRY_EXC_ERR), "{:?}", r.got);
+    assert_eq!(r.deaths, 1, "on_dead once: {:?}", r.got);
+}
+
+/// The same with the probe first in the send queue: the probe fails with
+/// "retry exceeded" (the loop's own completion), and the handler drains
+/// the QP on the flush of the app's send behind it, in the same batch (the
+/// drain silenced the keepalive before its next look: the fix above missed
+/// this order; found by a review of that fix).
+#[test]
+fn a_failed_probe_is_a_dead_peer_also_when_the_handler_drains_on_the_flush() {
+    let _s = serial();
+    let _dog = common::watchdog("a failed probe, the handler drains", Duration::from_secs(180));
+    let r = retry_exceeded(AfterRetryExceeded::ProbeFirstHandlerDrains);
+    assert!(r.got.iter().any(|w| w.1 == rdmasafe_core::verbs::WcStatus::WR_FLUSH_ERR), "{:?}", r.got);
+    assert!(r.got.iter().all(|w| w.0 != 9999), "a probe reached the handler: {:?}", r.got);
     assert_eq!(r.deaths, 1, "on_dead once: {:?}", r.got);
 }
 
@@ -1393,7 +1434,7 @@ fn retry_exceeded_is_a_dead_peer_also_when_the_handler_drains() {
 fn a_keepalive_added_again_on_a_dead_peers_qp_goes_quiet() {
     let _s = serial();
     let _dog = common::watchdog("a keepalive added again on a dead peer's QP", Duration::from_secs(180));
-    let r = retry_exceeded(false, true);
+    let r = retry_exceeded(AfterRetryExceeded::KeepaliveAddedAgain);
     assert!(r.got.iter().any(|w| w.1 == rdmasafe_core::verbs::WcStatus::RETRY_EXC_ERR), "{:?}", r.got);
     assert_eq!(r.deaths, 1, "on_dead once, not again for the keepalive added anew: {:?}", r.got);
     assert!(r.got.iter().all(|w| w.0 != 9999), "a probe reached the handler: {:?}", r.got);

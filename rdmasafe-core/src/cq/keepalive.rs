@@ -418,12 +418,13 @@ impl Keepalives {
 
     /// A drain of `qpn` started: its keepalive stays registered (remove it
     /// as usual) but probes no more, and the flush of an outstanding probe
-    /// is consumed, never taken for a dead peer. A peer found unreachable
-    /// already (a request failed with "retry exceeded": a handler that
-    /// drains the QP on that error, say) is still declared dead.
+    /// is consumed, never taken for a dead peer. A peer found dead already
+    /// (a request or the probe failed with "retry exceeded": a handler
+    /// that drains the QP on that error, or on the flushes that follow it
+    /// in the same batch, say) is still declared dead.
     pub(crate) fn draining(&mut self, qpn: u32) {
         if let Some(e) = self.by_qpn.get_mut(&qpn) {
-            if !e.peer_lost {
+            if !e.peer_lost && !matches!(e.probe, Probe::Failed { .. }) {
                 e.quiet = true;
             }
         }
