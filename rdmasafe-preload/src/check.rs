@@ -135,18 +135,21 @@ impl CmBook {
         self.destroying.remove(&id);
     }
 
-    /// Reports due at `now_ms`: events held `hold_ms` or longer (once
-    /// each), and destroys that have waited `hold_ms` or longer for one
-    /// (once per event). `librdmacm_holds(ev, entry)` tells the events a
-    /// synchronous id holds, which are skipped.
+    /// Reports due at `now_ms` in process `pid`: its events held `hold_ms`
+    /// or longer (once each), and destroys that have waited `hold_ms` or
+    /// longer for one (once per event). `librdmacm_holds(ev, entry)` tells
+    /// the events a synchronous id holds, which are skipped. A forked
+    /// child's book starts as a copy of its parent's: the parent's events
+    /// in it are the parent's to ack, never reported by the child.
     pub(crate) fn due(
         &mut self,
         now_ms: u64,
         hold_ms: u64,
+        pid: u32,
         mut librdmacm_holds: impl FnMut(usize, &CmEntry) -> bool,
     ) -> Vec<Finding> {
         let mut out = Vec::new();
-        let mut evs: Vec<usize> = self.live.keys().copied().collect();
+        let mut evs: Vec<usize> = self.live.iter().filter(|(_, e)| e.pid == pid).map(|(ev, _)| *ev).collect();
         evs.sort_unstable(); // a stable order of reports within one pass
         for ev in evs {
             let destroying = self.live.get(&ev).and_then(|e| self.destroying.get(&e.charged).copied());
@@ -476,7 +479,7 @@ impl Checker {
             let findings = guarded(Vec::new(), || {
                 let mut book = lock(&self.cm);
                 // SAFETY: the book is locked and every event it holds is unacked.
-                book.due(sys::coarse_now_ms(), self.hold_ms, |ev, e| unsafe { librdmacm_holds(ev, e) })
+                book.due(sys::coarse_now_ms(), self.hold_ms, pid, |ev, e| unsafe { librdmacm_holds(ev, e) })
             });
             emit(&findings);
         });
@@ -739,16 +742,34 @@ mod tests {
         CmEntry { charged: listen, ..entry(EventType::CONNECT_REQUEST.0, id, got_ms) }
     }
 
+    /// A forked child's watcher reports its own events only: the events
+    /// of its parent (pid 7) in the copy of the book it inherited, held or
+    /// waited for by a destroy in the parent, are the parent's (they were
+    /// reported by the child as held; found by a review).
+    #[test]
+    fn a_forked_childs_watcher_reports_only_its_own_events() {
+        let mut b = CmBook::default();
+        b.got(0x1000, entry(EventType::ADDR_RESOLVED.0, 0xa0, 0));
+        b.destroy_begin(0xa0, 0);
+        b.got(0x2000, CmEntry { pid: 8, ..entry(EventType::ADDR_RESOLVED.0, 0xb0, 0) });
+        let f = b.due(5000, 1000, 8, |_, _| false);
+        assert_eq!(f.len(), 1, "{:?}", f.iter().map(|f| &f.text).collect::<Vec<_>>());
+        assert!(f[0].text.contains("event 0x2000 of id 0xb0"), "{}", f[0].text);
+        // In the parent, its own (held, and waited for by its destroy).
+        let f = b.due(5000, 1000, 7, |_, _| false);
+        assert_eq!(f.iter().map(|f| f.kind).collect::<Vec<_>>(), ["held", "destroy-id-waiting"]);
+    }
+
     #[test]
     fn a_connect_request_holds_back_its_listening_ids_destroy() {
         let mut b = CmBook::default();
         b.got(0x1000, request(0xa0, 0x50, 0));
-        let f = b.due(1000, 1000, |_, _| false);
+        let f = b.due(1000, 1000, 7, |_, _| false);
         assert_eq!(f.len(), 1);
         assert!(f[0].text.ends_with("until it is, rdma_destroy_id of its listening id 0x50 waits"), "{}", f[0].text);
         // The listening id's destroy waits for it, and is named.
         b.destroy_begin(0x50, 1500);
-        let f = b.due(2500, 1000, |_, _| false);
+        let f = b.due(2500, 1000, 7, |_, _| false);
         assert_eq!(f.iter().map(|f| f.kind).collect::<Vec<_>>(), ["destroy-id-waiting"]);
         assert!(f[0].text.starts_with("rdma_destroy_id(0x50) has waited 1000 ms for RDMA_CM_EVENT_CONNECT_REQUEST"));
     }
@@ -761,7 +782,7 @@ mod tests {
         // destroy does not wait, and the id's memory is freed.
         b.destroy_begin(0xa0, 10);
         b.destroy_end(0xa0);
-        let f = b.due(1000, 1000, |ev, _| panic!("event {ev:#x}: its freed id was read"));
+        let f = b.due(1000, 1000, 7, |ev, _| panic!("event {ev:#x}: its freed id was read"));
         assert_eq!(f.iter().map(|f| f.kind).collect::<Vec<_>>(), ["held"], "no destroy of 0xa0 waits for it");
         let (f, _) = b.at_exit(2000, 7, |ev, _| panic!("event {ev:#x}: its freed id was read at exit"));
         assert_eq!(f.iter().map(|f| f.kind).collect::<Vec<_>>(), ["unacked-at-exit"]);
@@ -773,14 +794,14 @@ mod tests {
         let mut b = CmBook::default();
         b.got(0x1000, entry(EventType::ESTABLISHED.0, 0xa0, 100));
         b.got(0x2000, entry(EventType::ADDR_RESOLVED.0, 0xb0, 100));
-        assert!(b.due(1099, 1000, |_, _| false).is_empty(), "not yet");
-        let f = b.due(1100, 1000, |ev, _| ev == 0x2000);
+        assert!(b.due(1099, 1000, 7, |_, _| false).is_empty(), "not yet");
+        let f = b.due(1100, 1000, 7, |ev, _| ev == 0x2000);
         assert_eq!(f.len(), 1);
         assert_eq!(f[0].kind, "held");
         assert!(f[0]
             .text
             .starts_with("RDMA_CM_EVENT_ESTABLISHED event 0x1000 of id 0xa0 (status 0) not acked for 1000 ms"));
-        assert!(b.due(5000, 1000, |ev, _| ev == 0x2000).is_empty(), "reported once");
+        assert!(b.due(5000, 1000, 7, |ev, _| ev == 0x2000).is_empty(), "reported once");
         let e = b.ack(0x1000).expect("known");
         assert!(e.held_reported);
         assert!(b.ack(0x1000).is_none(), "a second ack is unknown");
@@ -791,11 +812,11 @@ mod tests {
     fn a_destroy_waiting_for_an_event_is_named() {
         let mut b = CmBook::default();
         b.got(0x1000, entry(EventType::DISCONNECTED.0, 0xa0, 0));
-        let f = b.due(1000, 1000, |_, _| false);
+        let f = b.due(1000, 1000, 7, |_, _| false);
         assert_eq!(f.iter().map(|f| f.kind).collect::<Vec<_>>(), ["held"]);
         b.destroy_begin(0xa0, 1500);
-        assert!(b.due(2499, 1000, |_, _| false).is_empty());
-        let f = b.due(2500, 1000, |_, _| false);
+        assert!(b.due(2499, 1000, 7, |_, _| false).is_empty());
+        let f = b.due(2500, 1000, 7, |_, _| false);
         assert_eq!(f.len(), 1);
         assert_eq!(f[0].kind, "destroy-id-waiting");
         assert!(f[0].text.starts_with("rdma_destroy_id(0xa0) has waited 1000 ms for RDMA_CM_EVENT_DISCONNECTED"));
@@ -805,7 +826,7 @@ mod tests {
         b.destroy_begin(0xc0, 3000);
         assert!(b.ack(0x3000).is_some());
         b.destroy_end(0xc0);
-        assert!(b.due(9000, 1000, |_, _| false).is_empty());
+        assert!(b.due(9000, 1000, 7, |_, _| false).is_empty());
     }
 
     #[test]
