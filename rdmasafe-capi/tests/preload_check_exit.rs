@@ -3,8 +3,12 @@
 //! interrupted thread is inside the preload's book-keeping of a CQ event
 //! used to hang for good: the exit report waited for the book's lock,
 //! which that same thread held (found by an adversarial review: 12 of 20
-//! runs hung; without the preload 0 of 20). The exit report now gives up
-//! on a book that stays locked, and says so. libibverbs' CQ event calls
+//! runs hung; without the preload 0 of 20; here the third run hung before
+//! the fix). The exit report now gives up on a book that stays locked, and
+//! says so. (An exit() from a signal handler is not async-signal-safe: a
+//! signal that lands inside malloc can still hang the exit report's own
+//! allocations, as it can any exit handler's; this case is the preload's
+//! own lock.) libibverbs' CQ event calls
 //! are replaced by a stand-in (tests/preload_host/standin_ibv.c); this is
 //! the preload's own logic, no RDMA claim rests on it.
 

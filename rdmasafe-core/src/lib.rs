@@ -116,8 +116,9 @@
 //! # Threads and signals
 //!
 //! The threads rdmasafe starts on its own (the CM ack-deadline thread,
-//! started by the first get, and its log writer, which hands the ack
-//! thread's lines to your `log` backend) block every signal: a signal
+//! started by the first get; its log writer, which hands the ack thread's
+//! lines to your `log` backend; the one that waits for a loop thread let
+//! go of from its own handler) block every signal: a signal
 //! sent to the process reaches one of your threads, as without rdmasafe.
 //! The threads you ask for ([`cq::CqLoop::spawn`],
 //! [`cm::Dispatcher`], [`cq::AsyncEvents::spawn`]) run your callbacks and

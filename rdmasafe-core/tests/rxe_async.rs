@@ -224,11 +224,6 @@ fn futures_dropped_mid_flight_then_a_clean_teardown() {
     assert_eq!(cm::counters().outstanding, 0, "no CM copy left");
 }
 
-/// The loop's own deadlines drive an idle async loop: keepalive probes
-/// are posted at their deadline (no CQ event, no change, nothing else
-/// makes the loop's fd readable before), complete, and are consumed by
-/// the loop, never delivered. Without deadlines honoured this hangs (the
-/// watchdog fails it).
 /// A run future holds its loop from its first poll to its end: a thread's
 /// runner call (`flush_acks`, `process_once`) made between two of its
 /// steps is refused (EBUSY), and the run goes on serving its CQ. (The run
@@ -281,6 +276,11 @@ fn a_threads_runner_call_is_refused_while_a_run_future_lives() {
     });
 }
 
+/// The loop's own deadlines drive an idle async loop: keepalive probes
+/// are posted at their deadline (no CQ event, no change, nothing else
+/// makes the loop's fd readable before), complete, and are consumed by
+/// the loop, never delivered. Without deadlines honoured this hangs (the
+/// watchdog fails it).
 #[test]
 fn keepalive_deadlines_drive_an_idle_async_loop() {
     let _s = serial();

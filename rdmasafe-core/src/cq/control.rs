@@ -417,7 +417,7 @@ impl LoopControl {
     /// `process_once`, `process_ready`, `flush_acks`), or waits for its
     /// state to run it (while a blocking change from another thread hands
     /// it over), and while an async run future of it is alive
-    /// (`AsyncCqLoop::run`, tokio feature).
+    /// (`AsyncCqLoop::run`, tokio feature: from its first poll to its end).
     pub fn is_running(&self) -> bool {
         self.0.run_state.is_running()
     }
