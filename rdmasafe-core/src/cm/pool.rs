@@ -391,17 +391,19 @@ impl Arena {
         if let Some(i) = self.free.pop_if(|_| true) {
             return Some(i);
         }
-        let mut o = self.overflow.lock().unwrap_or_else(|e| e.into_inner());
-        let i = o.pop_front()?;
-        self.overflow_len.store(o.len(), Relaxed);
-        Some(i)
+        self.pop_overflow_if(|_| true)
     }
 
     #[cold]
     fn pop_overflow(&self) -> Option<u32> {
+        self.pop_overflow_if(|i| self.ripe(i))
+    }
+
+    /// The oldest slot of the overflow list, if `take(slot)`.
+    fn pop_overflow_if(&self, take: impl Fn(u32) -> bool) -> Option<u32> {
         let mut o = self.overflow.lock().unwrap_or_else(|e| e.into_inner());
         let i = *o.front()?;
-        if !self.ripe(i) {
+        if !take(i) {
             return None;
         }
         o.pop_front();
