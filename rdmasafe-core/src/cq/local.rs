@@ -33,10 +33,12 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::hash::Hash;
 use std::marker::PhantomData;
 use std::os::fd::{AsRawFd, RawFd};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::thread::LocalKey;
 use std::time::Duration;
 
 use super::{CqLoop, CqOptions, Keepalive, LoopControl, LoopOptions, LoopStats, Outcome, RunEnd};
@@ -48,73 +50,39 @@ use crate::{Result, Wait};
 type LocalHandler = Box<dyn FnMut(&[Wc], &LocalControl<'_>)>;
 type LocalDeadPeer = Box<dyn FnMut(u32, &LocalControl<'_>)>;
 
-enum Slot {
-    Idle(LocalHandler),
+/// A callback in this thread's storage.
+enum Slot<T> {
+    Idle(T),
     /// Taken out for a call; the flag: removed during the call.
     Running(bool),
 }
 
+/// This thread's callbacks of one kind, by (loop, CQ or QP).
+type Table<K, T> = LocalKey<RefCell<HashMap<K, Slot<T>>>>;
+
 thread_local! {
-    static HANDLERS: RefCell<HashMap<(u64, usize), Slot>> = RefCell::new(HashMap::new());
-    /// Dead-peer callbacks by (loop, QP number); `None` while one runs.
-    static DEAD: RefCell<HashMap<(u64, u32), Option<LocalDeadPeer>>> = RefCell::new(HashMap::new());
+    /// Handlers by (loop, CQ address).
+    static HANDLERS: RefCell<HashMap<(u64, usize), Slot<LocalHandler>>> = RefCell::new(HashMap::new());
+    /// Dead-peer callbacks by (loop, QP number).
+    static DEAD: RefCell<HashMap<(u64, u32), Slot<LocalDeadPeer>>> = RefCell::new(HashMap::new());
 }
 
-/// The loop's `Send` stand-in for a local dead-peer callback: calls it
-/// when it runs on this thread, and takes it out of this thread's storage
-/// when the loop lets the keepalive go.
-struct DeadForwarder {
-    key: (u64, u32),
-}
-
-impl DeadForwarder {
-    fn call(&self, qpn: u32, ctl: &LoopControl) {
-        let taken = DEAD.with(|m| m.borrow_mut().get_mut(&self.key).and_then(Option::take));
-        let Some(mut f) = taken else { return };
-        let local = LocalControl { ctl, loop_id: self.key.0, _not_send: PhantomData };
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(qpn, &local)));
-        let back = DEAD.with(|m| match m.borrow_mut().get_mut(&self.key) {
-            Some(slot) => {
-                *slot = Some(f);
-                None
-            }
-            None => Some(f),
-        });
-        drop(back); // outside the borrow
-        if let Err(p) = result {
-            std::panic::resume_unwind(p);
-        }
-    }
-}
-
-impl Drop for DeadForwarder {
-    fn drop(&mut self) {
-        let old = DEAD.try_with(|m| m.borrow_mut().remove(&self.key)).ok().flatten();
-        drop(old); // outside the borrow
-    }
-}
-
-static NEXT_ID: AtomicU64 = AtomicU64::new(1);
-
-/// Calls the handler of (`loop_id`, `cq`) if this thread has it.
-fn dispatch(loop_id: u64, cq: usize, wcs: &[Wc], ctl: &LoopControl) {
-    let key = (loop_id, cq);
-    let taken = HANDLERS.with(|m| {
-        let mut m = m.borrow_mut();
-        match m.get_mut(&key) {
-            Some(slot @ Slot::Idle(_)) => match std::mem::replace(slot, Slot::Running(false)) {
-                Slot::Idle(h) => Some(h),
-                Slot::Running(_) => None,
-            },
-            _ => None,
-        }
+/// Calls the callback of `key` if this thread has it: taken out of the
+/// table for the call (it may change the table), put back after, or
+/// dropped if it was removed meanwhile. A panic goes on to the loop
+/// (which catches and re-raises it), the callback put back first, as the
+/// `Send` path does.
+fn call<K: Copy + Eq + Hash + 'static, T: 'static>(table: &'static Table<K, T>, key: K, f: impl FnOnce(&mut T)) {
+    let taken = table.with(|m| match m.borrow_mut().get_mut(&key) {
+        Some(slot @ Slot::Idle(_)) => match std::mem::replace(slot, Slot::Running(false)) {
+            Slot::Idle(h) => Some(h),
+            Slot::Running(_) => None,
+        },
+        _ => None,
     });
     let Some(mut h) = taken else { return };
-    let local = LocalControl { ctl, loop_id, _not_send: PhantomData };
-    // A panic goes on to the loop (which catches and re-raises it); the
-    // handler is put back first, as the Send path does.
-    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h(wcs, &local)));
-    let dropped = HANDLERS.with(|m| {
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut h)));
+    let dropped = table.with(|m| {
         let mut m = m.borrow_mut();
         match m.get(&key) {
             Some(Slot::Running(false)) => {
@@ -129,50 +97,92 @@ fn dispatch(loop_id: u64, cq: usize, wcs: &[Wc], ctl: &LoopControl) {
             _ => Some(h),
         }
     });
-    drop(dropped); // outside the borrow: a handler's Drop may use the loop
+    drop(dropped); // outside the borrow: a callback's Drop may use the loop
     if let Err(p) = result {
         std::panic::resume_unwind(p);
     }
 }
 
-/// Removes (and drops, outside the borrow) the handler of `key`, or marks
-/// it for removal when it is running.
-fn forget(key: (u64, usize)) {
-    let old = HANDLERS.with(|m| {
-        let mut m = m.borrow_mut();
-        match m.get_mut(&key) {
-            Some(Slot::Running(removed)) => {
-                *removed = true;
-                None
+/// Removes (and drops, outside the borrow) the callback of `key`, or marks
+/// it for removal when it is running. Nothing on a thread whose storage
+/// is gone.
+fn forget<K: Copy + Eq + Hash + 'static, T: 'static>(table: &'static Table<K, T>, key: K) {
+    let old = table
+        .try_with(|m| {
+            let mut m = m.borrow_mut();
+            match m.get_mut(&key) {
+                Some(Slot::Running(removed)) => {
+                    *removed = true;
+                    None
+                }
+                Some(Slot::Idle(_)) => m.remove(&key),
+                None => None,
             }
-            Some(Slot::Idle(_)) => m.remove(&key),
-            None => None,
-        }
-    });
+        })
+        .ok()
+        .flatten();
     drop(old);
 }
 
-/// Installs the handler of `key`; EBUSY (nothing changed) while the CQ
-/// has one in this loop. A handler removed during its own call (the CQ
-/// leaves, then may come back) is replaced.
-fn install(key: (u64, usize), h: LocalHandler) -> Result<()> {
-    let old = HANDLERS.with(|m| {
+/// Installs the callback of `key`; gives it back (nothing changed) while
+/// `key` has one. One removed during its own call is replaced.
+fn install<K: Copy + Eq + Hash + 'static, T: 'static>(
+    table: &'static Table<K, T>,
+    key: K,
+    h: T,
+) -> std::result::Result<(), T> {
+    let old = table.with(|m| {
         let mut m = m.borrow_mut();
         match m.get(&key) {
             Some(Slot::Idle(_) | Slot::Running(false)) => Err(h),
             _ => Ok(m.insert(key, Slot::Idle(h))),
         }
     });
-    match old {
-        Ok(old) => {
-            drop(old); // outside the borrow
-            Ok(())
-        }
-        Err(h) => {
-            drop(h);
-            Err(crate::Error::new("rdmasafe_cq_loop_add_cq: CQ already in a loop", libc::EBUSY))
-        }
+    old.map(drop) // the old one outside the borrow
+}
+
+/// Drops (outside the borrow) every callback of loop `id` in `table`.
+fn forget_loop<K: Copy + Eq + Hash + 'static, T: 'static>(
+    table: &'static Table<K, T>,
+    id: u64,
+    loop_of: fn(&K) -> u64,
+) {
+    let olds: Vec<Slot<T>> = table
+        .try_with(|m| {
+            let mut m = m.borrow_mut();
+            let keys: Vec<K> = m.keys().filter(|k| loop_of(k) == id).copied().collect();
+            keys.into_iter().filter_map(|k| m.remove(&k)).collect()
+        })
+        .unwrap_or_default();
+    drop(olds);
+}
+
+/// The loop's `Send` stand-in for a local dead-peer callback: calls it
+/// when it runs on this thread, and takes it out of this thread's storage
+/// when the loop lets the keepalive go.
+struct DeadForwarder {
+    key: (u64, u32),
+}
+
+impl DeadForwarder {
+    fn call(&self, qpn: u32, ctl: &LoopControl) {
+        let local = LocalControl { ctl, loop_id: self.key.0, _not_send: PhantomData };
+        call(&DEAD, self.key, |f| f(qpn, &local));
     }
+}
+
+impl Drop for DeadForwarder {
+    fn drop(&mut self) {
+        forget(&DEAD, self.key);
+    }
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Calls the handler of (`loop_id`, `cq`) if this thread has it.
+fn dispatch(loop_id: u64, cq: usize, wcs: &[Wc], ctl: &LoopControl) {
+    let local = LocalControl { ctl, loop_id, _not_send: PhantomData };
+    call(&HANDLERS, (loop_id, cq), |h| h(wcs, &local));
 }
 
 /// A CQ loop for the thread that made it; see the module docs. Everything
@@ -194,23 +204,8 @@ struct Handlers {
 
 impl Drop for Handlers {
     fn drop(&mut self) {
-        let id = self.id;
-        let olds: Vec<Slot> = HANDLERS
-            .try_with(|m| {
-                let mut m = m.borrow_mut();
-                let keys: Vec<_> = m.keys().filter(|k| k.0 == id).copied().collect();
-                keys.into_iter().filter_map(|k| m.remove(&k)).collect()
-            })
-            .unwrap_or_default();
-        let dead: Vec<Option<LocalDeadPeer>> = DEAD
-            .try_with(|m| {
-                let mut m = m.borrow_mut();
-                let keys: Vec<_> = m.keys().filter(|k| k.0 == id).copied().collect();
-                keys.into_iter().filter_map(|k| m.remove(&k)).collect()
-            })
-            .unwrap_or_default();
-        drop(olds); // outside the borrows
-        drop(dead);
+        forget_loop(&HANDLERS, self.id, |k| k.0);
+        forget_loop(&DEAD, self.id, |k| k.0);
     }
 }
 
@@ -239,10 +234,13 @@ where
 {
     let key = (loop_id, cq.raw() as usize);
     // Refused before the loop is asked: the handler in place stays.
-    install(key, Box::new(handler))?;
+    if let Err(h) = install(&HANDLERS, key, Box::new(handler) as LocalHandler) {
+        drop(h);
+        return Err(crate::Error::new("rdmasafe_cq_loop_add_cq: CQ already in a loop", libc::EBUSY));
+    }
     let r = ctl.add_cq(cq, opts, move |wcs: &[Wc], ctl: &LoopControl| dispatch(key.0, key.1, wcs, ctl));
     if r.is_err() {
-        forget(key);
+        forget(&HANDLERS, key);
     }
     r
 }
@@ -278,7 +276,7 @@ impl LocalCqLoop {
     /// Removes a CQ: done when this returns (its handler dropped).
     pub fn remove_cq(&self, cq: &Cq) -> Result<()> {
         self.inner.remove_cq(cq)?;
-        forget((self.handlers.id, cq.raw() as usize));
+        forget(&HANDLERS, (self.handlers.id, cq.raw() as usize));
         Ok(())
     }
 
@@ -328,15 +326,8 @@ impl LocalCqLoop {
     {
         let qpn = id.qp_num().ok_or(crate::Error::new("rdmasafe keepalive: the id has no QP", libc::EINVAL))?;
         let key = (self.handlers.id, qpn);
-        let installed = DEAD.with(|m| {
-            let mut m = m.borrow_mut();
-            if m.contains_key(&key) {
-                return false;
-            }
-            m.insert(key, Some(Box::new(on_dead)));
-            true
-        });
-        if !installed {
+        if let Err(f) = install(&DEAD, key, Box::new(on_dead) as LocalDeadPeer) {
+            drop(f);
             return Err(crate::Error::new("rdmasafe add_keepalive: the QP has a keepalive already", libc::EBUSY));
         }
         let fwd = DeadForwarder { key };
@@ -364,7 +355,7 @@ impl LocalControl<'_> {
     /// Removes a CQ (its own included); see [`LoopControl::remove_cq`].
     pub fn remove_cq(&self, cq: &Cq) -> Result<Outcome> {
         let r = self.ctl.remove_cq(cq)?;
-        forget((self.loop_id, cq.raw() as usize));
+        forget(&HANDLERS, (self.loop_id, cq.raw() as usize));
         Ok(r)
     }
 
