@@ -424,7 +424,9 @@ impl Keepalives {
     /// in the same batch, say) is still declared dead.
     pub(crate) fn draining(&mut self, qpn: u32) {
         if let Some(e) = self.by_qpn.get_mut(&qpn) {
-            if !e.peer_lost && !matches!(e.probe, Probe::Failed { .. }) {
+            // (A request's "retry exceeded" leaves the probe `Failed` too,
+            // until the peer is declared dead.)
+            if !matches!(e.probe, Probe::Failed { .. }) {
                 e.quiet = true;
             }
         }
