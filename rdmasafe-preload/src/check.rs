@@ -28,10 +28,11 @@
 //! The books ([`CmBook`], [`CqBook`]) are plain data, tested on the host;
 //! [`Checker`] wraps the real calls around them.
 
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::os::raw::{c_int, c_uint, c_void};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use rdmasafe_core::cm::EventType;
@@ -399,13 +400,58 @@ fn guarded<T>(fallback: T, f: impl FnOnce() -> T) -> T {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+thread_local! {
+    /// True while this thread holds one of the books' locks (a [`Booked`]
+    /// lives): a `fork` from a signal handler that interrupted it there
+    /// must not wait for the lock ([`Checker::before_fork`]).
+    static IN_BOOK: Cell<bool> = const { Cell::new(false) };
+    /// The locks the forking thread holds across `fork` (from
+    /// [`Checker::before_fork`] to [`Checker::after_fork`]).
+    static HELD_FOR_FORK: RefCell<Option<ForkHold>> = const { RefCell::new(None) };
+}
+
+/// A book locked by this thread, marked in `IN_BOOK` while it lives.
+struct Booked<'a, T>(MutexGuard<'a, T>);
+
+impl<T> Drop for Booked<'_, T> {
+    fn drop(&mut self) {
+        IN_BOOK.with(|b| b.set(false));
+    }
+}
+
+impl<T> std::ops::Deref for Booked<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+impl<T> std::ops::DerefMut for Booked<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.0
+    }
+}
+
+/// `m` locked (a poisoned lock is taken as it is: the books stay usable).
+/// The books are never locked two at a time, but by the fork handler.
+fn lock<T>(m: &Mutex<T>) -> Booked<'_, T> {
+    let g = m.lock().unwrap_or_else(|e| e.into_inner());
+    IN_BOOK.with(|b| b.set(true));
+    Booked(g)
+}
+
+/// What the forking thread holds across `fork`: both books and stderr
+/// (the reports' fallback), so that the child gets none of them locked by
+/// a thread it does not have.
+struct ForkHold {
+    _cm: MutexGuard<'static, CmBook>,
+    _cq: MutexGuard<'static, CqBook>,
+    _stderr: std::io::StderrLock<'static>,
 }
 
 /// `m` locked for the exit report, or None (said on stderr) if it stays
 /// taken for 200 ms: its holder may be the exiting thread itself.
-fn lock_at_exit<'a, T>(m: &'a Mutex<T>, what: &str) -> Option<std::sync::MutexGuard<'a, T>> {
+fn lock_at_exit<'a, T>(m: &'a Mutex<T>, what: &str) -> Option<MutexGuard<'a, T>> {
     let patience = std::time::Instant::now() + Duration::from_millis(200);
     loop {
         match m.try_lock() {
@@ -673,6 +719,37 @@ impl Checker {
             sys::set_errno(errno);
         }
         r
+    }
+
+    /// `fork`'s prepare handler (`pthread_atfork`): takes both books' locks
+    /// and stderr's, in that order (no thread takes a book while it holds
+    /// stderr), and keeps them in this thread until [`Checker::after_fork`]
+    /// runs in the parent and in the child. Without it a child forked while
+    /// another thread was inside the book-keeping (the watcher, or any
+    /// thread in a get or an ack) inherited the lock taken for good: its
+    /// first get or ack hung. A `fork` from a signal handler that
+    /// interrupted this thread inside the book-keeping takes nothing (the
+    /// lock is this thread's own; waiting would hang the parent): that
+    /// child may hang as before (`fork` is not async-signal-safe with
+    /// fork handlers, POSIX.1-2008 TC2).
+    pub(crate) fn before_fork(&'static self) {
+        if IN_BOOK.with(Cell::get) {
+            return;
+        }
+        let hold = ForkHold {
+            _cm: self.cm.lock().unwrap_or_else(|e| e.into_inner()),
+            _cq: self.cq.lock().unwrap_or_else(|e| e.into_inner()),
+            _stderr: std::io::stderr().lock(),
+        };
+        HELD_FOR_FORK.with(|h| *h.borrow_mut() = Some(hold));
+    }
+
+    /// `fork`'s parent and child handler: lets go of what
+    /// [`Checker::before_fork`] took (in the child, the forking thread is
+    /// the one thread, and the same thread: its locks are its own).
+    pub(crate) fn after_fork(&self) {
+        let hold = HELD_FOR_FORK.with(|h| h.borrow_mut().take());
+        drop(hold);
     }
 
     /// At exit: reports what was never acked; the info-level summary line.

@@ -118,6 +118,18 @@ fn init() -> State {
             mode = Mode::Pass;
         }
     }
+    if let Mode::Check(_) = mode {
+        // SAFETY: three functions that take no arguments and catch every
+        // panic; they find the checker through STATE (set once init
+        // returns; a fork before then finds none and takes nothing).
+        let r = unsafe { libc::pthread_atfork(Some(before_fork), Some(after_fork), Some(after_fork)) };
+        if r != 0 {
+            out::setup_error(&format!(
+                "cannot register the fork handlers (error {r}): a child forked while another thread keeps the books \
+                 may hang in its first get or ack"
+            ));
+        }
+    }
     let what = match &mode {
         Mode::Copy => format!("copy (ack deadline {} ms)", rdmasafe_core::cm::ack_deadline().as_millis()),
         Mode::Check(c) => c.describe(),
@@ -365,6 +377,26 @@ extern "C" fn at_exit() {
             Mode::Copy => log::info!(target: "rdmasafe", "{}", copy::exit_line()),
             Mode::Check(c) => c.at_exit(),
             Mode::Pass => log::info!(target: "rdmasafe", "preload exit [{}]: mode=pass", out::who()),
+        }
+    });
+}
+
+/// `fork`'s prepare handler, registered in check mode: see
+/// `Checker::before_fork`.
+extern "C" fn before_fork() {
+    let _ = catch_unwind(|| {
+        if let Some(State { mode: Mode::Check(c), .. }) = STATE.get() {
+            c.before_fork();
+        }
+    });
+}
+
+/// `fork`'s parent and child handler, registered in check mode: see
+/// `Checker::after_fork`.
+extern "C" fn after_fork() {
+    let _ = catch_unwind(|| {
+        if let Some(State { mode: Mode::Check(c), .. }) = STATE.get() {
+            c.after_fork();
         }
     });
 }
