@@ -30,6 +30,8 @@
 //!   exceeded" still gets the dead peer reported, and a keepalive added
 //!   again on that QP goes quiet (found by an adversarial test of the
 //!   timed features);
+//! * a keepalive whose id dropped its QP before the add was applied leaves
+//!   no registration of the QP number behind (found by the same review);
 //!
 //! (and the cases of the CQ loop below). No timing is asserted: each wait
 //! ends when its condition holds, and a generous watchdog turns a hang into
@@ -204,6 +206,62 @@ fn removing_the_send_cq_removes_its_keepalives() {
     lp.remove_keepalive(qpn).expect("and removed");
     drop(lp);
     drop(server);
+}
+
+/// A keepalive added on an id's QP while another thread holds the loop
+/// (inside a `_then` callback here, as in a handler), and the id dropped
+/// before that thread lets go: the add is applied after the QP is gone.
+/// The keepalive never starts, and its QP number must not stay registered
+/// (it did: `remove_keepalive` answered Ok for a keepalive that never was,
+/// and a later keepalive on a new QP with that number got EBUSY).
+#[test]
+fn a_keepalive_whose_qp_is_gone_before_its_add_is_applied_leaves_no_registration() {
+    let _s = serial();
+    let _dog = common::watchdog("keepalive add applied after its QP is gone", Duration::from_secs(120));
+    let ctx = device();
+    let chan = CompChannel::new(&ctx).unwrap();
+    let pair = rc_pair(common::bed().addr, &chan, false, 4);
+    let other = Cq::new(&ctx, 4, Some(&chan)).unwrap();
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    lp.add_cq(&pair.server_cq, |_, _| {}).unwrap();
+    lp.add_cq(&other, |_, _| {}).unwrap();
+    let server = take_id(&pair.server);
+    let qpn = server.qp_num().unwrap();
+    // A thread applies a removal (nobody runs the loop) and, in its done
+    // callback, holds the loop until told to go on.
+    let (inside_tx, inside_rx) = std::sync::mpsc::channel();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let (ctl, raw) = (lp.control(), other.raw() as usize);
+    let holder = std::thread::spawn(move || {
+        ctl.remove_raw_cq_then(
+            raw as *mut _,
+            Box::new(move |r| {
+                inside_tx.send(r.is_ok()).unwrap();
+                let _ = go_rx.recv();
+            }),
+        )
+    });
+    assert_eq!(inside_rx.recv_timeout(PATIENCE), Ok(true), "the holder's done callback ran (removal Ok)");
+    let dropped = Arc::new(AtomicBool::new(false));
+    let flag = DropFlag(dropped.clone());
+    let cfg = Keepalive { period: Duration::from_millis(100), bound: PATIENCE, wr_id: 0xabe };
+    lp.control()
+        .add_keepalive_id(
+            &server,
+            cfg,
+            Box::new(move |_, _| {
+                let _ = &flag;
+            }),
+        )
+        .expect("queued while the loop is held");
+    assert!(!dropped.load(SeqCst), "queued, not applied yet");
+    drop(server);
+    go_tx.send(()).unwrap();
+    holder.join().unwrap().expect("the removal was accepted");
+    assert!(dropped.load(SeqCst), "the add was applied when the holder let go (its callback dropped)");
+    let e = lp.remove_keepalive(qpn).expect_err("a keepalive that never started is not registered");
+    assert_eq!(e.errno(), libc::ENOENT, "{e}");
+    drop(lp);
 }
 
 #[test]

@@ -302,7 +302,11 @@ impl Core {
             }
             Cmd::AddKeepalive { qp, qpn, send_cq, cfg, on_dead } => {
                 if self.entries.find(send_cq).is_some() {
-                    self.keepalives.add(qp, cfg, on_dead, Instant::now());
+                    if !self.keepalives.add(qp, cfg, on_dead, Instant::now()) {
+                        // Its CmId destroyed the QP before this change was
+                        // applied: a keepalive that ended before it began.
+                        sh.forget_keepalives_of(&[qpn]);
+                    }
                 } else {
                     // Its send CQ left the loop (a removal queued before
                     // this change) and the QP may be gone: never touch it.

@@ -201,9 +201,12 @@ impl Keepalives {
         self.by_qpn.is_empty() && self.orphans.is_empty()
     }
 
-    pub(crate) fn add(&mut self, qp: LiveQp, cfg: Keepalive, on_dead: DeadPeer, now: Instant) {
-        // Checked by the caller while the QP was known to exist.
-        let Ok((qpn, send_cq, _)) = qp.info() else { return };
+    /// Starts detection on `qp`; false (nothing kept, `on_dead` dropped)
+    /// if its `CmId` destroyed it since the caller checked it: the caller
+    /// then forgets the QP number's registration.
+    #[must_use]
+    pub(crate) fn add(&mut self, qp: LiveQp, cfg: Keepalive, on_dead: DeadPeer, now: Instant) -> bool {
+        let Ok((qpn, send_cq, _)) = qp.info() else { return false };
         // Orphans of another QP with this number: that QP was destroyed
         // before its probe came back (live QPs have distinct numbers).
         let addr = qp.raw() as usize;
@@ -226,6 +229,7 @@ impl Keepalives {
                 on_dead,
             },
         );
+        true
     }
 
     /// Stops detection for `qpn`; false if it had none. A probe still
@@ -527,7 +531,7 @@ mod tests {
         let mut k = Keepalives::default();
         // The old QP 7 (another address) lost its probe.
         k.orphans.push_back(LateProbe { qp_num: 7, qp: addr + 0x1000, wr_id: 0xfeed, cq });
-        k.add(qp, CFG, Box::new(|_, _| {}), t0);
+        assert!(k.add(qp, CFG, Box::new(|_, _| {}), t0));
         let e = k.by_qpn.get_mut(&7).unwrap();
         e.probe = Probe::Sent(t0);
         let (ours, ok) = k.note(&wc(7, 0xfeed), t0);
@@ -551,14 +555,14 @@ mod tests {
         let addr = qp.raw() as usize;
         let t0 = Instant::now();
         let mut k = Keepalives::default();
-        k.add(qp, CFG, Box::new(|_, _| {}), t0);
+        assert!(k.add(qp, CFG, Box::new(|_, _| {}), t0));
         // Removed with its probe out, and added again.
         k.by_qpn.get_mut(&11).unwrap().probe = Probe::Sent(t0);
         assert!(k.remove(11));
         assert_eq!(k.orphans.len(), 1);
         let again = fake_qp(&mut raw, 11, cq);
         assert_eq!(again.raw() as usize, addr);
-        k.add(again, CFG, Box::new(|_, _| {}), t0);
+        assert!(k.add(again, CFG, Box::new(|_, _| {}), t0));
         assert_eq!(k.orphans.len(), 1, "the same QP: its orphan stays");
         let mut failed = wc(11, 0xfeed);
         Wc::as_raw_slice_mut(std::slice::from_mut(&mut failed))[0].status =
