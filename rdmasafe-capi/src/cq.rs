@@ -1074,8 +1074,9 @@ unsafe impl Send for CDeadPeer {}
 /// then `on_dead` is called once. A QP not connected
 /// yet (a keepalive added at CONNECT_REQUEST, before `rdma_accept`) is
 /// probed once it is in RTS,
-/// and until the QP's first success a probe's bound is at least twice the
-/// QP's ack timeout (the peer's QP may not be ready yet: it drops the
+/// and a probe posted before the QP's first success has a bound of at
+/// least twice the QP's ack timeout, also when another request succeeds
+/// while it is out (the peer's QP may not be ready yet: it drops the
 /// probe, which is sent again after that timeout). A QP moved to the error
 /// state by something else (a drain, the app's `rdma_disconnect`, another
 /// request's error, each reported by its own completion or event) ends the

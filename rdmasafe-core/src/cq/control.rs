@@ -544,8 +544,9 @@ impl LoopControl {
     /// queue (ENOMEM) delays the probe, up to the bound. A QP that is not
     /// connected yet (RESET, INIT, RTR: a keepalive added at
     /// CONNECT_REQUEST, before the accept) is probed once it is in RTS, and
-    /// until its first success a probe's bound is at least twice the QP's
-    /// ack timeout (the peer's QP may drop it, not ready yet). A QP moved
+    /// a probe posted before the QP's first success has a bound of at least
+    /// twice the QP's ack timeout, also when another request succeeds while
+    /// it is out (the peer's QP may drop it, not ready yet). A QP moved
     /// to the error state by something else (a drain, the app's disconnect,
     /// another request's error, each reported by its own completion or
     /// event) ends the probing: a flushed probe, or one the QP refuses in

@@ -47,6 +47,11 @@ struct Entry {
     /// the CM event), and then drops the probe, which is sent again only
     /// after that timeout.
     connected: bool,
+    /// The probe out (sent or blocked) was attempted before the QP was
+    /// connected: its bound includes `first_grace` until it is answered,
+    /// also after another request of the QP succeeded meanwhile (that
+    /// probe may still be the one the peer dropped).
+    probe_graced: bool,
     /// Twice the QP's ack timeout (from `ibv_query_qp`, when the first
     /// probe is posted); zero until then.
     first_grace: Duration,
@@ -126,12 +131,12 @@ fn watch_for_drop(e: &Entry, now: Instant, next: &mut Option<Instant>) {
 }
 
 impl Entry {
-    /// The bound of the probe out now (see `connected`).
+    /// The bound of the probe out now (see `connected`, `probe_graced`).
     fn bound(&self) -> Duration {
-        if self.connected {
-            self.cfg.bound
-        } else {
+        if self.probe_graced {
             self.cfg.bound.max(self.first_grace)
+        } else {
+            self.cfg.bound
         }
     }
 
@@ -155,6 +160,10 @@ impl Entry {
         }
         if !self.connected && self.first_grace.is_zero() {
             self.first_grace = self.qp.ack_timeout().map_or(Duration::ZERO, |t| 2 * t);
+        }
+        // A retry of a blocked probe keeps the grace it was first tried with.
+        if !matches!(self.probe, Probe::Blocked(_)) {
+            self.probe_graced = !self.connected;
         }
         match self.qp.post_probe(self.cfg.wr_id) {
             Ok(()) => {
@@ -224,6 +233,7 @@ impl Keepalives {
                 dead: false,
                 quiet: false,
                 connected: false,
+                probe_graced: false,
                 first_grace: Duration::ZERO,
                 peer_lost: false,
                 on_dead,
@@ -571,6 +581,39 @@ mod tests {
         assert!(ours, "the orphan is consumed");
         let (_, dead, _) = k.tick(t0);
         assert_eq!(dead, [11], "the peer is dead");
+    }
+
+    /// A probe posted before the QP's first success keeps the first-probe
+    /// grace after another request of the QP succeeds: the peer's QP may
+    /// have dropped that probe (not ready yet), which is sent again only
+    /// after the ack timeout. Found by a review's question: the success
+    /// shortened the probe's bound to the plain one, and a tick made for
+    /// any other reason (another keepalive's deadline) between the two
+    /// declared the peer dead early.
+    #[test]
+    fn a_probe_sent_before_the_first_success_keeps_its_grace() {
+        let cq = 0x7e57_6000;
+        let mut raw: crate::sys::ibv_qp = unsafe { std::mem::zeroed() };
+        let qp = fake_qp(&mut raw, 13, cq);
+        let t0 = Instant::now();
+        let mut k = Keepalives::default();
+        assert!(k.add(qp, CFG, Box::new(|_, _| {}), t0));
+        // As `attempt_probe` leaves it after posting the first probe, not
+        // connected yet (the grace, 1000 s here, beyond the bound, 200 s).
+        let grace = Duration::from_secs(1000);
+        let e = k.by_qpn.get_mut(&13).unwrap();
+        e.first_grace = grace;
+        e.probe_graced = true;
+        e.probe = Probe::Sent(t0);
+        // An app request of the QP succeeds; the probe is not back yet.
+        let (ours, _) = k.note(&wc(13, 0x1234), t0);
+        assert!(!ours, "the app's completion");
+        // A tick past the plain bound (made for another keepalive's sake).
+        k.next = Some(t0);
+        let (_, dead, _) = k.tick(t0 + CFG.bound + Duration::from_secs(1));
+        assert!(dead.is_empty(), "declared dead before the probe's own bound (the grace)");
+        let (_, dead, _) = k.tick(t0 + grace + Duration::from_secs(1));
+        assert_eq!(dead, [13], "dead at the grace: the probe never came back");
     }
 
     /// A CQ destroyed out of every loop takes its parked probes along: a
