@@ -58,6 +58,14 @@ fn build(name: &str, dir: &Path) -> (String, PathBuf) {
     (format!("{} {}", p.display(), s.display()), prog)
 }
 
+/// `prog` under the preload (`ld_preload`) in check mode, its stderr
+/// piped.
+fn in_check_mode(prog: &Path, ld_preload: &str) -> Command {
+    let mut cmd = Command::new(prog);
+    cmd.env("LD_PRELOAD", ld_preload).env("RDMASAFE_CHECK", "1").stderr(Stdio::piped());
+    cmd
+}
+
 /// The child's exit status, or None if it had not exited after
 /// `patience` (then it is killed).
 fn wait_or_kill(child: &mut Child, patience: Duration) -> Option<ExitStatus> {
@@ -87,13 +95,7 @@ fn exit_from_a_signal_handler_in_check_mode_does_not_hang() {
     let runs = 20;
     let mut report = Vec::new();
     for run in 1..=runs {
-        let mut child = Command::new(&prog)
-            .env("LD_PRELOAD", &ld_preload)
-            .env("RDMASAFE_CHECK", "1")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("the program starts");
+        let mut child = in_check_mode(&prog, &ld_preload).stdout(Stdio::null()).spawn().expect("the program starts");
         // A watchdog, not a timing: the program exits 50 ms in.
         let status = wait_or_kill(&mut child, Duration::from_secs(30));
         let mut err = String::new();
@@ -114,12 +116,9 @@ fn a_child_forked_while_another_thread_keeps_the_books_does_not_hang() {
     let dir = temp("fork");
     let (ld_preload, prog) = build("fork_while_busy", &dir);
     let forks = 200;
-    let mut child = Command::new(&prog)
+    let mut child = in_check_mode(&prog, &ld_preload)
         .arg(forks.to_string())
-        .env("LD_PRELOAD", &ld_preload)
-        .env("RDMASAFE_CHECK", "1")
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
         .spawn()
         .expect("the program starts");
     // A watchdog, not a timing: each child's own alarm (10 s) ends a hung
