@@ -544,7 +544,9 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_add_cq_ex(
 /// never be called again. From another thread this waits for the loop's
 /// current cycle (it never returns while the CQ's callback runs) and
 /// returns 0: `ibv_destroy_cq` may follow at once, provided no QP can still
-/// raise an event on the CQ (destroy or drain its QPs first). From inside a
+/// raise an event on the CQ (destroy or drain its QPs first; a QP with a
+/// keepalive: drain it, or remove its keepalive, before destroying it:
+/// see `rdmasafe_cq_loop_add_keepalive`). From inside a
 /// callback of this loop it returns RDMASAFE_PENDING: the removal is done
 /// when that callback returns (use `rdmasafe_cq_loop_remove_cq_async` or
 /// `rdmasafe_cq_loop_destroy_cq` to destroy the CQ then). Keepalives that
@@ -618,7 +620,9 @@ unsafe impl Send for DestroyCq {}
 
 /// Removes `cq` from the loop and destroys it, in the only safe order: the
 /// removal completes (acks flushed, callback never called again), then
-/// `ibv_destroy_cq`. Destroy or drain the QPs that use the CQ first. From
+/// `ibv_destroy_cq`. Destroy or drain the QPs that use the CQ first (a QP
+/// with a keepalive: drain it, or remove its keepalive, before destroying
+/// it: see `rdmasafe_cq_loop_add_keepalive`). From
 /// inside a callback of this loop the CQ is removed and destroyed when that
 /// callback returns (RDMASAFE_PENDING; a failed destroy is then only
 /// logged, at error level, and only with logging on: where its result
@@ -1087,7 +1091,12 @@ unsafe impl Send for CDeadPeer {}
 /// leaves the loop is consumed by the loop it joins next, as drain markers
 /// are): pick a `probe_wr_id` the app does not use on this QP. The QP must stay alive until
 /// `rdmasafe_cq_loop_remove_keepalive` returns, its send CQ leaves the
-/// loop, or the loop is destroyed.
+/// loop, or the loop is destroyed; or until its drain
+/// (`rdmasafe_cq_loop_drain_qp`) or its peer's death (`on_dead`) has been
+/// reported, after which the keepalive no longer touches it. Destroying
+/// the QP first (e.g. `rdma_destroy_qp` at DISCONNECTED, then removing
+/// its CQ) is a use after free: until then the loop queries the QP and
+/// posts its probes on it.
 ///
 /// Returns 0 (or RDMASAFE_PENDING from a callback), -EINVAL (NULL, unknown
 /// loop, `period_ms` or `bound_ms` <= 0, not an RC QP, send CQ not in this
