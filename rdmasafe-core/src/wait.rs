@@ -35,7 +35,7 @@ impl Wait {
         match self {
             Wait::None => 0,
             Wait::Forever => -1,
-            Wait::For(d) => d.as_nanos().div_ceil(1_000_000).min(c_int::MAX as u128) as c_int,
+            Wait::For(d) => poll_ms_of(d),
         }
     }
 
@@ -43,6 +43,19 @@ impl Wait {
     pub fn until(deadline: Instant) -> Wait {
         Wait::from(deadline.saturating_duration_since(Instant::now()))
     }
+}
+
+/// [`Wait::poll_ms`] of `Wait::For(d)`. Out of line on purpose: inlined,
+/// the compiler computed it (a 128-bit division, whose library routine
+/// branches on its operand) before it looked at the variant, so for
+/// `Wait::None` it ran on the unset bytes where a `For` keeps its
+/// duration. Harmless, but valgrind's memcheck reports it ("Conditional
+/// jump or move depends on uninitialised value(s)") in every program that
+/// makes a batch get on a blocking-mode channel: a call is not computed
+/// ahead.
+#[inline(never)]
+fn poll_ms_of(d: Duration) -> c_int {
+    d.as_nanos().div_ceil(1_000_000).min(c_int::MAX as u128) as c_int
 }
 
 impl From<Duration> for Wait {
