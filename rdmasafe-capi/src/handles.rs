@@ -5,7 +5,11 @@
 //!   that does not name a live object is EINVAL.
 //! * A destroyed object's handle can never reach a newer object: the
 //!   table cell's generation changes on destroy, and the handle carries the
-//!   generation it was made with.
+//!   generation it was made with. A handle is `generation << 13 | cell + 1`
+//!   (4,096 cells): 2^51 - 1 generations per cell before one comes back,
+//!   some 70 years of a million creates and destroys a second in one cell
+//!   (a 32-bit generation came back after 2^32 - 1, a day of one loop
+//!   created and destroyed at a time).
 //! * Lookups take no lock (two atomics); destroy waits until lookups in
 //!   flight on other threads are done before it frees. A destroy on a
 //!   thread that is itself still inside a call on the same object (a log
@@ -15,15 +19,21 @@
 //!   thread-local in a signal handler).
 
 use std::cell::Cell as StdCell;
-use std::sync::atomic::{AtomicPtr, AtomicU32, Ordering::SeqCst};
+use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, Ordering::SeqCst};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 /// Objects alive at once, at most.
 const CELLS: usize = 4096;
 
+/// The handle's low bits: the cell's index + 1 (1..=CELLS).
+const INDEX_BITS: u32 = 13;
+
+/// The last generation; the one after it is 1.
+const GEN_MAX: u64 = (1 << (64 - INDEX_BITS)) - 1;
+
 struct Cell<T> {
-    gen: AtomicU32,
+    gen: AtomicU64,
     users: AtomicU32,
     obj: AtomicPtr<T>,
 }
@@ -76,7 +86,7 @@ pub(crate) struct Entered<'a, T> {
     cell: &'a Cell<T>,
     obj: &'a T,
     /// The generation the handle was looked up with.
-    gen: u32,
+    gen: u64,
     /// Counted in this thread's [`INSIDE`].
     noted: bool,
 }
@@ -122,10 +132,19 @@ impl<T> Drop for Entered<'_, T> {
     }
 }
 
-fn split(h: usize) -> Option<(usize, u32)> {
+fn split(h: usize) -> Option<(usize, u64)> {
     let v = h as u64;
-    let idx = (v & 0xffff_ffff) as usize;
-    (1..=CELLS).contains(&idx).then(|| (idx - 1, (v >> 32) as u32))
+    let idx = (v & ((1 << INDEX_BITS) - 1)) as usize;
+    (1..=CELLS).contains(&idx).then(|| (idx - 1, v >> INDEX_BITS))
+}
+
+/// The generation after `gen` (never 0, which no handle carries).
+fn next_gen(gen: u64) -> u64 {
+    if gen >= GEN_MAX {
+        1
+    } else {
+        gen + 1
+    }
 }
 
 impl<T> Table<T> {
@@ -138,7 +157,7 @@ impl<T> Table<T> {
             *self.free.lock().unwrap_or_else(|e| e.into_inner()) = (0..CELLS as u32).rev().collect();
             (0..CELLS)
                 .map(|_| Cell {
-                    gen: AtomicU32::new(1),
+                    gen: AtomicU64::new(1),
                     users: AtomicU32::new(0),
                     obj: AtomicPtr::new(std::ptr::null_mut()),
                 })
@@ -153,7 +172,7 @@ impl<T> Table<T> {
         let cell = &cells[i];
         cell.obj.store(Box::into_raw(obj), SeqCst);
         let gen = cell.gen.load(SeqCst);
-        Some(((gen as u64) << 32 | (i as u64 + 1)) as usize)
+        Some((gen << INDEX_BITS | (i as u64 + 1)) as usize)
     }
 
     /// The object `h` names, if it is alive. Lock-free.
@@ -196,7 +215,7 @@ impl<T> Table<T> {
         // From the generation `e` was looked up with: of two removes of one
         // object, the second finds it changed (it once read the current
         // one, changed already by the first, and both freed the object).
-        if cell.gen.compare_exchange(e.gen, e.gen.wrapping_add(1).max(1), SeqCst, SeqCst).is_err() {
+        if cell.gen.compare_exchange(e.gen, next_gen(e.gen), SeqCst, SeqCst).is_err() {
             return Err(NotRemoved::Gone);
         }
         // Cleared before the wait: a lookup that still finds the object is
@@ -244,7 +263,7 @@ mod tests {
         assert!(T.enter_signal_safe(a).is_none(), "destroyed");
         // The same cell again (LIFO free list): a new generation.
         let b = T.insert(Box::new(2)).unwrap();
-        assert_eq!(a & 0xffff_ffff, b & 0xffff_ffff, "same cell");
+        assert_eq!(split(a).unwrap().0, split(b).unwrap().0, "same cell");
         assert_ne!(a, b, "different handle");
         assert!(T.enter(a).is_none(), "the stale handle does not reach the new object");
         assert_eq!(*T.enter(b).unwrap(), 2);
@@ -252,6 +271,30 @@ mod tests {
             assert!(T.enter(bad).is_none(), "{bad:#x}");
         }
         assert_eq!(*T.remove(T.enter(b).unwrap()).unwrap(), 2);
+    }
+
+    /// One object created and destroyed at a time takes the same cell
+    /// every time (LIFO free list): its handle must not come back after
+    /// 2^32 - 1 destroys (it did, with a 32-bit generation: a stale handle
+    /// reached the object of 2^32 - 1 destroys later, about a day of one
+    /// loop per connection at 1,000 connections a second; found by a
+    /// review).
+    #[test]
+    fn a_stale_handle_does_not_come_back_after_2_pow_32_destroys_of_its_cell() {
+        static T: Table<u32> = Table::new();
+        let first = T.insert(Box::new(1)).unwrap();
+        let (cell, _) = split(first).unwrap();
+        T.remove(T.enter(first).unwrap()).unwrap();
+        // As after 2^32 - 3 more creates and destroys in that cell.
+        T.cells()[cell].gen.store(u32::MAX.into(), SeqCst);
+        let last = T.insert(Box::new(2)).unwrap();
+        assert_eq!(split(last).unwrap().0, cell, "the same cell");
+        T.remove(T.enter(last).unwrap()).unwrap();
+        let next = T.insert(Box::new(3)).unwrap();
+        assert_ne!(next, first, "the first handle came back");
+        assert!(T.enter(first).is_none(), "a stale handle reached a newer object");
+        assert_eq!(*T.enter(next).unwrap(), 3);
+        T.remove(T.enter(next).unwrap()).unwrap();
     }
 
     /// Two threads inside calls on one object both remove it: one gets
