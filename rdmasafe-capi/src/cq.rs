@@ -631,7 +631,9 @@ unsafe impl Send for DestroyCq {}
 ///
 /// Returns 0, RDMASAFE_PENDING, -EINVAL (NULL, unknown loop), -ENOENT (CQ
 /// not in this loop: nothing destroyed), or the negative errno of
-/// `ibv_destroy_cq`.
+/// `ibv_destroy_cq` (e.g. -EBUSY: a QP still uses the CQ): the CQ has left
+/// the loop then all the same (its callback is not called again, its
+/// events were acked) and still exists; add it again to have it served.
 ///
 /// # Safety
 /// `cq` NULL or a live CQ that nothing but the loop uses any more.
