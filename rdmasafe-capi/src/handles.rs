@@ -29,8 +29,9 @@ const CELLS: usize = 4096;
 /// The handle's low bits: the cell's index + 1 (1..=CELLS).
 const INDEX_BITS: u32 = 13;
 
-/// The last generation; the one after it is 1.
-const GEN_MAX: u64 = (1 << (64 - INDEX_BITS)) - 1;
+/// The last generation (what a handle's other bits hold: 2^51 - 1 on a
+/// 64-bit target); the one after it is 1.
+const GEN_MAX: u64 = (1 << (usize::BITS - INDEX_BITS)) - 1;
 
 struct Cell<T> {
     gen: AtomicU64,
