@@ -349,8 +349,10 @@ impl Core {
     /// gets a marker only when its CQ is in the loop and the QP has no SRQ
     /// (a marker must never reach a CQ the app polls itself). If the drain
     /// cannot start (a full queue), the QP still goes to the error state.
+    /// Nothing of this if the app drained the QP itself
+    /// ([`super::keepalive::Keepalives::qp_to_drain`]).
     pub(super) fn drain_dead_peer(&mut self, qpn: u32) {
-        let Some(qp) = self.keepalives.qp(qpn) else { return };
+        let Some(qp) = self.keepalives.qp_to_drain(qpn) else { return };
         let Ok((_, _, recv_cq)) = qp.info() else { return }; // its CmId destroyed it
         let recv = self.entries.find(recv_cq).is_some() && qp.has_srq() == Ok(false);
         let deadline = sys::deadline_after(Instant::now(), DEAD_PEER_DRAIN);

@@ -59,6 +59,11 @@ struct Entry {
     /// unreachable (the probe then only flushes, which alone is not a dead
     /// peer).
     peer_lost: bool,
+    /// The app drained the QP: the loop leaves its teardown to the app
+    /// (a peer declared dead after that gets `on_dead`, and the loop
+    /// neither drains the QP nor touches it again: the app may have
+    /// destroyed it once its drain was reported).
+    drained_by_app: bool,
     on_dead: DeadPeer,
 }
 
@@ -236,6 +241,7 @@ impl Keepalives {
                 probe_graced: false,
                 first_grace: Duration::ZERO,
                 peer_lost: false,
+                drained_by_app: false,
                 on_dead,
             },
         );
@@ -438,6 +444,7 @@ impl Keepalives {
     /// in the same batch, say) is still declared dead.
     pub(crate) fn draining(&mut self, qpn: u32) {
         if let Some(e) = self.by_qpn.get_mut(&qpn) {
+            e.drained_by_app = true;
             // (A request's "retry exceeded" leaves the probe `Failed` too,
             // until the peer is declared dead.)
             if !matches!(e.probe, Probe::Failed { .. }) {
@@ -467,9 +474,11 @@ impl Keepalives {
         cqs
     }
 
-    /// The QP of the keepalive for `qpn`.
-    pub(crate) fn qp(&self, qpn: u32) -> Option<&LiveQp> {
-        self.by_qpn.get(&qpn).map(|e| &e.qp)
+    /// The QP of the keepalive for `qpn`, for the loop's drain of a dead
+    /// peer's QP: none if the app drained the QP itself (it may have
+    /// destroyed it since: see `drained_by_app`).
+    pub(crate) fn qp_to_drain(&self, qpn: u32) -> Option<&LiveQp> {
+        self.by_qpn.get(&qpn).filter(|e| !e.drained_by_app).map(|e| &e.qp)
     }
 
     /// The callback of a peer declared dead.
@@ -614,6 +623,30 @@ mod tests {
         assert!(dead.is_empty(), "declared dead before the probe's own bound (the grace)");
         let (_, dead, _) = k.tick(t0 + grace + Duration::from_secs(1));
         assert_eq!(dead, [13], "dead at the grace: the probe never came back");
+    }
+
+    /// A request's "retry exceeded" and then the app's drain of the QP: the
+    /// peer is still declared dead, but the loop does not drain the QP
+    /// itself (found by a review: it read and moved the QP, which the app
+    /// may destroy as soon as its own drain is reported, as the header
+    /// allows: a use after free).
+    #[test]
+    fn a_dead_peer_whose_qp_the_app_drained_is_not_drained_again() {
+        let cq = 0x7e57_7000;
+        let mut raw: crate::sys::ibv_qp = unsafe { std::mem::zeroed() };
+        let qp = fake_qp(&mut raw, 17, cq);
+        let t0 = Instant::now();
+        let mut k = Keepalives::default();
+        assert!(k.add(qp, CFG, Box::new(|_, _| {}), t0));
+        let mut failed = wc(17, 0x1234);
+        Wc::as_raw_slice_mut(std::slice::from_mut(&mut failed))[0].status =
+            crate::sys::ibv_wc_status::IBV_WC_RETRY_EXC_ERR;
+        let (ours, _) = k.note(&failed, t0);
+        assert!(!ours, "the app's request");
+        k.draining(17);
+        let (_, dead, _) = k.tick(t0);
+        assert_eq!(dead, [17], "still a dead peer");
+        assert!(k.qp_to_drain(17).is_none(), "the app drains (and may destroy) the QP: the loop keeps off it");
     }
 
     /// A CQ destroyed out of every loop takes its parked probes along: a
