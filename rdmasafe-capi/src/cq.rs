@@ -683,11 +683,17 @@ pub unsafe extern "C" fn rdmasafe_cq_loop_destroy_cq(cq_loop: *mut rdmasafe_cq_l
 /// # Safety
 /// `cq` is a live CQ out of every loop that nothing uses any more.
 unsafe fn destroy_left_cq(cq: *mut ibv_cq) -> c_int {
-    rdmasafe_core::cq::cq_destroyed(cq);
+    let left = rdmasafe_core::cq::cq_destroying(cq);
     // SAFETY: the caller's contract.
     match unsafe { rdmasafe_core::sys::ibv_destroy_cq(cq) } {
         0 => 0,
-        r => -r.abs(),
+        r => {
+            // The CQ lives on (e.g. EBUSY: a QP still uses it), and may be
+            // added to a loop again: the loop's markers and probes through
+            // it stay the loop's.
+            left.destroy_failed();
+            -r.abs()
+        }
     }
 }
 

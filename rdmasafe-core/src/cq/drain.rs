@@ -205,9 +205,35 @@ fn park_all(items: impl IntoIterator<Item = Parked>) {
 /// the address of a CQ destroyed with markers or probes in it consumes
 /// those wr_ids of those QP numbers.
 pub fn cq_destroyed(cq: *mut crate::sys::ibv_cq) {
+    drop(cq_destroying(cq));
+}
+
+/// [`cq_destroyed`] for a destroy that may fail: what was parked for `cq`
+/// is taken out (a new CQ at its address cannot inherit it once the
+/// destroy succeeded), and [`LeftWith::destroy_failed`] parks it again
+/// for the CQ, which lives on (the loop it joins again consumes its
+/// markers and probes, which would otherwise reach its handler).
+pub fn cq_destroying(cq: *mut crate::sys::ibv_cq) -> LeftWith {
     let mut p = parking();
-    drop(p.take(cq as usize));
-    drop(take_where(&mut p.probes, |x| x.cq == cq as usize));
+    LeftWith { markers: p.take(cq as usize), probes: take_where(&mut p.probes, |x| x.cq == cq as usize) }
+}
+
+/// The drain markers and keepalive probes still expected through a CQ
+/// being destroyed ([`cq_destroying`]); dropped with a destroy that
+/// succeeded.
+#[must_use = "dropped once the destroy succeeded, or given back with destroy_failed"]
+pub struct LeftWith {
+    markers: Vec<Parked>,
+    probes: Vec<LateProbe>,
+}
+
+impl LeftWith {
+    /// The CQ's destroy failed: it still exists, and what was parked for
+    /// it is parked again.
+    pub fn destroy_failed(self) {
+        park_all(self.markers);
+        park_probes(self.probes);
+    }
 }
 
 impl Drains {
@@ -638,6 +664,27 @@ mod tests {
         let mut d = Drains::default();
         d.adopt(cq);
         assert!(d.is_empty());
+    }
+
+    /// A CQ whose destroy failed keeps its parked markers and probes (it
+    /// lives on, and may join a loop again, which must consume them; found
+    /// by a review: `rdmasafe_cq_loop_destroy_cq` dropped them before a
+    /// destroy that then failed with EBUSY, and the CQ added again handed
+    /// the loop's markers to the app's handler).
+    #[test]
+    fn a_cq_whose_destroy_failed_keeps_what_was_parked_for_it() {
+        let cq = 0x7e57_0140;
+        park_all([Parked { cq, qp_num: 7, qp: 0xbee7, send: true, recv: false }]);
+        park_probes(vec![LateProbe { qp_num: 7, qp: 0xbee7, wr_id: 0x99, cq }]);
+        cq_destroying(cq as *mut crate::sys::ibv_cq).destroy_failed();
+        let mut d = Drains::default();
+        d.adopt(cq);
+        assert!(d.note(&marker(7, DRAIN_SEND_WR_ID)), "the marker is still the loop's");
+        assert_eq!(take_probes(cq).len(), 1, "the probe is still parked for it");
+        // A destroy that succeeded takes them along.
+        park_probes(vec![LateProbe { qp_num: 7, qp: 0xbee7, wr_id: 0x99, cq }]);
+        drop(cq_destroying(cq as *mut crate::sys::ibv_cq));
+        assert!(take_probes(cq).is_empty());
     }
 
     /// Two drains of one QP in progress: the older gets the first marker,

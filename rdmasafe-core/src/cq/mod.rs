@@ -43,7 +43,7 @@ pub use async_events::{AsyncElement, AsyncEvent, AsyncEventType, AsyncEvents, As
 #[cfg(feature = "tokio")]
 pub(crate) use control::NOT_POLLED_YET;
 pub use control::{LoopControl, Outcome};
-pub use drain::{cq_destroyed, DRAIN_RECV_WR_ID, DRAIN_SEND_WR_ID};
+pub use drain::{cq_destroyed, cq_destroying, LeftWith, DRAIN_RECV_WR_ID, DRAIN_SEND_WR_ID};
 #[cfg(feature = "tokio")]
 pub(crate) use event_loop::RunClaim;
 pub use event_loop::{CqLoop, LoopThread, Progress, RunEnd};
