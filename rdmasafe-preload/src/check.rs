@@ -410,11 +410,13 @@ thread_local! {
     static HELD_FOR_FORK: RefCell<Option<ForkHold>> = const { RefCell::new(None) };
 }
 
-/// A book locked by this thread, marked in `IN_BOOK` while it lives.
-struct Booked<'a, T>(MutexGuard<'a, T>);
+/// A book locked by this thread, marked in `IN_BOOK` from before the lock
+/// is taken until after it is let go (the guard is `None` only in drop).
+struct Booked<'a, T>(Option<MutexGuard<'a, T>>);
 
 impl<T> Drop for Booked<'_, T> {
     fn drop(&mut self) {
+        drop(self.0.take());
         IN_BOOK.with(|b| b.set(false));
     }
 }
@@ -422,22 +424,21 @@ impl<T> Drop for Booked<'_, T> {
 impl<T> std::ops::Deref for Booked<'_, T> {
     type Target = T;
     fn deref(&self) -> &T {
-        &self.0
+        self.0.as_deref().expect("a Booked holds its guard until dropped")
     }
 }
 
 impl<T> std::ops::DerefMut for Booked<'_, T> {
     fn deref_mut(&mut self) -> &mut T {
-        &mut self.0
+        self.0.as_deref_mut().expect("a Booked holds its guard until dropped")
     }
 }
 
 /// `m` locked (a poisoned lock is taken as it is: the books stay usable).
 /// The books are never locked two at a time, but by the fork handler.
 fn lock<T>(m: &Mutex<T>) -> Booked<'_, T> {
-    let g = m.lock().unwrap_or_else(|e| e.into_inner());
     IN_BOOK.with(|b| b.set(true));
-    Booked(g)
+    Booked(Some(m.lock().unwrap_or_else(|e| e.into_inner())))
 }
 
 /// What the forking thread holds across `fork`: both books and stderr
