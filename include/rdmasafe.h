@@ -917,7 +917,10 @@ int rdmasafe_event_free(struct rdma_cm_event *event);
  * What was captured from the event's ids at copy time, for routing a copy
  * without dereferencing `ev->id` (which the app may have destroyed):
  * `*context` receives `ev->id->context`, `*listen_context`
- * `ev->listen_id->context` (NULL without a listen id). Either out pointer
+ * `ev->listen_id->context` (NULL without a listen id). For a
+ * CONNECT_REQUEST both are the listener's context: librdmacm gives the
+ * new id its listener's (route such a copy by the event type first, or
+ * set the new id's context before its next event). Either out pointer
  * may be NULL. Thread-safe; never blocks.
  *
  * Returns 0, or -EINVAL (`event` is not a live copy: nothing is written).
