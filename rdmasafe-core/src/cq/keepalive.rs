@@ -533,6 +533,22 @@ mod tests {
         unsafe { LiveQp::new(std::ptr::NonNull::from(raw)) }
     }
 
+    /// A keepalive of `CFG` on a fake QP `qp_num` (its struct in `raw`,
+    /// CQ `cq`), added at `t0`.
+    fn one_keepalive(raw: &mut crate::sys::ibv_qp, qp_num: u32, cq: usize, t0: Instant) -> Keepalives {
+        let mut k = Keepalives::default();
+        assert!(k.add(fake_qp(raw, qp_num, cq), CFG, Box::new(|_, _| {}), t0));
+        k
+    }
+
+    /// A failed completion of QP `qp_num`: retry exceeded.
+    fn retry_exceeded(qp_num: u32, wr_id: u64) -> Wc {
+        let mut failed = wc(qp_num, wr_id);
+        Wc::as_raw_slice_mut(std::slice::from_mut(&mut failed))[0].status =
+            crate::sys::ibv_wc_status::IBV_WC_RETRY_EXC_ERR;
+        failed
+    }
+
     const CFG: Keepalive =
         Keepalive { period: Duration::from_secs(100), bound: Duration::from_secs(200), wr_id: 0xfeed };
 
@@ -583,10 +599,7 @@ mod tests {
         assert_eq!(again.raw() as usize, addr);
         assert!(k.add(again, CFG, Box::new(|_, _| {}), t0));
         assert_eq!(k.orphans.len(), 1, "the same QP: its orphan stays");
-        let mut failed = wc(11, 0xfeed);
-        Wc::as_raw_slice_mut(std::slice::from_mut(&mut failed))[0].status =
-            crate::sys::ibv_wc_status::IBV_WC_RETRY_EXC_ERR;
-        let (ours, _) = k.note(&failed, t0);
+        let (ours, _) = k.note(&retry_exceeded(11, 0xfeed), t0);
         assert!(ours, "the orphan is consumed");
         let (_, dead, _) = k.tick(t0);
         assert_eq!(dead, [11], "the peer is dead");
@@ -601,12 +614,9 @@ mod tests {
     /// declared the peer dead early.
     #[test]
     fn a_probe_sent_before_the_first_success_keeps_its_grace() {
-        let cq = 0x7e57_6000;
         let mut raw: crate::sys::ibv_qp = unsafe { std::mem::zeroed() };
-        let qp = fake_qp(&mut raw, 13, cq);
         let t0 = Instant::now();
-        let mut k = Keepalives::default();
-        assert!(k.add(qp, CFG, Box::new(|_, _| {}), t0));
+        let mut k = one_keepalive(&mut raw, 13, 0x7e57_6000, t0);
         // As `attempt_probe` leaves it after posting the first probe, not
         // connected yet (the grace, 1000 s here, beyond the bound, 200 s).
         let grace = Duration::from_secs(1000);
@@ -632,16 +642,10 @@ mod tests {
     /// allows: a use after free).
     #[test]
     fn a_dead_peer_whose_qp_the_app_drained_is_not_drained_again() {
-        let cq = 0x7e57_7000;
         let mut raw: crate::sys::ibv_qp = unsafe { std::mem::zeroed() };
-        let qp = fake_qp(&mut raw, 17, cq);
         let t0 = Instant::now();
-        let mut k = Keepalives::default();
-        assert!(k.add(qp, CFG, Box::new(|_, _| {}), t0));
-        let mut failed = wc(17, 0x1234);
-        Wc::as_raw_slice_mut(std::slice::from_mut(&mut failed))[0].status =
-            crate::sys::ibv_wc_status::IBV_WC_RETRY_EXC_ERR;
-        let (ours, _) = k.note(&failed, t0);
+        let mut k = one_keepalive(&mut raw, 17, 0x7e57_7000, t0);
+        let (ours, _) = k.note(&retry_exceeded(17, 0x1234), t0);
         assert!(!ours, "the app's request");
         k.draining(17);
         let (_, dead, _) = k.tick(t0);
