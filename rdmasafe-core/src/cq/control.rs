@@ -31,7 +31,7 @@
 //! handler must never wait for a thread that is removing a CQ of the same
 //! loop (use the `_then` variants there, which never block).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::*};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -39,6 +39,7 @@ use std::time::Duration;
 
 use super::core::Core;
 use super::handle::{LiveCq, LiveQp};
+use super::keepalive::{Registration, Registrations};
 use super::options::{CqOptions, Keepalive, LoopOptions};
 use super::stats::{Bump, Counters, LoopStats};
 use super::{registry, DeadPeer, Handler};
@@ -127,7 +128,7 @@ pub(crate) enum Cmd {
     /// touched only once its CQs are found in the loop.
     AddKeepalive {
         qp: LiveQp,
-        qpn: u32,
+        reg: Registration,
         send_cq: usize,
         cfg: Keepalive,
         on_dead: DeadPeer,
@@ -186,9 +187,9 @@ pub(crate) struct Shared {
     pub(crate) counters: Counters,
     pub(crate) outstanding: AtomicU64,
     pub(crate) in_handler: AtomicBool,
-    /// The keepalives as the callers see them (qp_num -> send CQ), so add
-    /// and remove answer EBUSY / ENOENT at once.
-    keepalives: Mutex<HashMap<u32, usize>>,
+    /// The keepalives as the callers see them, so add and remove answer
+    /// EBUSY / ENOENT at once.
+    keepalives: Mutex<Registrations>,
 }
 
 /// `Shared::driver` of a spawned run that no thread has polled yet, whose
@@ -239,7 +240,7 @@ impl Shared {
             counters: Counters::default(),
             outstanding: AtomicU64::new(0),
             in_handler: AtomicBool::new(false),
-            keepalives: Mutex::new(HashMap::new()),
+            keepalives: Mutex::new(Registrations::default()),
         })
     }
 
@@ -299,11 +300,10 @@ impl Shared {
         self.owner.load(SeqCst) == sys::thread_tag()
     }
 
-    pub(crate) fn forget_keepalives_of(&self, qpns: &[u32]) {
-        let mut k = self.keepalives.lock().unwrap_or_else(|e| e.into_inner());
-        for q in qpns {
-            k.remove(q);
-        }
+    /// Keepalives that ended in the loop by themselves (see
+    /// [`Registrations::forget`]).
+    pub(crate) fn forget_keepalives(&self, gone: &[Registration]) {
+        self.keepalives.lock().unwrap_or_else(|e| e.into_inner()).forget(gone);
     }
 }
 
@@ -587,14 +587,11 @@ impl LoopControl {
         if !registry::cq_in(send_cq, self.0.id) {
             return Err(Error::new("rdmasafe keepalive: the QP's send CQ is not in this loop", libc::EINVAL));
         }
-        {
-            let mut k = self.0.keepalives.lock().unwrap_or_else(|e| e.into_inner());
-            if k.contains_key(&qpn) {
-                return Err(Error::new("rdmasafe keepalive: QP already registered", libc::EBUSY));
-            }
-            k.insert(qpn, send_cq);
-        }
-        self.submit(Cmd::AddKeepalive { qp, qpn, send_cq, cfg, on_dead }, None)
+        let reg = self.0.keepalives.lock().unwrap_or_else(|e| e.into_inner()).register(qpn);
+        let Some(reg) = reg else {
+            return Err(Error::new("rdmasafe keepalive: QP already registered", libc::EBUSY));
+        };
+        self.submit(Cmd::AddKeepalive { qp, reg, send_cq, cfg, on_dead }, None)
     }
 
     /// Stops dead-peer detection for the QP with this number (ENOENT if it
@@ -603,7 +600,7 @@ impl LoopControl {
     /// CQ left the loop and joined this or another loop again (kept by CQ
     /// address, as drain markers are).
     pub fn remove_keepalive(&self, qp_num: u32) -> Result<Outcome> {
-        if self.0.keepalives.lock().unwrap_or_else(|e| e.into_inner()).remove(&qp_num).is_none() {
+        if !self.0.keepalives.lock().unwrap_or_else(|e| e.into_inner()).unregister(qp_num) {
             return Err(Error::new("rdmasafe keepalive", libc::ENOENT));
         }
         let c = Arc::new(Completion::default());
@@ -616,7 +613,7 @@ impl LoopControl {
     /// `done` dropped) if the QP had no keepalive. A panic in `done` is
     /// caught and logged.
     pub fn remove_keepalive_then(&self, qp_num: u32, done: Box<dyn FnOnce(Result<()>) + Send>) -> Result<()> {
-        if self.0.keepalives.lock().unwrap_or_else(|e| e.into_inner()).remove(&qp_num).is_none() {
+        if !self.0.keepalives.lock().unwrap_or_else(|e| e.into_inner()).unregister(qp_num) {
             return Err(Error::new("rdmasafe keepalive", libc::ENOENT));
         }
         self.submit_async(Cmd::RemoveKeepalive { qp_num, done: Done::Call(done) })

@@ -300,17 +300,18 @@ impl Core {
                 let r = self.remove_cq(ctl, cq);
                 done.finish(sh, r);
             }
-            Cmd::AddKeepalive { qp, qpn, send_cq, cfg, on_dead } => {
+            Cmd::AddKeepalive { qp, reg, send_cq, cfg, on_dead } => {
+                let qpn = reg.0;
                 if self.entries.find(send_cq).is_some() {
-                    if !self.keepalives.add(qp, cfg, on_dead, Instant::now()) {
+                    if !self.keepalives.add(qp, reg.1, cfg, on_dead, Instant::now()) {
                         // Its CmId destroyed the QP before this change was
                         // applied: a keepalive that ended before it began.
-                        sh.forget_keepalives_of(&[qpn]);
+                        sh.forget_keepalives(&[reg]);
                     }
                 } else {
                     // Its send CQ left the loop (a removal queued before
                     // this change) and the QP may be gone: never touch it.
-                    sh.forget_keepalives_of(&[qpn]);
+                    sh.forget_keepalives(&[reg]);
                     log::warn!(
                         target: "rdmasafe",
                         "keepalive for QP {qpn} not started: its send CQ left the loop before the change was applied"
@@ -396,7 +397,7 @@ impl Core {
         let cancelled = self.drains.take_for_cq(cq);
         let gone = self.keepalives.remove_for_cq(cq);
         registry::release_cq(cq, sh.id);
-        sh.forget_keepalives_of(&gone);
+        sh.forget_keepalives(&gone);
         for (done, res) in cancelled {
             done.finish(sh, res);
         }
@@ -806,7 +807,7 @@ impl Core {
         let gone = || Error::new("rdmasafe CQ loop: the loop is gone", libc::ECANCELED);
         match cmd {
             Cmd::AddCq { cq, .. } => registry::release_cq(cq.addr(), sh.id),
-            Cmd::AddKeepalive { qpn, .. } => sh.forget_keepalives_of(&[qpn]),
+            Cmd::AddKeepalive { reg, .. } => sh.forget_keepalives(&[reg]),
             Cmd::RemoveCq { done, .. } | Cmd::RemoveKeepalive { done, .. } | Cmd::Drain { done, .. } => {
                 done.finish(sh, Err(gone()))
             }

@@ -29,6 +29,8 @@ enum Probe {
 
 struct Entry {
     qp: LiveQp,
+    /// Its registration's serial (see [`Registrations`]).
+    serial: u64,
     send_cq: usize,
     cfg: Keepalive,
     last_activity: Instant,
@@ -80,6 +82,50 @@ pub(crate) struct Keepalives {
     /// No deadline is earlier than this (a cache: activity only ever moves
     /// deadlines later, so waking at it is early at worst).
     next: Option<Instant>,
+}
+
+/// A keepalive's registration: its QP number and a serial that no other
+/// registration of the loop has.
+pub(crate) type Registration = (u32, u64);
+
+/// The QP numbers with a keepalive, as the app sees them: an add answers
+/// EBUSY at once for a number taken, a remove ENOENT for one not taken,
+/// while the loop applies the change later. A keepalive that ends in the
+/// loop by itself (its QP destroyed, its send CQ removed, its add never
+/// started) forgets its own registration only: between the app's remove
+/// and the loop's applying it, the number may have been registered again
+/// for a new QP that got it, whose registration must stay.
+#[derive(Default)]
+pub(crate) struct Registrations {
+    by_qpn: HashMap<u32, u64>,
+    next: u64,
+}
+
+impl Registrations {
+    /// Registers `qpn`; `None` if it is registered already.
+    pub(crate) fn register(&mut self, qpn: u32) -> Option<Registration> {
+        if self.by_qpn.contains_key(&qpn) {
+            return None;
+        }
+        self.next += 1;
+        self.by_qpn.insert(qpn, self.next);
+        Some((qpn, self.next))
+    }
+
+    /// The app removes `qpn`'s keepalive: false if it had none.
+    pub(crate) fn unregister(&mut self, qpn: u32) -> bool {
+        self.by_qpn.remove(&qpn).is_some()
+    }
+
+    /// Keepalives that ended in the loop by themselves: each forgets its
+    /// registration if it is still the one under its number.
+    pub(crate) fn forget(&mut self, gone: &[Registration]) {
+        for (qpn, serial) in gone {
+            if self.by_qpn.get(qpn) == Some(serial) {
+                self.by_qpn.remove(qpn);
+            }
+        }
+    }
 }
 
 /// A probe still out with no keepalive of its own (an orphan), or parked
@@ -215,11 +261,11 @@ impl Keepalives {
         self.by_qpn.is_empty() && self.orphans.is_empty()
     }
 
-    /// Starts detection on `qp`; false (nothing kept, `on_dead` dropped)
-    /// if its `CmId` destroyed it since the caller checked it: the caller
-    /// then forgets the QP number's registration.
+    /// Starts detection on `qp`, registered as `serial`; false (nothing
+    /// kept, `on_dead` dropped) if its `CmId` destroyed it since the caller
+    /// checked it: the caller then forgets the registration.
     #[must_use]
-    pub(crate) fn add(&mut self, qp: LiveQp, cfg: Keepalive, on_dead: DeadPeer, now: Instant) -> bool {
+    pub(crate) fn add(&mut self, qp: LiveQp, serial: u64, cfg: Keepalive, on_dead: DeadPeer, now: Instant) -> bool {
         let Ok((qpn, send_cq, _)) = qp.info() else { return false };
         // Orphans of another QP with this number: that QP was destroyed
         // before its probe came back (live QPs have distinct numbers).
@@ -231,6 +277,7 @@ impl Keepalives {
             qpn,
             Entry {
                 qp,
+                serial,
                 send_cq,
                 cfg,
                 last_activity: now,
@@ -267,9 +314,12 @@ impl Keepalives {
     /// still out through it (theirs, and orphans) are parked process-wide
     /// for the loop the CQ joins next (see [`Keepalives::adopt`]), as drain
     /// markers are: a probe never reaches a handler.
-    pub(crate) fn remove_for_cq(&mut self, cq: usize) -> Vec<u32> {
-        let gone: Vec<u32> = self.by_qpn.iter().filter(|(_, e)| e.send_cq == cq).map(|(q, _)| *q).collect();
-        let mut parked: Vec<LateProbe> = gone.iter().filter_map(|q| self.by_qpn.remove(q)?.late_probe(*q)).collect();
+    /// Returns their registrations.
+    pub(crate) fn remove_for_cq(&mut self, cq: usize) -> Vec<Registration> {
+        let gone: Vec<Registration> =
+            self.by_qpn.iter().filter(|(_, e)| e.send_cq == cq).map(|(q, e)| (*q, e.serial)).collect();
+        let mut parked: Vec<LateProbe> =
+            gone.iter().filter_map(|(q, _)| self.by_qpn.remove(q)?.late_probe(*q)).collect();
         parked.extend(drain::take_where(&mut self.orphans, |o| o.cq == cq));
         drain::park_probes(parked);
         gone
@@ -361,9 +411,9 @@ impl Keepalives {
     /// Posts due probes, declares dead the peers whose probe is overdue,
     /// and recomputes the next deadline. Returns the probes posted, the
     /// newly dead peers (QP numbers: the caller moves their QPs to the
-    /// error state, see [`Keepalives::qp`]), and the keepalives dropped
-    /// because their `CmId` destroyed the QP.
-    pub(crate) fn tick(&mut self, now: Instant) -> (u64, Vec<u32>, Vec<u32>) {
+    /// error state, see [`Keepalives::qp_to_drain`]), and the registrations
+    /// of the keepalives dropped because their `CmId` destroyed the QP.
+    pub(crate) fn tick(&mut self, now: Instant) -> (u64, Vec<u32>, Vec<Registration>) {
         if self.next.is_none_or(|n| now < n) {
             return (0, Vec::new(), Vec::new());
         }
@@ -380,7 +430,7 @@ impl Keepalives {
                 if let Some(p) = e.late_probe(*qpn) {
                     push_orphan(&mut self.orphans, p);
                 }
-                destroyed.push(*qpn);
+                destroyed.push((*qpn, e.serial));
                 continue;
             }
             if e.dead || e.quiet {
@@ -397,7 +447,7 @@ impl Keepalives {
                     Attempt::Posted => posted += 1,
                     Attempt::NotPosted => {}
                     Attempt::Destroyed => {
-                        destroyed.push(*qpn);
+                        destroyed.push((*qpn, e.serial));
                         continue;
                     }
                 }
@@ -430,7 +480,7 @@ impl Keepalives {
             earliest(&mut next, d);
         }
         self.next = next;
-        for q in &destroyed {
+        for (q, _) in &destroyed {
             self.by_qpn.remove(q);
         }
         (posted, dead, destroyed)
@@ -521,6 +571,26 @@ mod tests {
         assert!(k.is_empty(), "adopted once");
     }
 
+    /// A keepalive that ends in the loop by itself forgets its own
+    /// registration, not a newer one of its QP number (found by a review:
+    /// the app removed QP 5's keepalive, a new QP got number 5 and a
+    /// keepalive, and the old one's end, applied after, unregistered the
+    /// new one: its `remove_keepalive` answered ENOENT).
+    #[test]
+    fn a_keepalive_that_ends_forgets_its_own_registration_only() {
+        let mut r = Registrations::default();
+        let old = r.register(5).unwrap();
+        assert_eq!(r.register(5), None, "a number is registered once");
+        assert!(r.unregister(5));
+        let new = r.register(5).unwrap();
+        assert_ne!(old, new);
+        r.forget(&[old]);
+        assert_eq!(r.register(5), None, "the new registration stays");
+        r.forget(&[new]);
+        assert!(!r.unregister(5), "its own end forgets it");
+        assert!(r.register(5).is_some());
+    }
+
     /// A QP struct with this number and CQ, never handed to the provider:
     /// the tests below only let the keepalive read its fields.
     fn fake_qp(raw: &mut crate::sys::ibv_qp, qp_num: u32, cq: usize) -> LiveQp {
@@ -537,7 +607,7 @@ mod tests {
     /// CQ `cq`), added at `t0`.
     fn one_keepalive(raw: &mut crate::sys::ibv_qp, qp_num: u32, cq: usize, t0: Instant) -> Keepalives {
         let mut k = Keepalives::default();
-        assert!(k.add(fake_qp(raw, qp_num, cq), CFG, Box::new(|_, _| {}), t0));
+        assert!(k.add(fake_qp(raw, qp_num, cq), 1, CFG, Box::new(|_, _| {}), t0));
         k
     }
 
@@ -566,7 +636,7 @@ mod tests {
         let mut k = Keepalives::default();
         // The old QP 7 (another address) lost its probe.
         k.orphans.push_back(LateProbe { qp_num: 7, qp: addr + 0x1000, wr_id: 0xfeed, cq });
-        assert!(k.add(qp, CFG, Box::new(|_, _| {}), t0));
+        assert!(k.add(qp, 1, CFG, Box::new(|_, _| {}), t0));
         let e = k.by_qpn.get_mut(&7).unwrap();
         e.probe = Probe::Sent(t0);
         let (ours, ok) = k.note(&wc(7, 0xfeed), t0);
@@ -590,14 +660,14 @@ mod tests {
         let addr = qp.raw() as usize;
         let t0 = Instant::now();
         let mut k = Keepalives::default();
-        assert!(k.add(qp, CFG, Box::new(|_, _| {}), t0));
+        assert!(k.add(qp, 1, CFG, Box::new(|_, _| {}), t0));
         // Removed with its probe out, and added again.
         k.by_qpn.get_mut(&11).unwrap().probe = Probe::Sent(t0);
         assert!(k.remove(11));
         assert_eq!(k.orphans.len(), 1);
         let again = fake_qp(&mut raw, 11, cq);
         assert_eq!(again.raw() as usize, addr);
-        assert!(k.add(again, CFG, Box::new(|_, _| {}), t0));
+        assert!(k.add(again, 2, CFG, Box::new(|_, _| {}), t0));
         assert_eq!(k.orphans.len(), 1, "the same QP: its orphan stays");
         let (ours, _) = k.note(&retry_exceeded(11, 0xfeed), t0);
         assert!(ours, "the orphan is consumed");

@@ -149,7 +149,7 @@ impl Core {
                 }
                 let (posted, dead, destroyed) = self.keepalives.tick(now);
                 sh.counters.keepalive_probes.bump(posted);
-                sh.forget_keepalives_of(&destroyed);
+                sh.forget_keepalives(&destroyed);
                 // Every dead peer's QP drained before any on_dead, which
                 // may destroy its QP or remove another's keepalive.
                 for &qpn in &dead {
