@@ -323,15 +323,7 @@ impl CqLoop {
         let mut held = self.enter()?;
         let r = {
             let (core, ctl) = held.parts();
-            let mut r = Ok(());
-            while !ctl.0.stop.load(SeqCst) {
-                if let Err(e) = core.cycle(ctl, Wait::Forever, true) {
-                    if e.errno() != libc::EINTR {
-                        r = Err(e);
-                        break;
-                    }
-                }
-            }
+            let r = core.run_until_stop(ctl);
             core.finish_stop(&ctl.0);
             // The stop left every CQ to be armed by the next call: an app
             // that goes on by waiting on the loop's fd is woken for it.
