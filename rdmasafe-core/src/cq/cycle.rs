@@ -125,8 +125,8 @@ impl Core {
 
     /// Cycles until a stop (`CqLoop::run`; the stop is left for the caller
     /// to finish). In event mode all in this one frame: no call and no
-    /// mode dispatch per cycle (about ten instructions per completion of
-    /// the common wakeup, `tests/bench/cq-callgrind.sh`).
+    /// mode dispatch per cycle (about twenty instructions fewer per
+    /// completion of the common wakeup, `tests/bench/cq-callgrind.sh`).
     pub(super) fn run_until_stop(&mut self, ctl: &LoopControl) -> Result<()> {
         let event = self.opts.mode == Mode::Event;
         while !ctl.0.stop.load(SeqCst) {
