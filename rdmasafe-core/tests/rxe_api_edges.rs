@@ -31,7 +31,8 @@
 //!   again on that QP goes quiet (found by an adversarial test of the
 //!   timed features);
 //! * a keepalive whose id dropped its QP before the add was applied leaves
-//!   no registration of the QP number behind (found by the same review);
+//!   no registration of the QP number behind (found by the same review),
+//!   nor does one refused by a closed loop (found by a review of its fix);
 //!
 //! (and the cases of the CQ loop below). No timing is asserted: each wait
 //! ends when its condition holds, and a generous watchdog turns a hang into
@@ -262,6 +263,33 @@ fn a_keepalive_whose_qp_is_gone_before_its_add_is_applied_leaves_no_registration
     let e = lp.remove_keepalive(qpn).expect_err("a keepalive that never started is not registered");
     assert_eq!(e.errno(), libc::ENOENT, "{e}");
     drop(lp);
+}
+
+/// A keepalive add refused because the loop was closed (`try_close`: its
+/// CQs' claims stay until the drop) leaves no registration behind (found
+/// by a review: the second add answered EBUSY, the remove EINVAL, for a
+/// keepalive that never was).
+#[test]
+fn a_keepalive_add_refused_by_a_closed_loop_leaves_no_registration() {
+    let _s = serial();
+    let _dog = common::watchdog("keepalive add on a closed loop", Duration::from_secs(120));
+    let chan = channel();
+    let pair = rc_pair(common::bed().addr, &chan, false, 4);
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    lp.add_cq(&pair.server_cq, |_, _| {}).unwrap();
+    let server = take_id(&pair.server);
+    let qpn = server.qp_num().unwrap();
+    let cfg = Keepalive { period: Duration::from_millis(100), bound: PATIENCE, wr_id: 0xab6 };
+    let ctl = lp.control();
+    lp.try_close().unwrap();
+    for attempt in ["first", "second"] {
+        let r = ctl.add_keepalive_id(&server, cfg, Box::new(|_, _| {}));
+        assert_eq!(r.map(|_| ()).map_err(|e| e.errno()), Err(libc::EINVAL), "{attempt} add on the closed loop");
+    }
+    let r = ctl.remove_keepalive(qpn);
+    assert_eq!(r.map(|_| ()).map_err(|e| e.errno()), Err(libc::ENOENT), "no keepalive was registered");
+    drop(lp);
+    drop(server);
 }
 
 #[test]

@@ -134,7 +134,7 @@ pub(crate) enum Cmd {
         on_dead: DeadPeer,
     },
     RemoveKeepalive {
-        qp_num: u32,
+        reg: Registration,
         done: Done,
     },
     Drain {
@@ -591,7 +591,9 @@ impl LoopControl {
         let Some(reg) = reg else {
             return Err(Error::new("rdmasafe keepalive: QP already registered", libc::EBUSY));
         };
+        // Refused (the loop is gone): nothing was queued.
         self.submit(Cmd::AddKeepalive { qp, reg, send_cq, cfg, on_dead }, None)
+            .inspect_err(|_| self.0.forget_keepalives(&[reg]))
     }
 
     /// Stops dead-peer detection for the QP with this number (ENOENT if it
@@ -600,11 +602,12 @@ impl LoopControl {
     /// CQ left the loop and joined this or another loop again (kept by CQ
     /// address, as drain markers are).
     pub fn remove_keepalive(&self, qp_num: u32) -> Result<Outcome> {
-        if !self.0.keepalives.lock().unwrap_or_else(|e| e.into_inner()).unregister(qp_num) {
+        let reg = self.0.keepalives.lock().unwrap_or_else(|e| e.into_inner()).unregister(qp_num);
+        let Some(reg) = reg else {
             return Err(Error::new("rdmasafe keepalive", libc::ENOENT));
-        }
+        };
         let c = Arc::new(Completion::default());
-        self.submit(Cmd::RemoveKeepalive { qp_num, done: self.waiter(&c) }, Some(c))
+        self.submit(Cmd::RemoveKeepalive { reg, done: self.waiter(&c) }, Some(c))
     }
 
     /// [`LoopControl::remove_keepalive`] that never blocks: `done` gets the
@@ -613,10 +616,11 @@ impl LoopControl {
     /// `done` dropped) if the QP had no keepalive. A panic in `done` is
     /// caught and logged.
     pub fn remove_keepalive_then(&self, qp_num: u32, done: Box<dyn FnOnce(Result<()>) + Send>) -> Result<()> {
-        if !self.0.keepalives.lock().unwrap_or_else(|e| e.into_inner()).unregister(qp_num) {
+        let reg = self.0.keepalives.lock().unwrap_or_else(|e| e.into_inner()).unregister(qp_num);
+        let Some(reg) = reg else {
             return Err(Error::new("rdmasafe keepalive", libc::ENOENT));
-        }
-        self.submit_async(Cmd::RemoveKeepalive { qp_num, done: Done::Call(done) })
+        };
+        self.submit_async(Cmd::RemoveKeepalive { reg, done: Done::Call(done) })
     }
 
     /// Drains a QP before teardown, like the kernel's `ib_drain_qp`: moves

@@ -318,8 +318,8 @@ impl Core {
                     );
                 }
             }
-            Cmd::RemoveKeepalive { qp_num, done } => {
-                self.keepalives.remove(qp_num);
+            Cmd::RemoveKeepalive { reg, done } => {
+                self.keepalives.remove(reg);
                 done.finish(sh, Ok(()));
             }
             Cmd::Drain { qp, cqs, srq, timeout, done } => {
@@ -395,9 +395,12 @@ impl Core {
         // before its claim goes: the loop it may join next (from another
         // thread, once the claim is gone) adopts them.
         let cancelled = self.drains.take_for_cq(cq);
+        // Their registrations go before the CQ's claim: once the claim is
+        // gone, another thread may add the CQ back and a keepalive on one
+        // of these QPs, which must not find the number still taken.
         let gone = self.keepalives.remove_for_cq(cq);
-        registry::release_cq(cq, sh.id);
         sh.forget_keepalives(&gone);
+        registry::release_cq(cq, sh.id);
         for (done, res) in cancelled {
             done.finish(sh, res);
         }

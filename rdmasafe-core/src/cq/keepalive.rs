@@ -94,7 +94,10 @@ pub(crate) type Registration = (u32, u64);
 /// loop by itself (its QP destroyed, its send CQ removed, its add never
 /// started) forgets its own registration only: between the app's remove
 /// and the loop's applying it, the number may have been registered again
-/// for a new QP that got it, whose registration must stay.
+/// for a new QP that got it, whose registration must stay. For the same
+/// reason the loop applies an app's remove to the registration it removed
+/// only (see [`Keepalives::remove`]): two threads' remove and add of one
+/// number may reach the loop in the other order.
 #[derive(Default)]
 pub(crate) struct Registrations {
     by_qpn: HashMap<u32, u64>,
@@ -112,9 +115,10 @@ impl Registrations {
         Some((qpn, self.next))
     }
 
-    /// The app removes `qpn`'s keepalive: false if it had none.
-    pub(crate) fn unregister(&mut self, qpn: u32) -> bool {
-        self.by_qpn.remove(&qpn).is_some()
+    /// The app removes `qpn`'s keepalive: its registration, `None` if it
+    /// had none.
+    pub(crate) fn unregister(&mut self, qpn: u32) -> Option<Registration> {
+        self.by_qpn.remove(&qpn).map(|serial| (qpn, serial))
     }
 
     /// Keepalives that ended in the loop by themselves: each forgets its
@@ -270,6 +274,11 @@ impl Keepalives {
         // Orphans of another QP with this number: that QP was destroyed
         // before its probe came back (live QPs have distinct numbers).
         let addr = qp.raw() as usize;
+        // A keepalive of the number still here was removed by the app
+        // (this one could register only after that), whose removal reaches
+        // the loop after this add: it goes now, its probe out kept as an
+        // orphan as a removal keeps it.
+        self.remove_entry(qpn);
         self.orphans.retain(|o| o.qp_num != qpn || o.qp == addr);
         let first = sys::deadline_after(now, cfg.period);
         self.next = Some(self.next.map_or(first, |n| n.min(first)));
@@ -295,9 +304,20 @@ impl Keepalives {
         true
     }
 
-    /// Stops detection for `qpn`; false if it had none. A probe still
-    /// outstanding is consumed when it completes.
-    pub(crate) fn remove(&mut self, qpn: u32) -> bool {
+    /// The app's remove of the keepalive registered as `reg`: stops its
+    /// detection; false if it is not here (it ended by itself, or a newer
+    /// keepalive of the number took its place). A probe still outstanding
+    /// is consumed when it completes.
+    pub(crate) fn remove(&mut self, reg: Registration) -> bool {
+        if self.by_qpn.get(&reg.0).is_none_or(|e| e.serial != reg.1) {
+            return false;
+        }
+        self.remove_entry(reg.0)
+    }
+
+    /// Stops detection for `qpn`, its probe out kept as an orphan; false if
+    /// it had none.
+    fn remove_entry(&mut self, qpn: u32) -> bool {
         match self.by_qpn.remove(&qpn) {
             Some(e) => {
                 if let Some(p) = e.late_probe(qpn) {
@@ -581,13 +601,13 @@ mod tests {
         let mut r = Registrations::default();
         let old = r.register(5).unwrap();
         assert_eq!(r.register(5), None, "a number is registered once");
-        assert!(r.unregister(5));
+        assert_eq!(r.unregister(5), Some(old));
         let new = r.register(5).unwrap();
         assert_ne!(old, new);
         r.forget(&[old]);
         assert_eq!(r.register(5), None, "the new registration stays");
         r.forget(&[new]);
-        assert!(!r.unregister(5), "its own end forgets it");
+        assert_eq!(r.unregister(5), None, "its own end forgets it");
         assert!(r.register(5).is_some());
     }
 
@@ -663,7 +683,7 @@ mod tests {
         assert!(k.add(qp, 1, CFG, Box::new(|_, _| {}), t0));
         // Removed with its probe out, and added again.
         k.by_qpn.get_mut(&11).unwrap().probe = Probe::Sent(t0);
-        assert!(k.remove(11));
+        assert!(k.remove((11, 1)));
         assert_eq!(k.orphans.len(), 1);
         let again = fake_qp(&mut raw, 11, cq);
         assert_eq!(again.raw() as usize, addr);
@@ -673,6 +693,30 @@ mod tests {
         assert!(ours, "the orphan is consumed");
         let (_, dead, _) = k.tick(t0);
         assert_eq!(dead, [11], "the peer is dead");
+    }
+
+    /// Two threads' remove and add of a QP's keepalive reach the loop in
+    /// the other order (each registered under the registrations' lock,
+    /// queued after letting go of it): the add replaces the removed keepalive,
+    /// whose probe out stays the loop's, and the remove then leaves the new
+    /// keepalive alone (found by a review: the add overwrote the entry and
+    /// lost its probe, which reached the app's handler, and the remove then
+    /// dropped the new keepalive, whose number stayed registered).
+    #[test]
+    fn a_remove_that_reaches_the_loop_after_a_newer_add_leaves_the_new_keepalive() {
+        let cq = 0x7e57_8000;
+        let mut raw: crate::sys::ibv_qp = unsafe { std::mem::zeroed() };
+        let t0 = Instant::now();
+        let mut k = one_keepalive(&mut raw, 5, cq, t0);
+        k.by_qpn.get_mut(&5).unwrap().probe = Probe::Sent(t0);
+        // Added again on the same QP (a new QP with the number would mean
+        // the old one was destroyed, and its probe with it: see `add`).
+        assert!(k.add(fake_qp(&mut raw, 5, cq), 2, CFG, Box::new(|_, _| {}), t0));
+        assert!(!k.remove((5, 1)), "the removed keepalive is gone already");
+        assert_eq!(k.by_qpn.get(&5).map(|e| e.serial), Some(2), "the new keepalive stays");
+        let (ours, _) = k.note(&wc(5, 0xfeed), t0);
+        assert!(ours, "the old keepalive's probe is consumed, never handed to the app");
+        assert!(matches!(k.by_qpn[&5].probe, Probe::Idle), "and is not taken for the new one's");
     }
 
     /// A probe posted before the QP's first success keeps the first-probe
