@@ -587,13 +587,17 @@ impl LoopControl {
         if !registry::cq_in(send_cq, self.0.id) {
             return Err(Error::new("rdmasafe keepalive: the QP's send CQ is not in this loop", libc::EINVAL));
         }
-        let reg = self.0.keepalives.lock().unwrap_or_else(|e| e.into_inner()).register(qpn);
-        let Some(reg) = reg else {
+        let queued = change_keepalives(
+            &self.0.keepalives,
+            |k| k.register(qpn),
+            |reg| Cmd::AddKeepalive { qp, reg, send_cq, cfg, on_dead },
+            |cmd| self.enqueue(cmd),
+            |k, reg| k.forget(&[reg]),
+        )?;
+        if !queued {
             return Err(Error::new("rdmasafe keepalive: QP already registered", libc::EBUSY));
-        };
-        // Refused (the loop is gone): nothing was queued.
-        self.submit(Cmd::AddKeepalive { qp, reg, send_cq, cfg, on_dead }, None)
-            .inspect_err(|_| self.0.forget_keepalives(&[reg]))
+        }
+        self.see_applied(None)
     }
 
     /// Stops dead-peer detection for the QP with this number (ENOENT if it
@@ -602,12 +606,10 @@ impl LoopControl {
     /// CQ left the loop and joined this or another loop again (kept by CQ
     /// address, as drain markers are).
     pub fn remove_keepalive(&self, qp_num: u32) -> Result<Outcome> {
-        let reg = self.0.keepalives.lock().unwrap_or_else(|e| e.into_inner()).unregister(qp_num);
-        let Some(reg) = reg else {
-            return Err(Error::new("rdmasafe keepalive", libc::ENOENT));
-        };
         let c = Arc::new(Completion::default());
-        self.submit(Cmd::RemoveKeepalive { reg, done: self.waiter(&c) }, Some(c))
+        let done = self.waiter(&c);
+        self.remove_keepalive_queued(qp_num, done)?;
+        self.see_applied(Some(c))
     }
 
     /// [`LoopControl::remove_keepalive`] that never blocks: `done` gets the
@@ -616,11 +618,25 @@ impl LoopControl {
     /// `done` dropped) if the QP had no keepalive. A panic in `done` is
     /// caught and logged.
     pub fn remove_keepalive_then(&self, qp_num: u32, done: Box<dyn FnOnce(Result<()>) + Send>) -> Result<()> {
-        let reg = self.0.keepalives.lock().unwrap_or_else(|e| e.into_inner()).unregister(qp_num);
-        let Some(reg) = reg else {
+        self.remove_keepalive_queued(qp_num, Done::Call(done))?;
+        self.see_applied(None).map(|_| ())
+    }
+
+    /// Unregisters `qp_num` and queues its removal (`done` dropped if it
+    /// had no keepalive: ENOENT).
+    fn remove_keepalive_queued(&self, qp_num: u32, done: Done) -> Result<()> {
+        let queued = change_keepalives(
+            &self.0.keepalives,
+            |k| k.unregister(qp_num),
+            |reg| Cmd::RemoveKeepalive { reg, done },
+            |cmd| self.enqueue(cmd),
+            // The loop is gone, and its keepalives with it.
+            |_, _| {},
+        )?;
+        if !queued {
             return Err(Error::new("rdmasafe keepalive", libc::ENOENT));
-        };
-        self.submit_async(Cmd::RemoveKeepalive { reg, done: Done::Call(done) })
+        }
+        Ok(())
     }
 
     /// Drains a QP before teardown, like the kernel's `ib_drain_qp`: moves
@@ -766,11 +782,26 @@ impl LoopControl {
     /// Queues `cmd`; unless called from inside a handler, makes sure it is
     /// applied (and, with `wait`, done) before returning.
     fn submit(&self, cmd: Cmd, wait: Option<Arc<Completion>>) -> Result<Outcome> {
-        let sh = &*self.0;
-        if !sh.alive.load(SeqCst) {
-            return Err(Error::new("rdmasafe CQ loop: the loop is gone", libc::EINVAL));
+        if let Some(refused) = self.enqueue(cmd) {
+            drop(refused);
+            return Err(loop_gone());
         }
-        sh.push(cmd);
+        self.see_applied(wait)
+    }
+
+    /// Queues `cmd`, or gives it back if the loop is gone.
+    fn enqueue(&self, cmd: Cmd) -> Option<Cmd> {
+        if !self.0.alive.load(SeqCst) {
+            return Some(cmd);
+        }
+        self.0.push(cmd);
+        None
+    }
+
+    /// After a command was queued: unless called from inside a handler,
+    /// makes sure it is applied (and, with `wait`, done) before returning.
+    fn see_applied(&self, wait: Option<Arc<Completion>>) -> Result<Outcome> {
+        let sh = &*self.0;
         if sh.held_here() {
             return Ok(Outcome::Pending);
         }
@@ -846,6 +877,48 @@ impl LoopControl {
     }
 }
 
+/// EINVAL: the loop is gone.
+fn loop_gone() -> Error {
+    Error::new("rdmasafe CQ loop: the loop is gone", libc::EINVAL)
+}
+
+/// A change of the keepalive registrations (`change`: the registration
+/// added or removed, `None` if the number is taken or not registered) and
+/// the loop's command for it (`cmd`), queued (`queue`) before their lock is
+/// let go: the loop applies one number's adds and removes in the order
+/// they were made. (Queued after letting go, two threads' remove and add
+/// of one QP could reach the loop in the other order: it then ran on with
+/// a keepalive the app had removed, or lost one it had added.) Ok(false) if
+/// `change` found nothing to do; EINVAL if the loop is gone (`queue` gave
+/// the command back: `undo` puts the registrations back). Nothing of the
+/// app's (a callback in the command) is dropped while the lock is held: its
+/// drop may call in again.
+fn change_keepalives(
+    regs: &Mutex<Registrations>,
+    change: impl FnOnce(&mut Registrations) -> Option<Registration>,
+    cmd: impl FnOnce(Registration) -> Cmd,
+    queue: impl FnOnce(Cmd) -> Option<Cmd>,
+    undo: impl FnOnce(&mut Registrations, Registration),
+) -> Result<bool> {
+    let refused = {
+        let mut k = regs.lock().unwrap_or_else(|e| e.into_inner());
+        // Returning here drops the lock before `cmd` (a parameter).
+        let Some(reg) = change(&mut k) else { return Ok(false) };
+        let refused = queue(cmd(reg));
+        if refused.is_some() {
+            undo(&mut k, reg);
+        }
+        refused
+    };
+    match refused {
+        None => Ok(true),
+        Some(cmd) => {
+            drop(cmd);
+            Err(loop_gone())
+        }
+    }
+}
+
 impl Completion {
     /// Records the result (the waiter is woken by `Shared::notify`).
     pub(crate) fn set(&self, r: Result<()>) {
@@ -854,5 +927,44 @@ impl Completion {
 
     pub(crate) fn is_done(&self) -> bool {
         self.0.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A keepalive change's command is queued while the registrations are
+    /// still held, so the loop gets one QP's adds and removes in the order
+    /// they were made (found by a review: queued after letting go, a remove
+    /// and an add from two threads reached the loop in the other order,
+    /// and it kept a keepalive the app had removed, or lost one it had
+    /// added); and a change the loop refuses (it is gone) is undone.
+    #[test]
+    fn a_keepalive_change_is_queued_before_the_registrations_are_let_go() {
+        let regs = Mutex::new(Registrations::default());
+        let remove = |reg| Cmd::RemoveKeepalive { reg, done: Done::Nothing };
+        let mut queued = Vec::new();
+        let mut held_while_queued = Vec::new();
+        let r = change_keepalives(
+            &regs,
+            |k| k.register(5),
+            remove,
+            |cmd| {
+                held_while_queued.push(regs.try_lock().is_err());
+                queued.push(cmd);
+                None
+            },
+            |_, _| panic!("nothing to undo"),
+        );
+        assert_eq!(r.map_err(|e| e.errno()), Ok(true));
+        assert_eq!(held_while_queued, [true], "queued while the registrations are held");
+        assert_eq!(queued.len(), 1);
+        let r = change_keepalives(&regs, |k| k.register(5), remove, |_| panic!("not queued"), |_, _| {});
+        assert_eq!(r.map_err(|e| e.errno()), Ok(false), "the number is taken: nothing queued");
+        // The loop is gone: the command comes back, the change is undone.
+        let r = change_keepalives(&regs, |k| k.register(6), remove, Some, |k, reg| k.forget(&[reg]));
+        assert_eq!(r.map_err(|e| e.errno()), Err(libc::EINVAL));
+        assert!(regs.lock().unwrap().register(6).is_some(), "the refused add was undone");
     }
 }

@@ -94,10 +94,11 @@ pub(crate) type Registration = (u32, u64);
 /// loop by itself (its QP destroyed, its send CQ removed, its add never
 /// started) forgets its own registration only: between the app's remove
 /// and the loop's applying it, the number may have been registered again
-/// for a new QP that got it, whose registration must stay. For the same
-/// reason the loop applies an app's remove to the registration it removed
-/// only (see [`Keepalives::remove`]): two threads' remove and add of one
-/// number may reach the loop in the other order.
+/// for a new QP that got it, whose registration must stay. A change and
+/// the loop's command for it are queued under the lock of these (see
+/// `control::change_keepalives`), so the loop gets one number's adds and
+/// removes in the order they were made; it applies an app's remove to the
+/// registration it removed only (see [`Keepalives::remove`]).
 #[derive(Default)]
 pub(crate) struct Registrations {
     by_qpn: HashMap<u32, u64>,
@@ -274,10 +275,10 @@ impl Keepalives {
         // Orphans of another QP with this number: that QP was destroyed
         // before its probe came back (live QPs have distinct numbers).
         let addr = qp.raw() as usize;
-        // A keepalive of the number still here was removed by the app
-        // (this one could register only after that), whose removal reaches
-        // the loop after this add: it goes now, its probe out kept as an
-        // orphan as a removal keeps it.
+        // A keepalive of the number still here would be an older one the
+        // app removed, its removal not applied yet (none is: the control
+        // queues changes in the order they were registered). It goes now,
+        // its probe out kept as an orphan, as a removal keeps it.
         self.remove_entry(qpn);
         self.orphans.retain(|o| o.qp_num != qpn || o.qp == addr);
         let first = sys::deadline_after(now, cfg.period);
@@ -430,10 +431,10 @@ impl Keepalives {
 
     /// Posts due probes, declares dead the peers whose probe is overdue,
     /// and recomputes the next deadline. Returns the probes posted, the
-    /// newly dead peers (QP numbers: the caller moves their QPs to the
-    /// error state, see [`Keepalives::qp_to_drain`]), and the registrations
+    /// newly dead peers (the caller moves their QPs to the error state, see
+    /// [`Keepalives::qp_to_drain`], then calls their `on_dead`), and the registrations
     /// of the keepalives dropped because their `CmId` destroyed the QP.
-    pub(crate) fn tick(&mut self, now: Instant) -> (u64, Vec<u32>, Vec<Registration>) {
+    pub(crate) fn tick(&mut self, now: Instant) -> (u64, Vec<Registration>, Vec<Registration>) {
         if self.next.is_none_or(|n| now < n) {
             return (0, Vec::new(), Vec::new());
         }
@@ -484,7 +485,7 @@ impl Keepalives {
             if overdue {
                 e.dead = true;
                 log::warn!(target: "rdmasafe", "keepalive: peer of QP {qpn} declared dead");
-                dead.push(*qpn);
+                dead.push((*qpn, e.serial));
                 watch_for_drop(e, now, &mut next);
                 continue;
             }
@@ -551,9 +552,11 @@ impl Keepalives {
         self.by_qpn.get(&qpn).filter(|e| !e.drained_by_app).map(|e| &e.qp)
     }
 
-    /// The callback of a peer declared dead.
-    pub(crate) fn on_dead(&mut self, qpn: u32) -> Option<&mut DeadPeer> {
-        self.by_qpn.get_mut(&qpn).map(|e| &mut e.on_dead)
+    /// The callback of a peer declared dead, if its keepalive is still
+    /// here: an `on_dead` called before it may have removed it, and added
+    /// another on its QP, whose callback this death is not for.
+    pub(crate) fn on_dead(&mut self, reg: Registration) -> Option<&mut DeadPeer> {
+        self.by_qpn.get_mut(&reg.0).filter(|e| e.serial == reg.1).map(|e| &mut e.on_dead)
     }
 }
 
@@ -692,16 +695,17 @@ mod tests {
         let (ours, _) = k.note(&retry_exceeded(11, 0xfeed), t0);
         assert!(ours, "the orphan is consumed");
         let (_, dead, _) = k.tick(t0);
-        assert_eq!(dead, [11], "the peer is dead");
+        assert_eq!(dead, [(11, 2)], "the peer is dead");
     }
 
-    /// Two threads' remove and add of a QP's keepalive reach the loop in
-    /// the other order (each registered under the registrations' lock,
-    /// queued after letting go of it): the add replaces the removed keepalive,
-    /// whose probe out stays the loop's, and the remove then leaves the new
-    /// keepalive alone (found by a review: the add overwrote the entry and
-    /// lost its probe, which reached the app's handler, and the remove then
-    /// dropped the new keepalive, whose number stayed registered).
+    /// The loop's own guard, should a remove and an add of one QP's
+    /// keepalive ever reach it in the other order (the control queues them
+    /// under the registrations' lock so that they do not: see
+    /// `control::tests`): the add replaces the removed keepalive, whose
+    /// probe out stays the loop's, and the remove then leaves the new
+    /// keepalive alone (found by a review, before that lock: the add
+    /// overwrote the entry and lost its probe, which reached the app's
+    /// handler, and the remove then dropped the new keepalive).
     #[test]
     fn a_remove_that_reaches_the_loop_after_a_newer_add_leaves_the_new_keepalive() {
         let cq = 0x7e57_8000;
@@ -717,6 +721,27 @@ mod tests {
         let (ours, _) = k.note(&wc(5, 0xfeed), t0);
         assert!(ours, "the old keepalive's probe is consumed, never handed to the app");
         assert!(matches!(k.by_qpn[&5].probe, Probe::Idle), "and is not taken for the new one's");
+    }
+
+    /// A dead peer's `on_dead` is not called for a keepalive added on its
+    /// QP after the death was declared (found by a review: the callbacks of
+    /// one tick run one after the other, each one's changes applied before
+    /// the next, and an earlier one may remove this keepalive and add
+    /// another; the new one's callback got the old one's death).
+    #[test]
+    fn a_death_is_not_reported_to_a_keepalive_added_after_it() {
+        let cq = 0x7e57_9000;
+        let mut raw: crate::sys::ibv_qp = unsafe { std::mem::zeroed() };
+        let t0 = Instant::now();
+        let mut k = one_keepalive(&mut raw, 19, cq, t0);
+        let (ours, _) = k.note(&retry_exceeded(19, 1), t0);
+        assert!(!ours, "an app request");
+        let (_, dead, _) = k.tick(t0);
+        assert_eq!(dead, [(19, 1)]);
+        assert!(k.remove((19, 1)));
+        assert!(k.add(fake_qp(&mut raw, 19, cq), 2, CFG, Box::new(|_, _| {}), t0));
+        assert!(k.on_dead((19, 1)).is_none(), "the new keepalive's callback is not told of the old death");
+        assert!(k.on_dead((19, 2)).is_some());
     }
 
     /// A probe posted before the QP's first success keeps the first-probe
@@ -746,7 +771,7 @@ mod tests {
         let (_, dead, _) = k.tick(t0 + CFG.bound + Duration::from_secs(1));
         assert!(dead.is_empty(), "declared dead before the probe's own bound (the grace)");
         let (_, dead, _) = k.tick(t0 + grace + Duration::from_secs(1));
-        assert_eq!(dead, [13], "dead at the grace: the probe never came back");
+        assert_eq!(dead, [(13, 1)], "dead at the grace: the probe never came back");
     }
 
     /// A request's "retry exceeded" and then the app's drain of the QP: the
@@ -763,7 +788,7 @@ mod tests {
         assert!(!ours, "the app's request");
         k.draining(17);
         let (_, dead, _) = k.tick(t0);
-        assert_eq!(dead, [17], "still a dead peer");
+        assert_eq!(dead, [(17, 1)], "still a dead peer");
         assert!(k.qp_to_drain(17).is_none(), "the app drains (and may destroy) the QP: the loop keeps off it");
     }
 

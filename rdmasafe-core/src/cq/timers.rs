@@ -152,7 +152,7 @@ impl Core {
                 sh.forget_keepalives(&destroyed);
                 // Every dead peer's QP drained before any on_dead, which
                 // may destroy its QP or remove another's keepalive.
-                for &qpn in &dead {
+                for &(qpn, _) in &dead {
                     self.drain_dead_peer(qpn);
                 }
                 // Every dead peer's on_dead runs, also after another one's
@@ -160,10 +160,10 @@ impl Core {
                 // would never run); the first panic then goes on to whoever
                 // runs the loop, as a handler's does.
                 let mut panicked = None;
-                for qpn in dead {
+                for reg in dead {
                     sh.counters.keepalive_dead.bump(1);
-                    if let Some(f) = self.keepalives.on_dead(qpn) {
-                        if let Err(p) = catch_unwind(AssertUnwindSafe(|| f(qpn, ctl))) {
+                    if let Some(f) = self.keepalives.on_dead(reg) {
+                        if let Err(p) = catch_unwind(AssertUnwindSafe(|| f(reg.0, ctl))) {
                             panicked.get_or_insert(p);
                         }
                         // Its changes take effect now, as a handler's do:
