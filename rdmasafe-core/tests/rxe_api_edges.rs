@@ -181,6 +181,21 @@ fn a_keepalive_ends_with_its_id_after_a_drain_or_a_dead_peer() {
     }
 }
 
+/// One RC connection whose server CQ is in a new loop, and the server's
+/// id taken out of the pair (the rest of it stays alive in the pair), with
+/// its QP number: the set-up of the keepalive cases that need one. Bound
+/// in this order, the parts drop in the reverse one (the id and the loop
+/// before the pair's CQs, the channel last).
+fn one_connection() -> (CompChannel, RcPair, CqLoop, CmId, u32) {
+    let chan = channel();
+    let pair = rc_pair(common::bed().addr, &chan, false, 4);
+    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
+    lp.add_cq(&pair.server_cq, |_, _| {}).unwrap();
+    let server = take_id(&pair.server);
+    let qpn = server.qp_num().unwrap();
+    (chan, pair, lp, server, qpn)
+}
+
 /// Removing a keepalive's send CQ removes the keepalive, as the docs say:
 /// `remove_keepalive` of its QP is ENOENT after, also once the CQ is back
 /// in the loop (adding it back restores nothing), and the keepalive can be
@@ -189,12 +204,7 @@ fn a_keepalive_ends_with_its_id_after_a_drain_or_a_dead_peer() {
 fn removing_the_send_cq_removes_its_keepalives() {
     let _s = serial();
     let _dog = common::watchdog("keepalive removed with its send CQ", Duration::from_secs(120));
-    let chan = channel();
-    let pair = rc_pair(common::bed().addr, &chan, false, 4);
-    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
-    lp.add_cq(&pair.server_cq, |_, _| {}).unwrap();
-    let server = take_id(&pair.server);
-    let qpn = server.qp_num().unwrap();
+    let (_chan, pair, lp, server, qpn) = one_connection();
     let cfg = Keepalive { period: Duration::from_millis(100), bound: PATIENCE, wr_id: 0xabd };
     lp.add_keepalive_id(&server, cfg, Box::new(|_, _| {})).unwrap();
     lp.remove_cq(&pair.server_cq).unwrap();
@@ -273,12 +283,7 @@ fn a_keepalive_whose_qp_is_gone_before_its_add_is_applied_leaves_no_registration
 fn a_keepalive_add_refused_by_a_closed_loop_leaves_no_registration() {
     let _s = serial();
     let _dog = common::watchdog("keepalive add on a closed loop", Duration::from_secs(120));
-    let chan = channel();
-    let pair = rc_pair(common::bed().addr, &chan, false, 4);
-    let lp = CqLoop::new(&chan, LoopOptions::default()).unwrap();
-    lp.add_cq(&pair.server_cq, |_, _| {}).unwrap();
-    let server = take_id(&pair.server);
-    let qpn = server.qp_num().unwrap();
+    let (_chan, _pair, lp, server, qpn) = one_connection();
     let cfg = Keepalive { period: Duration::from_millis(100), bound: PATIENCE, wr_id: 0xab6 };
     let ctl = lp.control();
     lp.try_close().unwrap();
