@@ -66,6 +66,12 @@ struct Entry {
     /// neither drains the QP nor touches it again: the app may have
     /// destroyed it once its drain was reported).
     drained_by_app: bool,
+    /// A probe of this keepalive was posted. Until then an orphan probe of
+    /// an older QP with its number (destroyed, another address) is still
+    /// looked for: its completion may sit in the CQ (providers such as rxe
+    /// leave a destroyed QP's completions there), and it comes before any
+    /// probe of this keepalive (see [`probe_posted`]).
+    posted_any: bool,
     on_dead: DeadPeer,
 }
 
@@ -172,6 +178,24 @@ fn push_orphan(orphans: &mut VecDeque<LateProbe>, p: LateProbe) {
     orphans.push_back(p);
 }
 
+/// `e`, the keepalive of `qpn`, posted a probe. At its first, the orphans
+/// of an older QP with its number go: a completion of that QP, destroyed
+/// before `e` was added, came before this probe in the CQ if it came at
+/// all (a provider that removes a destroyed QP's completions, as mlx5
+/// does, never returns it), so an orphan kept longer would take this
+/// probe's completion, and at the bound a live peer would be declared
+/// dead. Kept until now, such an orphan is consumed when its completion is
+/// polled, never handed to the app's handler.
+fn probe_posted(orphans: &mut VecDeque<LateProbe>, qpn: u32, e: &mut Entry) {
+    if !e.posted_any {
+        e.posted_any = true;
+        let addr = e.qp.raw() as usize;
+        if !orphans.is_empty() {
+            orphans.retain(|o| o.qp_num != qpn || o.qp == addr);
+        }
+    }
+}
+
 /// `next` becomes `d` if that is earlier (or `next` is unset).
 fn earliest(next: &mut Option<Instant>, d: Instant) {
     *next = Some(next.map_or(d, |n| n.min(d)));
@@ -272,15 +296,14 @@ impl Keepalives {
     #[must_use]
     pub(crate) fn add(&mut self, qp: LiveQp, serial: u64, cfg: Keepalive, on_dead: DeadPeer, now: Instant) -> bool {
         let Ok((qpn, send_cq, _)) = qp.info() else { return false };
-        // Orphans of another QP with this number: that QP was destroyed
-        // before its probe came back (live QPs have distinct numbers).
-        let addr = qp.raw() as usize;
         // A keepalive of the number still here would be an older one the
         // app removed, its removal not applied yet (none is: the control
         // queues changes in the order they were registered). It goes now,
         // its probe out kept as an orphan, as a removal keeps it.
         self.remove_entry(qpn);
-        self.orphans.retain(|o| o.qp_num != qpn || o.qp == addr);
+        // Orphans of another QP with this number (destroyed before its
+        // probe came back: live QPs have distinct numbers) stay until this
+        // keepalive posts its first probe (see `probe_posted`).
         let first = sys::deadline_after(now, cfg.period);
         self.next = Some(self.next.map_or(first, |n| n.min(first)));
         self.by_qpn.insert(
@@ -299,6 +322,7 @@ impl Keepalives {
                 first_grace: Duration::ZERO,
                 peer_lost: false,
                 drained_by_app: false,
+                posted_any: false,
                 on_dead,
             },
         );
@@ -358,7 +382,7 @@ impl Keepalives {
     /// destroyed since: a keepalive here has another QP with its number).
     pub(crate) fn adopt(&mut self, cq: usize) {
         for p in drain::take_probes(cq) {
-            if self.by_qpn.get(&p.qp_num).is_some_and(|e| e.qp.raw() as usize != p.qp) {
+            if self.by_qpn.get(&p.qp_num).is_some_and(|e| e.posted_any && e.qp.raw() as usize != p.qp) {
                 continue;
             }
             push_orphan(&mut self.orphans, p);
@@ -465,7 +489,10 @@ impl Keepalives {
             };
             if let Some(since) = bound_from {
                 match e.attempt_probe(now, since) {
-                    Attempt::Posted => posted += 1,
+                    Attempt::Posted => {
+                        posted += 1;
+                        probe_posted(&mut self.orphans, *qpn, e);
+                    }
                     Attempt::NotPosted => {}
                     Attempt::Destroyed => {
                         destroyed.push((*qpn, e.serial));
@@ -660,8 +687,10 @@ mod tests {
         // The old QP 7 (another address) lost its probe.
         k.orphans.push_back(LateProbe { qp_num: 7, qp: addr + 0x1000, wr_id: 0xfeed, cq });
         assert!(k.add(qp, 1, CFG, Box::new(|_, _| {}), t0));
+        // Its first probe is posted (as `tick` does on a real QP).
         let e = k.by_qpn.get_mut(&7).unwrap();
         e.probe = Probe::Sent(t0);
+        probe_posted(&mut k.orphans, 7, e);
         let (ours, ok) = k.note(&wc(7, 0xfeed), t0);
         assert!(ours && ok, "the new QP's probe, credited to its keepalive");
         assert!(matches!(k.by_qpn[&7].probe, Probe::Idle), "its probe is back");
@@ -669,6 +698,36 @@ mod tests {
         drain::park_probes(vec![LateProbe { qp_num: 7, qp: addr + 0x1000, wr_id: 0xfeed, cq }]);
         k.adopt(cq);
         assert!(k.orphans.is_empty(), "the destroyed QP's parked probe is not this loop's");
+    }
+
+    /// The orphan probe of a QP destroyed before a new QP got its number
+    /// and a keepalive is consumed while that keepalive has posted no
+    /// probe: its completion, left in the CQ (rxe leaves a destroyed QP's
+    /// completions there), comes before any of the new keepalive's probes.
+    /// (Found by a review: the orphan was dropped when the keepalive was
+    /// added, and its completion reached the app's handler.) A probe
+    /// parked by the old QP is adopted too, until that first probe.
+    #[test]
+    fn a_destroyed_qps_orphan_left_in_the_cq_never_reaches_the_handler() {
+        let cq = 0x7e57_6000;
+        let mut raw: crate::sys::ibv_qp = unsafe { std::mem::zeroed() };
+        let qp = fake_qp(&mut raw, 7, cq);
+        let old = qp.raw() as usize + 0x1000;
+        let t0 = Instant::now();
+        let mut k = Keepalives::default();
+        k.orphans.push_back(LateProbe { qp_num: 7, qp: old, wr_id: 0xfeed, cq });
+        assert!(k.add(qp, 1, CFG, Box::new(|_, _| {}), t0));
+        let (ours, _) = k.note(&wc(7, 0xfeed), t0);
+        assert!(ours, "the old QP's probe is consumed, not handed to the handler");
+        assert!(k.orphans.is_empty());
+        assert!(matches!(k.by_qpn[&7].probe, Probe::Idle), "the new keepalive's state is untouched");
+        drain::park_probes(vec![LateProbe { qp_num: 7, qp: old, wr_id: 0xfeed, cq }]);
+        k.adopt(cq);
+        assert_eq!(k.orphans.len(), 1, "the old QP's parked probe is adopted before the first probe");
+        let e = k.by_qpn.get_mut(&7).unwrap();
+        e.probe = Probe::Sent(t0);
+        probe_posted(&mut k.orphans, 7, e);
+        assert!(k.orphans.is_empty(), "and goes at the new keepalive's first probe");
     }
 
     /// An orphan probe of the QP that fails with "retry exceeded" makes the
