@@ -18,6 +18,14 @@
 //!   book-keeping inherited the book's lock taken, by a thread the child
 //!   does not have, and hung in its first get (the second of 200 children
 //!   did, before the fork handlers).
+//! * Fork handlers of the program that make interposed calls: registered
+//!   before the program's first interposed call, they ran after the
+//!   preload's prepare handler (then registered at that first call), which
+//!   held the books: the fork hung in the program's prepare handler.
+//! * A fork while another thread is inside the preload's first-use set-up,
+//!   or inside the first open of check mode's report file: the child
+//!   inherited the set-up (or the open) under way, by a thread it does not
+//!   have, and hung at its first interposed call (or report).
 
 mod common;
 
@@ -28,10 +36,10 @@ use std::time::{Duration, Instant};
 use common::{build_cdylib, profile_dir, root, run_logged};
 
 /// Builds the preload, the stand-in and the program `name`.c into
-/// `<target>/preload-host/`; returns the value of LD_PRELOAD (links in a
-/// plain temporary folder `dir`: LD_PRELOAD splits at spaces and colons)
-/// and the program.
-fn build(name: &str, dir: &Path) -> (String, PathBuf) {
+/// `<target>/preload-host/` (named after `tag`: tests run in parallel);
+/// returns the value of LD_PRELOAD (links in a plain temporary folder
+/// `dir`: LD_PRELOAD splits at spaces and colons) and the program.
+fn build(name: &str, tag: &str, dir: &Path) -> (String, PathBuf) {
     let profile = profile_dir();
     let target = profile.parent().expect("<target>");
     let preload = build_cdylib(&profile, "rdmasafe-preload", "librdmasafe_preload.so");
@@ -43,10 +51,10 @@ fn build(name: &str, dir: &Path) -> (String, PathBuf) {
         cmd.args(["-Wall", "-Wextra", "-Werror", "-O2", "-g"]).args(args).args(extra);
         run_logged(what, &mut cmd);
     };
-    // One output per test: the two tests run in parallel.
-    let standin = out.join(format!("libstandin_ibv_{name}.so"));
+    // One output per test: the tests run in parallel.
+    let standin = out.join(format!("libstandin_ibv_{tag}.so"));
     cc("cc standin_ibv.c", &[&src.join("standin_ibv.c"), Path::new("-o"), &standin], &["-shared", "-fPIC"]);
-    let prog = out.join(name);
+    let prog = out.join(tag);
     let c = src.join(format!("{name}.c"));
     cc(&format!("cc {name}.c"), &[&c, Path::new("-o"), &prog], &["-libverbs", "-pthread"]);
     std::fs::create_dir_all(dir).expect("a temporary folder");
@@ -91,7 +99,7 @@ fn temp(what: &str) -> PathBuf {
 #[test]
 fn exit_from_a_signal_handler_in_check_mode_does_not_hang() {
     let dir = temp("exit");
-    let (ld_preload, prog) = build("exit_in_handler", &dir);
+    let (ld_preload, prog) = build("exit_in_handler", "exit_in_handler", &dir);
     let runs = 20;
     let mut report = Vec::new();
     for run in 1..=runs {
@@ -111,10 +119,54 @@ fn exit_from_a_signal_handler_in_check_mode_does_not_hang() {
     println!("{}", report.join("; "));
 }
 
+/// Runs `fork_and_set_up` with `args` (and `env`) in check mode; asserts
+/// that it exits 0 with every child fine.
+fn fork_and_set_up(what: &str, args: &[&str], env: &[(&str, &str)], children: usize) {
+    let dir = temp(what);
+    let (ld_preload, prog) = build("fork_and_set_up", what, &dir);
+    let mut child = in_check_mode(&prog, &ld_preload)
+        .args(args)
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("the program starts");
+    // A watchdog, not a timing: the program's own alarms end a hang (its
+    // children's after 10 s, its own after 30 s).
+    let status = wait_or_kill(&mut child, Duration::from_secs(120));
+    let (mut out, mut err) = (String::new(), String::new());
+    if let Some(mut o) = child.stdout.take() {
+        let _ = std::io::Read::read_to_string(&mut o, &mut out);
+    }
+    if let Some(mut e) = child.stderr.take() {
+        let _ = std::io::Read::read_to_string(&mut e, &mut err);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{status:?}; stdout:\n{out}stderr:\n{err}");
+    assert!(out.contains(&format!("0 of {children} children failed")), "stdout:\n{out}");
+}
+
+#[test]
+fn fork_handlers_of_the_program_may_make_interposed_calls() {
+    fork_and_set_up("handler", &["handler", "5"], &[], 5);
+}
+
+#[test]
+fn a_child_forked_during_the_first_use_set_up_does_not_hang() {
+    fork_and_set_up("set-up", &["set-up"], &[("RDMASAFE_LOG", "debug")], 1);
+}
+
+#[test]
+fn a_child_forked_while_the_report_file_opens_does_not_hang() {
+    let fifo = temp("report-fifo").join("reports");
+    std::fs::create_dir_all(fifo.parent().expect("a folder")).expect("a temporary folder");
+    fork_and_set_up("report", &["report", fifo.to_str().expect("a UTF-8 path")], &[], 1);
+    let _ = std::fs::remove_dir_all(fifo.parent().expect("a folder"));
+}
+
 #[test]
 fn a_child_forked_while_another_thread_keeps_the_books_does_not_hang() {
     let dir = temp("fork");
-    let (ld_preload, prog) = build("fork_while_busy", &dir);
+    let (ld_preload, prog) = build("fork_while_busy", "fork_while_busy", &dir);
     let forks = 200;
     let mut child = in_check_mode(&prog, &ld_preload)
         .arg(forks.to_string())

@@ -28,7 +28,10 @@
 //!   inside this library the plain symbols are the interposers, so any call
 //!   through them would recurse;
 //! * state is set up at the first interposed call (a `OnceLock`); a line
-//!   with what went through is logged at exit (info level, RDMASAFE_LOG).
+//!   with what went through is logged at exit (info level, RDMASAFE_LOG);
+//! * the fork handlers are registered when the library is loaded (see
+//!   `at_load`), and a fork waits for a set-up under way in another thread
+//!   (see `set_up`).
 //!
 //! No panic unwinds into C: each interposer catches panics (`-1` with
 //! EIO, or the call passed through). The interposers of calls that wait at
@@ -46,9 +49,11 @@ mod copy;
 mod out;
 mod real;
 
+use std::cell::{Cell, RefCell};
 use std::os::raw::{c_int, c_uint, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
+use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use rdmasafe_core::sys::{self, ibv_comp_channel, ibv_cq, rdma_cm_event, rdma_cm_id, rdma_event_channel, CmEventCalls};
 
@@ -119,16 +124,17 @@ fn init() -> State {
         }
     }
     if let Mode::Check(_) = mode {
-        // SAFETY: three functions that take no arguments and catch every
-        // panic; they find the checker through STATE (set once init
-        // returns; a fork before then finds none and takes nothing).
-        let r = unsafe { libc::pthread_atfork(Some(before_fork), Some(after_fork), Some(after_fork)) };
-        if r != 0 {
-            out::setup_error(&format!(
-                "cannot register the fork handlers (error {r}): a child forked while another thread keeps the books \
-                 may hang in its first get or ack"
-            ));
-        }
+        // Opened now, under the set-up's lock, which a fork waits for: a
+        // child forked while another thread opened it lazily inherited
+        // that first use under way, and hung in its first report.
+        out::open_report_file();
+    }
+    let r = FORK_HANDLERS.load(Relaxed);
+    if r != 0 {
+        out::setup_error(&format!(
+            "cannot register the fork handlers (error {r}): a child forked while another thread sets the preload up \
+             (or, in check mode, keeps the books) may hang in its first get or ack"
+        ));
     }
     let what = match &mode {
         Mode::Copy => format!("copy (ack deadline {} ms)", rdmasafe_core::cm::ack_deadline().as_millis()),
@@ -151,9 +157,69 @@ fn check_setting(value: &str) -> Option<Option<bool>> {
     }
 }
 
+#[inline]
 fn state() -> &'static State {
+    match STATE.get() {
+        Some(st) => st,
+        None => set_up(),
+    }
+}
+
+/// Held by a first-use set-up (`init`) and, from the prepare handler to
+/// the parent's and the child's handler, by a fork (see `before_fork`):
+/// so no fork happens while a set-up is under way. The child of such a
+/// fork inherited the `OnceLock` of `STATE` marked as being set up by a
+/// thread it does not have, and hung at its first interposed call.
+static SET_UP: Mutex<()> = Mutex::new(());
+
+thread_local! {
+    /// This thread is inside `set_up` (a fork from a signal handler that
+    /// interrupted it there must not wait for itself).
+    static IN_SET_UP: Cell<bool> = const { Cell::new(false) };
+    /// `SET_UP`, held by this thread for a fork it makes.
+    static SET_UP_FOR_FORK: RefCell<Option<MutexGuard<'static, ()>>> = const { RefCell::new(None) };
+}
+
+/// The first interposed call (of any thread) sets the state up.
+#[cold]
+fn set_up() -> &'static State {
+    /// Clears `IN_SET_UP` also when `init` panics.
+    struct InSetUp;
+    impl Drop for InSetUp {
+        fn drop(&mut self) {
+            IN_SET_UP.with(|f| f.set(false));
+        }
+    }
+    let _held = SET_UP.lock().unwrap_or_else(|e| e.into_inner());
+    IN_SET_UP.with(|f| f.set(true));
+    let _in = InSetUp;
     STATE.get_or_init(init)
 }
+
+/// What `pthread_atfork` answered at load (0: the handlers are in).
+static FORK_HANDLERS: AtomicI32 = AtomicI32::new(0);
+
+/// At load (a `.init_array` entry, as a C library's
+/// `__attribute__((constructor))`): registers the fork handlers. So early,
+/// they are among the first registered: their prepare handler runs after
+/// those the program registers (and their child handler before them), so a
+/// program's own prepare or child handler may make an interposed call
+/// (registered at the first interposed call, as before, the books' locks
+/// were taken when a program's earlier-registered prepare handler made
+/// one, and the fork hung). Takes no arguments (those glibc passes are
+/// ignored) and catches every panic.
+extern "C" fn at_load() {
+    let _ = catch_unwind(|| {
+        // SAFETY: three functions that take no arguments and catch every
+        // panic.
+        let r = unsafe { libc::pthread_atfork(Some(before_fork), Some(after_fork), Some(after_fork)) };
+        FORK_HANDLERS.store(r, Relaxed);
+    });
+}
+
+#[used]
+#[link_section = ".init_array"]
+static AT_LOAD: extern "C" fn() = at_load;
 
 /// The outer panic boundary of an interposer: `on_panic()` instead of an
 /// unwind into C. (The real functions are C and never unwind.)
@@ -381,23 +447,31 @@ extern "C" fn at_exit() {
     });
 }
 
-/// `fork`'s prepare handler, registered in check mode: see
+/// `fork`'s prepare handler: waits for a set-up under way and holds
+/// `SET_UP` (unless this thread is the one setting up: a fork from a
+/// signal handler that interrupted it); in check mode, see
 /// `Checker::before_fork`.
 extern "C" fn before_fork() {
     let _ = catch_unwind(|| {
+        if !IN_SET_UP.with(Cell::get) {
+            let held = SET_UP.lock().unwrap_or_else(|e| e.into_inner());
+            SET_UP_FOR_FORK.with(|h| *h.borrow_mut() = Some(held));
+        }
         if let Some(State { mode: Mode::Check(c), .. }) = STATE.get() {
             c.before_fork();
         }
     });
 }
 
-/// `fork`'s parent and child handler, registered in check mode: see
-/// `Checker::after_fork`.
+/// `fork`'s parent and child handler: lets go of what `before_fork` took
+/// (in check mode, see `Checker::after_fork`).
 extern "C" fn after_fork() {
     let _ = catch_unwind(|| {
         if let Some(State { mode: Mode::Check(c), .. }) = STATE.get() {
             c.after_fork();
         }
+        let held = SET_UP_FOR_FORK.with(|h| h.borrow_mut().take());
+        drop(held);
     });
 }
 

@@ -87,21 +87,7 @@ pub(crate) fn report(kind: &str, text: &str) {
     // (the same in the two functions above).
     let _no_cancel = CancelDisabled::new();
     let line = format!("rdmasafe-check[{}]: {kind}: {text}\n", who());
-    let file = REPORT_FILE.get_or_init(|| {
-        let path = std::env::var_os("RDMASAFE_CHECK_FILE").filter(|p| !p.is_empty())?;
-        match std::fs::OpenOptions::new().append(true).create(true).open(&path) {
-            Ok(f) => Some(f),
-            Err(e) => {
-                let msg = format!(
-                    "rdmasafe-check[{}]: cannot open RDMASAFE_CHECK_FILE {path:?} ({e}); reporting to stderr\n",
-                    who()
-                );
-                let _ = std::io::stderr().write_all(msg.as_bytes());
-                None
-            }
-        }
-    });
-    match file {
+    match open_report_file() {
         Some(f) => {
             let mut f: &File = f;
             let _ = f.write_all(line.as_bytes());
@@ -110,6 +96,28 @@ pub(crate) fn report(kind: &str, text: &str) {
             let _ = std::io::stderr().write_all(line.as_bytes());
         }
     }
+}
+
+/// The report file RDMASAFE_CHECK_FILE names, opened at its first use
+/// (check mode's set-up: see `init`); `None`: reports go to stderr.
+pub(crate) fn open_report_file() -> Option<&'static File> {
+    let _no_cancel = CancelDisabled::new();
+    REPORT_FILE
+        .get_or_init(|| {
+            let path = std::env::var_os("RDMASAFE_CHECK_FILE").filter(|p| !p.is_empty())?;
+            match std::fs::OpenOptions::new().append(true).create(true).open(&path) {
+                Ok(f) => Some(f),
+                Err(e) => {
+                    let msg = format!(
+                        "rdmasafe-check[{}]: cannot open RDMASAFE_CHECK_FILE {path:?} ({e}); reporting to stderr\n",
+                        who()
+                    );
+                    let _ = std::io::stderr().write_all(msg.as_bytes());
+                    None
+                }
+            }
+        })
+        .as_ref()
 }
 
 #[cfg(test)]
