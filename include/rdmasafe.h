@@ -1351,7 +1351,11 @@ int rdmasafe_cq_loop_drain_qp_async(struct rdmasafe_cq_loop *cq_loop,
  * send CQ armed `RDMASAFE_NOTIFY_SOLICITED`; the receive queue gets a
  * marker only when its CQ is in this loop and the QP has no SRQ; the
  * markers' wr_ids then belong to the loop on that QP, as after a drain),
- * then `on_dead` is called once. A QP not connected
+ * then `on_dead` is called once (a keepalive removed before its `on_dead`
+ * runs, by the `on_dead` of another peer found dead at the same time,
+ * say, gets none, as any removed keepalive; one added again on a QP
+ * already drained for a dead peer finds it in the error state and only
+ * ends the probing, as below). A QP not connected
  * yet (a keepalive added at CONNECT_REQUEST, before `rdma_accept`) is
  * probed once it is in RTS,
  * and a probe posted before the QP's first success has a bound of at

@@ -536,7 +536,11 @@ impl LoopControl {
     /// the QP has no SRQ; the markers' wr_ids then belong to the loop on
     /// that QP, as after `drain_qp`), then calls `on_dead` once (a panic in
     /// it goes on to whoever runs the loop, as a handler's does, after the
-    /// other peers found dead at the same time had theirs). A timer
+    /// other peers found dead at the same time had theirs; a keepalive
+    /// removed before its `on_dead` runs, by an earlier one of those, say,
+    /// gets none, as any removed keepalive, and one added again on a QP
+    /// already drained for a dead peer finds it in the error state and
+    /// only ends the probing, as below). A timer
     /// decides, not the retry count, so this works whatever `retry_cnt` the
     /// QP has (with 7, rxe retries
     /// forever and reports nothing). A probe that fails with an error status
