@@ -441,13 +441,12 @@ fn lock<T>(m: &Mutex<T>) -> Booked<'_, T> {
     Booked(Some(m.lock().unwrap_or_else(|e| e.into_inner())))
 }
 
-/// What the forking thread holds across `fork`: both books and stderr
-/// (the reports' fallback), so that the child gets none of them locked by
-/// a thread it does not have.
+/// What the forking thread holds across `fork`: both books, so that the
+/// child gets neither locked by a thread it does not have. (The reports'
+/// fallback, stderr, takes no lock: see `out::to_stderr`.)
 struct ForkHold {
     _cm: MutexGuard<'static, CmBook>,
     _cq: MutexGuard<'static, CqBook>,
-    _stderr: std::io::StderrLock<'static>,
 }
 
 /// `m` locked for the exit report, or None (said on stderr) if it stays
@@ -722,9 +721,8 @@ impl Checker {
         r
     }
 
-    /// `fork`'s prepare handler (`pthread_atfork`): takes both books' locks
-    /// and stderr's, in that order (no thread takes a book while it holds
-    /// stderr), and keeps them in this thread until [`Checker::after_fork`]
+    /// `fork`'s prepare handler (`pthread_atfork`): takes both books'
+    /// locks, and keeps them in this thread until [`Checker::after_fork`]
     /// runs in the parent and in the child. Without it a child forked while
     /// another thread was inside the book-keeping (the watcher, or any
     /// thread in a get or an ack) inherited the lock taken for good: its
@@ -740,7 +738,6 @@ impl Checker {
         let hold = ForkHold {
             _cm: self.cm.lock().unwrap_or_else(|e| e.into_inner()),
             _cq: self.cq.lock().unwrap_or_else(|e| e.into_inner()),
-            _stderr: std::io::stderr().lock(),
         };
         HELD_FOR_FORK.with(|h| *h.borrow_mut() = Some(hold));
     }

@@ -27,11 +27,11 @@
 //!   (`rdmasafe_core::sys::set_cm_event_calls`) before its first use:
 //!   inside this library the plain symbols are the interposers, so any call
 //!   through them would recurse;
-//! * state is set up at the first interposed call (a `OnceLock`); a line
+//! * state is set up at the first interposed call (a `ForkOnce`); a line
 //!   with what went through is logged at exit (info level, RDMASAFE_LOG);
 //! * the fork handlers are registered when the library is loaded (see
-//!   `at_load`), and a fork waits for a set-up under way in another thread
-//!   (see `set_up`).
+//!   `at_load`); a child forked while another thread set the state up
+//!   sets it up again (module `once`).
 //!
 //! No panic unwinds into C: each interposer catches panics (`-1` with
 //! EIO, or the call passed through). The interposers of calls that wait at
@@ -46,18 +46,18 @@
 
 mod check;
 mod copy;
+mod once;
 mod out;
 mod real;
 
-use std::cell::{Cell, RefCell};
 use std::os::raw::{c_int, c_uint, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
-use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use rdmasafe_core::sys::{self, ibv_comp_channel, ibv_cq, rdma_cm_event, rdma_cm_id, rdma_event_channel, CmEventCalls};
 
 use check::Checker;
+use once::ForkOnce;
 use real::Real;
 
 enum Mode {
@@ -75,7 +75,7 @@ struct State {
     mode: Mode,
 }
 
-static STATE: OnceLock<State> = OnceLock::new();
+static STATE: ForkOnce<State> = ForkOnce::new();
 
 fn init() -> State {
     // Its output (and /proc/self/comm, read for it) may hit cancellation
@@ -97,9 +97,15 @@ fn init() -> State {
     };
     if let Mode::Copy = mode {
         let ok = match (real.get_cm_event, real.ack_cm_event) {
-            // SAFETY: librdmacm's own two functions, from one library
-            // (dlvsym of RTLD_NEXT), callable from any thread.
-            (Some(get), Some(ack)) => unsafe { sys::set_cm_event_calls(CmEventCalls { get, ack }) }.is_ok(),
+            (Some(get), Some(ack)) => {
+                // Refused only if set already: by a set-up of the parent
+                // that a fork left under way (see `once`), with the same
+                // two functions.
+                // SAFETY: librdmacm's own two functions, from one library
+                // (dlvsym of RTLD_NEXT), callable from any thread.
+                let _ = unsafe { sys::set_cm_event_calls(CmEventCalls { get, ack }) };
+                true
+            }
             _ => false,
         };
         if !ok {
@@ -122,12 +128,6 @@ fn init() -> State {
             );
             mode = Mode::Pass;
         }
-    }
-    if let Mode::Check(_) = mode {
-        // Opened now, under the set-up's lock, which a fork waits for: a
-        // child forked while another thread opened it lazily inherited
-        // that first use under way, and hung in its first report.
-        out::open_report_file();
     }
     let r = FORK_HANDLERS.load(Relaxed);
     if r != 0 {
@@ -157,42 +157,7 @@ fn check_setting(value: &str) -> Option<Option<bool>> {
     }
 }
 
-#[inline]
 fn state() -> &'static State {
-    match STATE.get() {
-        Some(st) => st,
-        None => set_up(),
-    }
-}
-
-/// Held by a first-use set-up (`init`) and, from the prepare handler to
-/// the parent's and the child's handler, by a fork (see `before_fork`):
-/// so no fork happens while a set-up is under way. The child of such a
-/// fork inherited the `OnceLock` of `STATE` marked as being set up by a
-/// thread it does not have, and hung at its first interposed call.
-static SET_UP: Mutex<()> = Mutex::new(());
-
-thread_local! {
-    /// This thread is inside `set_up` (a fork from a signal handler that
-    /// interrupted it there must not wait for itself).
-    static IN_SET_UP: Cell<bool> = const { Cell::new(false) };
-    /// `SET_UP`, held by this thread for a fork it makes.
-    static SET_UP_FOR_FORK: RefCell<Option<MutexGuard<'static, ()>>> = const { RefCell::new(None) };
-}
-
-/// The first interposed call (of any thread) sets the state up.
-#[cold]
-fn set_up() -> &'static State {
-    /// Clears `IN_SET_UP` also when `init` panics.
-    struct InSetUp;
-    impl Drop for InSetUp {
-        fn drop(&mut self) {
-            IN_SET_UP.with(|f| f.set(false));
-        }
-    }
-    let _held = SET_UP.lock().unwrap_or_else(|e| e.into_inner());
-    IN_SET_UP.with(|f| f.set(true));
-    let _in = InSetUp;
     STATE.get_or_init(init)
 }
 
@@ -201,18 +166,21 @@ static FORK_HANDLERS: AtomicI32 = AtomicI32::new(0);
 
 /// At load (a `.init_array` entry, as a C library's
 /// `__attribute__((constructor))`): registers the fork handlers. So early,
-/// they are among the first registered: their prepare handler runs after
-/// those the program registers (and their child handler before them), so a
-/// program's own prepare or child handler may make an interposed call
-/// (registered at the first interposed call, as before, the books' locks
-/// were taken when a program's earlier-registered prepare handler made
-/// one, and the fork hung). Takes no arguments (those glibc passes are
-/// ignored) and catches every panic.
+/// they are registered before those the program registers (only libraries
+/// whose constructors ran first come before): their prepare handler runs
+/// after the program's (and their child handler before), so a program's
+/// own prepare or child handler may make an interposed call. (Registered at
+/// the first interposed call, as before, check mode's books were taken
+/// when a prepare handler the program had registered earlier made one, and
+/// the fork hung.) The handlers take no lock but check mode's books: a
+/// set-up under way is made again in the child instead of waited for (see
+/// `once`). Takes no arguments (those glibc passes are ignored) and
+/// catches every panic.
 extern "C" fn at_load() {
     let _ = catch_unwind(|| {
         // SAFETY: three functions that take no arguments and catch every
         // panic.
-        let r = unsafe { libc::pthread_atfork(Some(before_fork), Some(after_fork), Some(after_fork)) };
+        let r = unsafe { libc::pthread_atfork(Some(before_fork), Some(after_fork_parent), Some(after_fork_child)) };
         FORK_HANDLERS.store(r, Relaxed);
     });
 }
@@ -447,31 +415,35 @@ extern "C" fn at_exit() {
     });
 }
 
-/// `fork`'s prepare handler: waits for a set-up under way and holds
-/// `SET_UP` (unless this thread is the one setting up: a fork from a
-/// signal handler that interrupted it); in check mode, see
-/// `Checker::before_fork`.
+/// `fork`'s prepare handler: in check mode, see `Checker::before_fork`.
 extern "C" fn before_fork() {
     let _ = catch_unwind(|| {
-        if !IN_SET_UP.with(Cell::get) {
-            let held = SET_UP.lock().unwrap_or_else(|e| e.into_inner());
-            SET_UP_FOR_FORK.with(|h| *h.borrow_mut() = Some(held));
-        }
         if let Some(State { mode: Mode::Check(c), .. }) = STATE.get() {
             c.before_fork();
         }
     });
 }
 
-/// `fork`'s parent and child handler: lets go of what `before_fork` took
-/// (in check mode, see `Checker::after_fork`).
-extern "C" fn after_fork() {
+/// `fork`'s parent handler: in check mode, see `Checker::after_fork`.
+extern "C" fn after_fork_parent() {
     let _ = catch_unwind(|| {
         if let Some(State { mode: Mode::Check(c), .. }) = STATE.get() {
             c.after_fork();
         }
-        let held = SET_UP_FOR_FORK.with(|h| h.borrow_mut().take());
-        drop(held);
+    });
+}
+
+/// `fork`'s child handler: in check mode, see `Checker::after_fork`; a
+/// set-up (of the state, or of check mode's report file) that another
+/// thread of the parent had under way is forgotten, to be made again here
+/// (module `once`).
+extern "C" fn after_fork_child() {
+    let _ = catch_unwind(|| {
+        STATE.after_fork_in_child();
+        out::after_fork_in_child();
+        if let Some(State { mode: Mode::Check(c), .. }) = STATE.get() {
+            c.after_fork();
+        }
     });
 }
 

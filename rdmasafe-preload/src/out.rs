@@ -5,7 +5,8 @@
 
 use std::fs::File;
 use std::io::Write;
-use std::sync::OnceLock;
+
+use crate::once::ForkOnce;
 
 use log::{LevelFilter, Log, Metadata, Record};
 use rdmasafe_core::sys::cancel::CancelDisabled;
@@ -20,10 +21,8 @@ impl Log for StderrLog {
     fn log(&self, r: &Record<'_>) {
         if self.enabled(r.metadata()) {
             let _no_cancel = CancelDisabled::new();
-            // One write per line; a closed or broken stderr loses the line
-            // instead of panicking.
             let line = format!("rdmasafe[{}]: {}\n", r.level(), r.args());
-            let _ = std::io::stderr().write_all(line.as_bytes());
+            to_stderr(line.as_bytes());
         }
     }
 
@@ -31,6 +30,23 @@ impl Log for StderrLog {
 }
 
 static LOGGER: StderrLog = StderrLog;
+
+/// Writes `line` to fd 2, in one write(2) if it can (a closed or broken
+/// stderr loses it). Not through `std::io::stderr()`, whose lock a thread
+/// holds across a write that may block (a full pipe): a child forked
+/// meanwhile would inherit that lock taken, by a thread it does not have,
+/// and hang at its first line.
+fn to_stderr(mut line: &[u8]) {
+    while !line.is_empty() {
+        // SAFETY: writes from a live buffer of `line.len()` bytes.
+        let r = unsafe { libc::write(2, line.as_ptr().cast(), line.len()) };
+        match r {
+            n if n > 0 => line = &line[n as usize..],
+            n if n < 0 && rdmasafe_core::sys::errno() == libc::EINTR => {}
+            _ => return,
+        }
+    }
+}
 
 /// RDMASAFE_LOG's value as a level (error|warn|info|debug|trace; off, 0 or
 /// empty: off); `None` for anything else (librdmasafe takes that as off).
@@ -49,16 +65,15 @@ pub(crate) fn parse_level(s: &str) -> Option<LevelFilter> {
 /// Installs the stderr logger of this library (its own copy of the `log`
 /// facade: the program's logging, if any, is not affected).
 pub(crate) fn install_logger() {
-    if log::set_logger(&LOGGER).is_ok() {
-        let value = std::env::var("RDMASAFE_LOG").unwrap_or_default();
-        let level = parse_level(&value).unwrap_or_else(|| {
-            setup_error(&format!(
-                "RDMASAFE_LOG={value:?} is none of error, warn, info, debug, trace, off: logging off"
-            ));
-            LevelFilter::Off
-        });
-        log::set_max_level(level);
-    }
+    // Installed already: by a set-up of the parent that a fork left under
+    // way (see `crate::once`); the level is set again.
+    let _ = log::set_logger(&LOGGER);
+    let value = std::env::var("RDMASAFE_LOG").unwrap_or_default();
+    let level = parse_level(&value).unwrap_or_else(|| {
+        setup_error(&format!("RDMASAFE_LOG={value:?} is none of error, warn, info, debug, trace, off: logging off"));
+        LevelFilter::Off
+    });
+    log::set_max_level(level);
 }
 
 /// Says on stderr, whatever the log level (logging is off unless
@@ -66,8 +81,7 @@ pub(crate) fn install_logger() {
 /// to do and what it does instead: `rdmasafe-preload[PID COMM]: TEXT`.
 pub(crate) fn setup_error(text: &str) {
     let _no_cancel = CancelDisabled::new();
-    // One write per line; a closed or broken stderr loses the line.
-    let _ = std::io::stderr().write_all(format!("rdmasafe-preload[{}]: {text}\n", who()).as_bytes());
+    to_stderr(format!("rdmasafe-preload[{}]: {text}\n", who()).as_bytes());
 }
 
 /// The process's pid and command name, for report lines (several
@@ -77,7 +91,7 @@ pub(crate) fn who() -> String {
     format!("{} {}", std::process::id(), comm.trim())
 }
 
-static REPORT_FILE: OnceLock<Option<File>> = OnceLock::new();
+static REPORT_FILE: ForkOnce<Option<File>> = ForkOnce::new();
 
 /// Emits one check-mode report line:
 /// `rdmasafe-check[PID COMM]: KIND: TEXT`.
@@ -92,15 +106,20 @@ pub(crate) fn report(kind: &str, text: &str) {
             let mut f: &File = f;
             let _ = f.write_all(line.as_bytes());
         }
-        None => {
-            let _ = std::io::stderr().write_all(line.as_bytes());
-        }
+        None => to_stderr(line.as_bytes()),
     }
 }
 
-/// The report file RDMASAFE_CHECK_FILE names, opened at its first use
-/// (check mode's set-up: see `init`); `None`: reports go to stderr.
-pub(crate) fn open_report_file() -> Option<&'static File> {
+/// In a forked child: an opening of the report file that another thread
+/// of the parent had under way (a FIFO waits for its reader) is forgotten;
+/// the child opens it again at its first report.
+pub(crate) fn after_fork_in_child() {
+    REPORT_FILE.after_fork_in_child();
+}
+
+/// The report file RDMASAFE_CHECK_FILE names, opened at the first report;
+/// `None`: reports go to stderr.
+fn open_report_file() -> Option<&'static File> {
     let _no_cancel = CancelDisabled::new();
     REPORT_FILE
         .get_or_init(|| {
@@ -112,7 +131,7 @@ pub(crate) fn open_report_file() -> Option<&'static File> {
                         "rdmasafe-check[{}]: cannot open RDMASAFE_CHECK_FILE {path:?} ({e}); reporting to stderr\n",
                         who()
                     );
-                    let _ = std::io::stderr().write_all(msg.as_bytes());
+                    to_stderr(msg.as_bytes());
                     None
                 }
             }

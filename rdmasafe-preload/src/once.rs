@@ -1,0 +1,185 @@
+//! A value set up once, at its first use, that a forked child may set up
+//! again: the preload's state and check mode's report file.
+//!
+//! A `OnceLock` being set up by one thread when another forks is inherited
+//! by the child as "being set up" by a thread the child does not have: the
+//! child's first use waits for good. A set-up may block for long (a full
+//! stderr pipe, a report file that is a FIFO without a reader yet), so
+//! that is no mere instant. Making a fork wait for the set-up instead
+//! makes every fork of the process wait on that blocking I/O and takes a
+//! lock in the fork handlers, which a fork handler or a library
+//! constructor that forks can then deadlock on. So nobody waits: the
+//! child's fork handler ([`ForkOnce::after_fork_in_child`]) forgets a
+//! set-up that another thread had under way, and the child's first use
+//! sets the value up again (what the abandoned set-up made is leaked).
+
+use std::cell::UnsafeCell;
+use std::mem::MaybeUninit;
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering::*};
+use std::time::Duration;
+
+const UNSET: u8 = 0;
+const SETTING: u8 = 1;
+const SET: u8 = 2;
+
+pub(crate) struct ForkOnce<T> {
+    phase: AtomicU8,
+    /// `pthread_self()` of the thread setting it up (the same thread in a
+    /// forked child, unlike its tid).
+    setter: AtomicUsize,
+    value: UnsafeCell<MaybeUninit<T>>,
+}
+
+// SAFETY: `value` is written by one thread only, the one that moved
+// `phase` from UNSET to SETTING, before it stores SET (Release); it is read
+// only after a load of SET (Acquire), and never written again once SET.
+// (A child's reset of a SETTING phase leaves a value that was never read.)
+unsafe impl<T: Send + Sync> Sync for ForkOnce<T> {}
+
+fn this_thread() -> usize {
+    // SAFETY: pthread_self has no preconditions.
+    unsafe { libc::pthread_self() as usize }
+}
+
+impl<T> ForkOnce<T> {
+    pub(crate) const fn new() -> Self {
+        ForkOnce {
+            phase: AtomicU8::new(UNSET),
+            setter: AtomicUsize::new(0),
+            value: UnsafeCell::new(MaybeUninit::uninit()),
+        }
+    }
+
+    /// The value, if it is set up.
+    #[inline]
+    pub(crate) fn get(&self) -> Option<&T> {
+        if self.phase.load(Acquire) == SET {
+            // SAFETY: SET (Acquire) means the value was written before
+            // (Release) and is never written again.
+            Some(unsafe { (*self.value.get()).assume_init_ref() })
+        } else {
+            None
+        }
+    }
+
+    /// The value, set up with `init` by the first caller; the others wait
+    /// for it. A panic in `init` leaves it unset (the next use tries
+    /// again), and so does a use from inside `init` on the same thread (a
+    /// signal handler, say), with a panic.
+    #[inline]
+    pub(crate) fn get_or_init(&self, init: impl FnOnce() -> T) -> &T {
+        match self.get() {
+            Some(v) => v,
+            None => self.set_up(init),
+        }
+    }
+
+    #[cold]
+    fn set_up(&self, init: impl FnOnce() -> T) -> &T {
+        let mut waits = 0u32;
+        loop {
+            match self.phase.compare_exchange(UNSET, SETTING, Acquire, Acquire) {
+                Ok(_) => break,
+                Err(SET) => return self.get().expect("set"),
+                Err(_) if self.setter.load(Relaxed) == this_thread() => {
+                    panic!("rdmasafe preload: a use of its state inside its own set-up")
+                }
+                // Another thread sets it up: that may take long (blocking
+                // I/O), so yield, then sleep.
+                Err(_) => {
+                    waits += 1;
+                    if waits < 64 {
+                        std::thread::yield_now();
+                    } else {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                }
+            }
+        }
+        self.setter.store(this_thread(), Relaxed);
+        /// Unset again if `init` panics.
+        struct Unset<'a>(&'a AtomicU8, &'a AtomicUsize);
+        impl Drop for Unset<'_> {
+            fn drop(&mut self) {
+                self.1.store(0, Relaxed);
+                self.0.store(UNSET, Release);
+            }
+        }
+        let undo = Unset(&self.phase, &self.setter);
+        let v = init();
+        // SAFETY: this thread moved the phase to SETTING: no other thread
+        // reads or writes the value until SET.
+        unsafe { (*self.value.get()).write(v) };
+        std::mem::forget(undo);
+        self.setter.store(0, Relaxed);
+        self.phase.store(SET, Release);
+        self.get().expect("set")
+    }
+
+    /// In a forked child (its fork handler): a set-up that another thread
+    /// of the parent had under way is forgotten (that thread does not exist
+    /// here); the child's first use sets the value up anew. One of the
+    /// forking thread itself (a fork from a signal handler that interrupted
+    /// it) goes on when the handler returns.
+    pub(crate) fn after_fork_in_child(&self) {
+        if self.phase.load(Acquire) == SETTING && self.setter.load(Relaxed) != this_thread() {
+            self.setter.store(0, Relaxed);
+            self.phase.store(UNSET, Release);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn set_once_and_reset_only_while_another_thread_sets_it_up() {
+        static CELL: ForkOnce<u32> = ForkOnce::new();
+        assert_eq!(CELL.get(), None);
+        // A set-up under way in another thread (as a child inherits it).
+        CELL.phase.store(SETTING, Relaxed);
+        CELL.setter.store(this_thread().wrapping_add(1), Relaxed);
+        CELL.after_fork_in_child();
+        assert_eq!(*CELL.get_or_init(|| 7), 7, "set up again");
+        assert_eq!(*CELL.get_or_init(|| 8), 7, "once");
+        CELL.after_fork_in_child();
+        assert_eq!(CELL.get(), Some(&7), "a value set stays");
+    }
+
+    #[test]
+    fn a_panicking_set_up_leaves_it_unset() {
+        static CELL: ForkOnce<u32> = ForkOnce::new();
+        let r = std::panic::catch_unwind(|| *CELL.get_or_init(|| panic!("no")));
+        assert!(r.is_err());
+        assert_eq!(CELL.get(), None);
+        assert_eq!(*CELL.get_or_init(|| 3), 3);
+    }
+
+    #[test]
+    fn a_use_inside_its_own_set_up_panics_instead_of_waiting() {
+        static CELL: ForkOnce<u32> = ForkOnce::new();
+        let r = std::panic::catch_unwind(|| *CELL.get_or_init(|| *CELL.get_or_init(|| 1)));
+        assert!(r.is_err());
+        assert_eq!(*CELL.get_or_init(|| 2), 2, "and it is set up later");
+    }
+
+    #[test]
+    fn other_threads_wait_for_the_set_up() {
+        static CELL: ForkOnce<u32> = ForkOnce::new();
+        let got: Vec<u32> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..4)
+                .map(|i| {
+                    s.spawn(move || {
+                        *CELL.get_or_init(|| {
+                            std::thread::sleep(Duration::from_millis(20));
+                            i
+                        })
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(got.iter().all(|v| *v == got[0]), "{got:?}");
+    }
+}
