@@ -1103,10 +1103,11 @@ unsafe impl Send for CDeadPeer {}
 /// leaves the loop is consumed by the loop it joins next, as drain markers
 /// are): pick a `probe_wr_id` the app never uses in its own work requests
 /// (one value for all keepalives is simplest). A probe still out when its
-/// keepalive ends is looked for by QP number and wr_id, as its completion
-/// may still come (rxe, for one, leaves a destroyed QP's completions in the
-/// CQ): also on a new QP that got the number, until that QP's own keepalive
-/// posts its first probe. The QP must stay alive until
+/// keepalive ends is looked for by QP number, wr_id and CQ, as its
+/// completion may still come (rxe, for one, leaves a destroyed QP's
+/// completions in the CQ): also among the completions of a new QP that got
+/// the number, until a keepalive is added on that QP. The QP must stay
+/// alive until
 /// `rdmasafe_cq_loop_remove_keepalive` returns, its send CQ leaves the
 /// loop, or the loop is destroyed; or until its drain
 /// (`rdmasafe_cq_loop_drain_qp`) or its peer's death (`on_dead`) has been

@@ -569,7 +569,12 @@ impl Core {
                 return Ok(total);
             }
             total += raw;
-            let n = if self.keepalives.is_empty() && self.drains.is_empty() { raw } else { self.filter(sh, raw) };
+            let n = if self.keepalives.is_empty() && self.drains.is_empty() {
+                raw
+            } else {
+                let cq = e.cq.addr();
+                self.filter(sh, cq, raw)
+            };
             if n > 0 {
                 self.call_handler(ctl, r, n);
             }
@@ -582,8 +587,9 @@ impl Core {
     }
 
     /// Takes the loop's own completions (keepalive probes, drain markers)
-    /// out of `wcs[..n]`, notes activity; returns how many are left.
-    pub(super) fn filter(&mut self, sh: &Shared, n: usize) -> usize {
+    /// out of `wcs[..n]`, polled from `cq`, notes activity; returns how
+    /// many are left.
+    pub(super) fn filter(&mut self, sh: &Shared, cq: usize, n: usize) -> usize {
         // Only keepalives need the time (a drain's markers do not).
         let now = if self.keepalives.is_empty() { None } else { Some(Instant::now()) };
         let mut kept = 0;
@@ -591,7 +597,7 @@ impl Core {
             let wc = &self.wcs[j];
             let mut ours = self.drains.note(wc);
             if let (false, Some(now)) = (ours, now) {
-                let (probe, ok) = self.keepalives.note(wc, now);
+                let (probe, ok) = self.keepalives.note(wc, cq, now);
                 ours = probe;
                 if probe && ok {
                     sh.counters.keepalive_probes_ok.bump(1);

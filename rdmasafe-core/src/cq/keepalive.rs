@@ -66,12 +66,11 @@ struct Entry {
     /// neither drains the QP nor touches it again: the app may have
     /// destroyed it once its drain was reported).
     drained_by_app: bool,
-    /// A probe of this keepalive was posted. Until then an orphan probe of
-    /// an older QP with its number (destroyed, another address) is still
-    /// looked for: its completion may sit in the CQ (providers such as rxe
-    /// leave a destroyed QP's completions there), and it comes before any
-    /// probe of this keepalive (see [`probe_posted`]).
-    posted_any: bool,
+    /// Added while an orphan probe of an older QP with its number
+    /// (destroyed: another address) was out through its send CQ: the loop
+    /// polls that CQ before its next tick, which then forgets such orphans
+    /// (see [`Keepalives::send_cqs_due`]).
+    sweep: bool,
     on_dead: DeadPeer,
 }
 
@@ -88,6 +87,8 @@ pub(crate) struct Keepalives {
     /// No deadline is earlier than this (a cache: activity only ever moves
     /// deadlines later, so waking at it is early at worst).
     next: Option<Instant>,
+    /// Keepalives with `sweep` set (or fewer: one removed since).
+    sweeps: usize,
 }
 
 /// A keepalive's registration: its QP number and a serial that no other
@@ -176,24 +177,6 @@ fn push_orphan(orphans: &mut VecDeque<LateProbe>, p: LateProbe) {
         orphans.pop_front();
     }
     orphans.push_back(p);
-}
-
-/// `e`, the keepalive of `qpn`, posted a probe. At its first, the orphans
-/// of an older QP with its number go: a completion of that QP, destroyed
-/// before `e` was added, came before this probe in the CQ if it came at
-/// all (a provider that removes a destroyed QP's completions, as mlx5
-/// does, never returns it), so an orphan kept longer would take this
-/// probe's completion, and at the bound a live peer would be declared
-/// dead. Kept until now, such an orphan is consumed when its completion is
-/// polled, never handed to the app's handler.
-fn probe_posted(orphans: &mut VecDeque<LateProbe>, qpn: u32, e: &mut Entry) {
-    if !e.posted_any {
-        e.posted_any = true;
-        let addr = e.qp.raw() as usize;
-        if !orphans.is_empty() {
-            orphans.retain(|o| o.qp_num != qpn || o.qp == addr);
-        }
-    }
 }
 
 /// `next` becomes `d` if that is earlier (or `next` is unset).
@@ -301,10 +284,21 @@ impl Keepalives {
         // queues changes in the order they were registered). It goes now,
         // its probe out kept as an orphan, as a removal keeps it.
         self.remove_entry(qpn);
-        // Orphans of another QP with this number (destroyed before its
-        // probe came back: live QPs have distinct numbers) stay until this
-        // keepalive posts its first probe (see `probe_posted`).
-        let first = sys::deadline_after(now, cfg.period);
+        // An orphan of another QP with this number through the same CQ:
+        // that QP was destroyed before its probe came back (live QPs have
+        // distinct numbers), and before this one was created. Its
+        // completion, if it comes at all (rxe leaves a destroyed QP's
+        // completions in the CQ; mlx5 removes them), is in the CQ now,
+        // before any of this keepalive's probes: the loop polls the CQ
+        // before its next tick (an event may never come: a flush on a
+        // solicited-only CQ raises none), and the tick forgets the orphan
+        // (kept longer, it would take this keepalive's probe, and at the
+        // bound a live peer would be declared dead). Orphans through other
+        // CQs never take its probes (see `note`).
+        let addr = qp.raw() as usize;
+        let sweep = self.orphans.iter().any(|o| o.qp_num == qpn && o.qp != addr && o.cq == send_cq);
+        let first = if sweep { now } else { sys::deadline_after(now, cfg.period) };
+        self.sweeps += usize::from(sweep);
         self.next = Some(self.next.map_or(first, |n| n.min(first)));
         self.by_qpn.insert(
             qpn,
@@ -322,7 +316,7 @@ impl Keepalives {
                 first_grace: Duration::ZERO,
                 peer_lost: false,
                 drained_by_app: false,
-                posted_any: false,
+                sweep,
                 on_dead,
             },
         );
@@ -378,28 +372,27 @@ impl Keepalives {
     }
 
     /// `cq` joins the loop: the probes parked for it when it left a loop
-    /// (this one or another) are this loop's to consume (not those of a QP
-    /// destroyed since: a keepalive here has another QP with its number).
+    /// (this one or another) are this loop's to consume. (No keepalive
+    /// here probes through `cq` yet; one added later on a QP that got the
+    /// number of a parked probe's destroyed QP sweeps it, see `add`.)
     pub(crate) fn adopt(&mut self, cq: usize) {
         for p in drain::take_probes(cq) {
-            if self.by_qpn.get(&p.qp_num).is_some_and(|e| e.posted_any && e.qp.raw() as usize != p.qp) {
-                continue;
-            }
             push_orphan(&mut self.orphans, p);
         }
     }
 
-    /// Notes a completion: activity on its QP, and whether it is a probe
-    /// (consumed: it never reaches the app's handler).
-    pub(crate) fn note(&mut self, wc: &Wc, now: Instant) -> (bool, bool) {
+    /// Notes a completion polled from `cq`: activity on its QP, and
+    /// whether it is a probe (consumed: it never reaches the app's
+    /// handler).
+    pub(crate) fn note(&mut self, wc: &Wc, cq: usize, now: Instant) -> (bool, bool) {
         let ok = wc.is_success();
         // An orphan first: a QP's probes complete in the order they were
         // posted, and an orphan (of a keepalive removed, or one whose CQ
-        // left a loop) was posted before any probe of the keepalive the QP
-        // has now (an orphan of another QP with this number is gone: see
-        // `add`, `adopt`).
+        // left a loop) through this CQ was posted before any probe of the
+        // keepalive the QP has now (one of another QP with this number is
+        // swept before that keepalive probes: see `add`).
         let orphan = !self.orphans.is_empty()
-            && (self.orphans.iter().position(|o| o.qp_num == wc.qp_num() && o.wr_id == wc.wr_id()))
+            && (self.orphans.iter().position(|o| o.qp_num == wc.qp_num() && o.wr_id == wc.wr_id() && o.cq == cq))
                 .and_then(|i| self.orphans.remove(i))
                 .is_some();
         if let Some(e) = self.by_qpn.get_mut(&wc.qp_num()) {
@@ -417,7 +410,7 @@ impl Keepalives {
                     earliest(&mut self.next, sys::deadline_after(now, e.cfg.period));
                 }
             }
-            let probe = !orphan && wc.wr_id() == e.cfg.wr_id && e.probe_out();
+            let probe = !orphan && cq == e.send_cq && wc.wr_id() == e.cfg.wr_id && e.probe_out();
             if !probe && wc.status() == crate::wc::WcStatus::RETRY_EXC_ERR && !e.dead && !e.quiet {
                 // The peer is unreachable (the QP is in error now): dead,
                 // whatever the probe's flush says after this.
@@ -459,6 +452,15 @@ impl Keepalives {
     /// [`Keepalives::qp_to_drain`], then calls their `on_dead`), and the registrations
     /// of the keepalives dropped because their `CmId` destroyed the QP.
     pub(crate) fn tick(&mut self, now: Instant) -> (u64, Vec<Registration>, Vec<Registration>) {
+        if self.sweeps > 0 {
+            // Their CQs were polled just before (`send_cqs_due`).
+            self.sweeps = 0;
+            for (qpn, e) in self.by_qpn.iter_mut().filter(|(_, e)| e.sweep) {
+                e.sweep = false;
+                let (addr, cq) = (e.qp.raw() as usize, e.send_cq);
+                self.orphans.retain(|o| o.qp_num != *qpn || o.qp == addr || o.cq != cq);
+            }
+        }
         if self.next.is_none_or(|n| now < n) {
             return (0, Vec::new(), Vec::new());
         }
@@ -489,10 +491,7 @@ impl Keepalives {
             };
             if let Some(since) = bound_from {
                 match e.attempt_probe(now, since) {
-                    Attempt::Posted => {
-                        posted += 1;
-                        probe_posted(&mut self.orphans, *qpn, e);
-                    }
+                    Attempt::Posted => posted += 1,
                     Attempt::NotPosted => {}
                     Attempt::Destroyed => {
                         destroyed.push((*qpn, e.serial));
@@ -554,17 +553,18 @@ impl Keepalives {
     /// The send CQs of the QPs whose probe is past its bound at `now`: the
     /// loop polls them before `tick` decides, so a probe that completed
     /// without raising an event (a solicited-only CQ, an event not read
-    /// yet) is never taken for a dead peer.
+    /// yet) is never taken for a dead peer. Also those of keepalives with
+    /// a sweep to make (see `add`): `tick` makes it after the poll.
     pub(crate) fn send_cqs_due(&self, now: Instant) -> Vec<usize> {
+        let overdue = |e: &Entry| match e.probe {
+            Probe::Sent(t) | Probe::Blocked(t) => now.saturating_duration_since(t) >= e.bound(),
+            // Dead whatever a poll finds.
+            Probe::Failed { .. } | Probe::Idle => false,
+        };
         let mut cqs: Vec<usize> = self
             .by_qpn
             .values()
-            .filter(|e| !e.dead && !e.quiet)
-            .filter(|e| match e.probe {
-                Probe::Sent(t) | Probe::Blocked(t) => now.saturating_duration_since(t) >= e.bound(),
-                // Dead whatever a poll finds.
-                Probe::Failed { .. } | Probe::Idle => false,
-            })
+            .filter(|e| e.sweep || (!e.dead && !e.quiet && overdue(e)))
             .map(|e| e.send_cq)
             .collect();
         cqs.sort_unstable();
@@ -606,16 +606,16 @@ mod tests {
         k.orphans.push_back(LateProbe { qp_num: 8, qp: 0x8008, wr_id: 0xfeed, cq: cq2 });
         assert!(k.remove_for_cq(cq1).is_empty());
         assert_eq!(k.orphans.len(), 1, "QP 7's probe went with its CQ");
-        let (ours, _) = k.note(&wc(7, 0xfeed), Instant::now());
+        let (ours, _) = k.note(&wc(7, 0xfeed), cq1, Instant::now());
         assert!(!ours, "with its CQ out of the loop, a QP 7 request reaches the app");
-        let (ours, _) = k.note(&wc(8, 0xfeed), Instant::now());
+        let (ours, _) = k.note(&wc(8, 0xfeed), cq2, Instant::now());
         assert!(ours, "QP 8's orphan probe, its CQ still in the loop, is consumed");
         assert!(k.is_empty());
         let mut other = Keepalives::default();
         other.adopt(cq1);
-        let (ours, _) = other.note(&wc(7, 0xfeed), Instant::now());
+        let (ours, _) = other.note(&wc(7, 0xfeed), cq1, Instant::now());
         assert!(ours, "the CQ joined another loop: QP 7's probe is that loop's");
-        let (ours, _) = other.note(&wc(7, 0xfeed), Instant::now());
+        let (ours, _) = other.note(&wc(7, 0xfeed), cq1, Instant::now());
         assert!(!ours, "only once");
         k.adopt(cq1);
         assert!(k.is_empty(), "adopted once");
@@ -675,7 +675,8 @@ mod tests {
     /// The orphan probe of a QP destroyed before it came back does not take
     /// the probe of a new QP that got its number (found by a review: the
     /// new keepalive's probe stayed out, and at the bound a live peer was
-    /// declared dead).
+    /// declared dead): the new keepalive's CQ is polled before the next
+    /// tick, which forgets the orphan.
     #[test]
     fn a_destroyed_qps_orphan_does_not_take_a_new_qps_probe() {
         let cq = 0x7e57_4000;
@@ -687,29 +688,26 @@ mod tests {
         // The old QP 7 (another address) lost its probe.
         k.orphans.push_back(LateProbe { qp_num: 7, qp: addr + 0x1000, wr_id: 0xfeed, cq });
         assert!(k.add(qp, 1, CFG, Box::new(|_, _| {}), t0));
-        // Its first probe is posted (as `tick` does on a real QP).
-        let e = k.by_qpn.get_mut(&7).unwrap();
-        e.probe = Probe::Sent(t0);
-        probe_posted(&mut k.orphans, 7, e);
-        let (ours, ok) = k.note(&wc(7, 0xfeed), t0);
+        assert_eq!(k.send_cqs_due(t0), [cq], "its CQ is polled before the next tick");
+        assert_eq!(k.tick(t0).0, 0, "the tick comes now, probing nothing");
+        assert!(k.orphans.is_empty(), "the old QP's orphan is forgotten");
+        assert!(k.send_cqs_due(t0).is_empty(), "once");
+        k.by_qpn.get_mut(&7).unwrap().probe = Probe::Sent(t0);
+        let (ours, ok) = k.note(&wc(7, 0xfeed), cq, t0);
         assert!(ours && ok, "the new QP's probe, credited to its keepalive");
         assert!(matches!(k.by_qpn[&7].probe, Probe::Idle), "its probe is back");
-        // A probe parked by the old QP is not adopted either.
-        drain::park_probes(vec![LateProbe { qp_num: 7, qp: addr + 0x1000, wr_id: 0xfeed, cq }]);
-        k.adopt(cq);
-        assert!(k.orphans.is_empty(), "the destroyed QP's parked probe is not this loop's");
     }
 
     /// The orphan probe of a QP destroyed before a new QP got its number
-    /// and a keepalive is consumed while that keepalive has posted no
-    /// probe: its completion, left in the CQ (rxe leaves a destroyed QP's
-    /// completions there), comes before any of the new keepalive's probes.
-    /// (Found by a review: the orphan was dropped when the keepalive was
-    /// added, and its completion reached the app's handler.) A probe
-    /// parked by the old QP is adopted too, until that first probe.
+    /// and a keepalive, its completion left in the CQ (rxe leaves a
+    /// destroyed QP's completions there; a flush on a solicited-only CQ
+    /// raises no event), is consumed by the poll before the next tick.
+    /// (Found by reviews: the orphan was dropped when the keepalive was
+    /// added, and its completion reached the app's handler; or, dropped at
+    /// the new keepalive's first probe, taken for that probe.)
     #[test]
     fn a_destroyed_qps_orphan_left_in_the_cq_never_reaches_the_handler() {
-        let cq = 0x7e57_6000;
+        let cq = 0x7e57_6100;
         let mut raw: crate::sys::ibv_qp = unsafe { std::mem::zeroed() };
         let qp = fake_qp(&mut raw, 7, cq);
         let old = qp.raw() as usize + 0x1000;
@@ -717,17 +715,40 @@ mod tests {
         let mut k = Keepalives::default();
         k.orphans.push_back(LateProbe { qp_num: 7, qp: old, wr_id: 0xfeed, cq });
         assert!(k.add(qp, 1, CFG, Box::new(|_, _| {}), t0));
-        let (ours, _) = k.note(&wc(7, 0xfeed), t0);
+        assert_eq!(k.send_cqs_due(t0), [cq]);
+        // The poll finds the old QP's flushed probe.
+        let mut flushed = wc(7, 0xfeed);
+        Wc::as_raw_slice_mut(std::slice::from_mut(&mut flushed))[0].status =
+            crate::sys::ibv_wc_status::IBV_WC_WR_FLUSH_ERR;
+        let (ours, _) = k.note(&flushed, cq, t0);
         assert!(ours, "the old QP's probe is consumed, not handed to the handler");
         assert!(k.orphans.is_empty());
-        assert!(matches!(k.by_qpn[&7].probe, Probe::Idle), "the new keepalive's state is untouched");
-        drain::park_probes(vec![LateProbe { qp_num: 7, qp: old, wr_id: 0xfeed, cq }]);
-        k.adopt(cq);
-        assert_eq!(k.orphans.len(), 1, "the old QP's parked probe is adopted before the first probe");
-        let e = k.by_qpn.get_mut(&7).unwrap();
-        e.probe = Probe::Sent(t0);
-        probe_posted(&mut k.orphans, 7, e);
-        assert!(k.orphans.is_empty(), "and goes at the new keepalive's first probe");
+        let e = &k.by_qpn[&7];
+        assert!(matches!(e.probe, Probe::Idle) && !e.quiet && !e.dead, "the new keepalive's state is untouched");
+    }
+
+    /// Orphans are matched through the CQ they complete in: an old QP's
+    /// orphan through another CQ neither takes a new QP's probe nor is
+    /// forgotten for it (its completion comes in that other CQ, in no
+    /// order with the new QP's). (Found by a review.)
+    #[test]
+    fn an_orphan_through_another_cq_is_left_alone() {
+        let (cq, other) = (0x7e57_6200, 0x7e57_6300);
+        let mut raw: crate::sys::ibv_qp = unsafe { std::mem::zeroed() };
+        let qp = fake_qp(&mut raw, 7, cq);
+        let old = qp.raw() as usize + 0x1000;
+        let t0 = Instant::now();
+        let mut k = Keepalives::default();
+        k.orphans.push_back(LateProbe { qp_num: 7, qp: old, wr_id: 0xfeed, cq: other });
+        assert!(k.add(qp, 1, CFG, Box::new(|_, _| {}), t0));
+        assert!(k.send_cqs_due(t0).is_empty(), "no sweep");
+        k.by_qpn.get_mut(&7).unwrap().probe = Probe::Sent(t0);
+        let (ours, ok) = k.note(&wc(7, 0xfeed), cq, t0);
+        assert!(ours && ok, "the new QP's probe, credited to its keepalive");
+        assert_eq!(k.orphans.len(), 1, "the other CQ's orphan stays");
+        let (ours, ok) = k.note(&wc(7, 0xfeed), other, t0);
+        assert!(ours && !ok, "consumed as the orphan it is");
+        assert!(k.orphans.is_empty());
     }
 
     /// An orphan probe of the QP that fails with "retry exceeded" makes the
@@ -751,7 +772,7 @@ mod tests {
         assert_eq!(again.raw() as usize, addr);
         assert!(k.add(again, 2, CFG, Box::new(|_, _| {}), t0));
         assert_eq!(k.orphans.len(), 1, "the same QP: its orphan stays");
-        let (ours, _) = k.note(&retry_exceeded(11, 0xfeed), t0);
+        let (ours, _) = k.note(&retry_exceeded(11, 0xfeed), cq, t0);
         assert!(ours, "the orphan is consumed");
         let (_, dead, _) = k.tick(t0);
         assert_eq!(dead, [(11, 2)], "the peer is dead");
@@ -777,7 +798,7 @@ mod tests {
         assert!(k.add(fake_qp(&mut raw, 5, cq), 2, CFG, Box::new(|_, _| {}), t0));
         assert!(!k.remove((5, 1)), "the removed keepalive is gone already");
         assert_eq!(k.by_qpn.get(&5).map(|e| e.serial), Some(2), "the new keepalive stays");
-        let (ours, _) = k.note(&wc(5, 0xfeed), t0);
+        let (ours, _) = k.note(&wc(5, 0xfeed), cq, t0);
         assert!(ours, "the old keepalive's probe is consumed, never handed to the app");
         assert!(matches!(k.by_qpn[&5].probe, Probe::Idle), "and is not taken for the new one's");
     }
@@ -793,7 +814,7 @@ mod tests {
         let mut raw: crate::sys::ibv_qp = unsafe { std::mem::zeroed() };
         let t0 = Instant::now();
         let mut k = one_keepalive(&mut raw, 19, cq, t0);
-        let (ours, _) = k.note(&retry_exceeded(19, 1), t0);
+        let (ours, _) = k.note(&retry_exceeded(19, 1), cq, t0);
         assert!(!ours, "an app request");
         let (_, dead, _) = k.tick(t0);
         assert_eq!(dead, [(19, 1)]);
@@ -814,7 +835,8 @@ mod tests {
     fn a_probe_sent_before_the_first_success_keeps_its_grace() {
         let mut raw: crate::sys::ibv_qp = unsafe { std::mem::zeroed() };
         let t0 = Instant::now();
-        let mut k = one_keepalive(&mut raw, 13, 0x7e57_6000, t0);
+        let cq = 0x7e57_6000;
+        let mut k = one_keepalive(&mut raw, 13, cq, t0);
         // As `attempt_probe` leaves it after posting the first probe, not
         // connected yet (the grace, 1000 s here, beyond the bound, 200 s).
         let grace = Duration::from_secs(1000);
@@ -823,7 +845,7 @@ mod tests {
         e.probe_graced = true;
         e.probe = Probe::Sent(t0);
         // An app request of the QP succeeds; the probe is not back yet.
-        let (ours, _) = k.note(&wc(13, 0x1234), t0);
+        let (ours, _) = k.note(&wc(13, 0x1234), cq, t0);
         assert!(!ours, "the app's completion");
         // A tick past the plain bound (made for another keepalive's sake).
         k.next = Some(t0);
@@ -842,8 +864,9 @@ mod tests {
     fn a_dead_peer_whose_qp_the_app_drained_is_not_drained_again() {
         let mut raw: crate::sys::ibv_qp = unsafe { std::mem::zeroed() };
         let t0 = Instant::now();
-        let mut k = one_keepalive(&mut raw, 17, 0x7e57_7000, t0);
-        let (ours, _) = k.note(&retry_exceeded(17, 0x1234), t0);
+        let cq = 0x7e57_7000;
+        let mut k = one_keepalive(&mut raw, 17, cq, t0);
+        let (ours, _) = k.note(&retry_exceeded(17, 0x1234), cq, t0);
         assert!(!ours, "the app's request");
         k.draining(17);
         let (_, dead, _) = k.tick(t0);

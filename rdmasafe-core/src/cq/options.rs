@@ -190,10 +190,10 @@ pub struct Keepalive {
     /// joins next, as drain markers are), so pick a value the app never
     /// uses in its own work requests (one value for all keepalives is
     /// simplest). A probe still out when its keepalive ends is looked for
-    /// by QP number and wr_id, as its completion may still come (rxe, for
-    /// one, leaves a destroyed QP's completions in the CQ): also on a new
-    /// QP that got the number, until that QP's own keepalive posts its
-    /// first probe. rdmasafe keeps at most one probe
+    /// by QP number, wr_id and CQ, as its completion may still come (rxe,
+    /// for one, leaves a destroyed QP's completions in the CQ): also among
+    /// the completions of a new QP that got the number, until a keepalive
+    /// is added on that QP. rdmasafe keeps at most one probe
     /// outstanding: it needs one free send-queue slot (when the queue is
     /// full the probe is retried until the bound, not counted as a death).
     pub wr_id: u64,
