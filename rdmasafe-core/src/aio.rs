@@ -31,7 +31,10 @@
 //! through an unbounded channel). A blocking request from a thread outside
 //! the runtime ([`LoopControl::drain_id`], [`LoopControl::remove_cq`])
 //! waits for the running loop to apply and finish it, so the handlers stay
-//! on the runtime's thread and that thread is never held up by it; made
+//! on the runtime's thread and that thread is never held up by it (while
+//! a run future is alive: between a run dropped, by `select!` or a
+//! timeout, say, and the next one's first poll, the caller runs the loop
+//! itself, as when nobody runs it); made
 //! on the thread that polled the run last (outside a handler), it runs the
 //! loop there, as a blocking call does when nobody runs the loop. A run
 //! that is alive but not polled (its runtime idle, its task blocked: never
@@ -340,17 +343,22 @@ impl AsyncCqLoop {
     /// delivers completions to the handlers as their CQs' events come, and
     /// returns with every pending ack flushed and the stop request
     /// consumed (the loop can run again). EBUSY if another `run` future of
-    /// this loop is alive or a thread runs the loop ([`CqLoop::run`]).
+    /// this loop is alive or a thread runs the loop ([`CqLoop::run`]),
+    /// EDEADLK from inside one of its handlers.
     /// From its first poll until it returns or is dropped, the future
     /// holds the loop as a running thread does: the runner calls of
     /// [`AsyncCqLoop::get_ref`] (`run`, `run_for`, `process_once`,
-    /// `process_ready`, `flush_acks`) get EBUSY from any thread, and
-    /// [`CqLoop::is_running`] is true.
+    /// `process_ready`, `flush_acks`) get EBUSY from any other thread
+    /// (EDEADLK from inside one of its handlers, as this call does there),
+    /// and [`CqLoop::is_running`] is true.
     /// Dropping the future mid-flight flushes every pending ack too; CQ
     /// events that arrive afterwards are read by the next run (or acked
     /// when the loop is dropped).
     pub async fn run(&self) -> Result<()> {
         let lp = self.fd.get_ref();
+        if lp.control().on_loop_thread() {
+            return Err(Error::new("rdmasafe async CQ loop: run from inside one of its handlers", libc::EDEADLK));
+        }
         if self.active.swap(true, SeqCst) {
             return Err(Error::new("rdmasafe async CQ loop: another run future is alive", libc::EBUSY));
         }

@@ -558,11 +558,29 @@ where
     spawned
 }
 
-/// A number naming the calling thread, never 0 (for "am I the thread
-/// that runs this loop?").
+/// A number naming the calling thread, odd (never 0, nor an even marker
+/// such as `cq::NOT_POLLED_YET`), and never given to another thread of the
+/// process, for "am I the thread that runs (or polled) this loop?". Not
+/// `pthread_self()`: glibc gives an exited thread's to the next thread it
+/// makes, which was then taken for the loop's driver (found by a review:
+/// a blocking drain from a new thread ran the handlers itself while an
+/// async run lived on). A forked child's thread keeps its number.
 pub fn thread_tag() -> u64 {
-    // SAFETY: pthread_self has no preconditions.
-    (unsafe { libc::pthread_self() }) as u64 | 1
+    use std::cell::Cell;
+    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    thread_local! {
+        // No destructor: usable while the thread's other locals go.
+        static TAG: Cell<u64> = const { Cell::new(0) };
+    }
+    TAG.with(|t| match t.get() {
+        0 => {
+            let tag = NEXT.fetch_add(2, Relaxed);
+            t.set(tag);
+            tag
+        }
+        tag => tag,
+    })
 }
 
 /// `now + d`, or a time so far ahead that it never comes when that
@@ -764,6 +782,29 @@ mod tests {
     use super::*;
     use std::mem::{offset_of, size_of};
     use std::process::Command;
+
+    /// Threads that follow one another get different tags, also when the
+    /// later one gets the earlier one's `pthread_t` (glibc reuses it: the
+    /// old tag, `pthread_self() | 1`, was then the same).
+    #[test]
+    fn a_later_thread_never_gets_an_exited_threads_tag() {
+        let here = thread_tag();
+        assert_eq!(here, thread_tag(), "stable");
+        assert_eq!(here & 1, 1, "odd");
+        // SAFETY: pthread_self has no preconditions.
+        let one = || std::thread::spawn(|| (unsafe { libc::pthread_self() } as u64, thread_tag())).join().unwrap();
+        let mut reused = 0;
+        let mut tags = vec![here];
+        for _ in 0..20 {
+            let (a, b) = (one(), one());
+            reused += usize::from(a.0 == b.0);
+            tags.extend([a.1, b.1]);
+        }
+        let n = tags.len();
+        tags.sort_unstable();
+        tags.dedup();
+        assert_eq!(tags.len(), n, "every thread its own tag ({reused} of 20 pairs shared a pthread_t)");
+    }
 
     /// Compiles a C probe against the installed rdma-core headers and checks
     /// that the Rust definitions rdmasafe relies on have the same layout.

@@ -28,7 +28,7 @@ use tokio::sync::mpsc::unbounded_channel;
 const CLIENTS: usize = 64;
 
 /// Polls a future once with a waker that does nothing.
-fn futures_poll_once<F: std::future::Future>(f: std::pin::Pin<&mut F>) -> std::task::Poll<F::Output> {
+fn futures_poll_once<F: std::future::Future + ?Sized>(f: std::pin::Pin<&mut F>) -> std::task::Poll<F::Output> {
     let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
     f.poll(&mut cx)
 }
@@ -274,6 +274,122 @@ fn a_threads_runner_call_is_refused_while_a_run_future_lives() {
         assert!(!lp.get_ref().is_running());
         lp.get_ref().flush_acks().expect("the loop is free once the run is over");
     });
+}
+
+/// Runner calls from inside a handler of a run future answer EDEADLK, as
+/// they do from a handler of a thread's run, and so does a second async
+/// run made there (it answered EBUSY: found by a review).
+#[test]
+fn runner_calls_from_a_run_futures_handler_answer_edeadlk() {
+    let _s = serial();
+    let bed = common::bed();
+    let _dog = common::watchdog("runner calls from a run future's handler", Duration::from_secs(300));
+    let rt = current_thread();
+    rt.block_on(async {
+        let ctx = common::cm::device(bed.addr);
+        let chan = CompChannel::new(&ctx).unwrap();
+        let p = rc_pair(bed.addr, &chan, false, 16);
+        let lp = Arc::new(AsyncCqLoop::new(CqLoop::new(&chan, LoopOptions::default()).unwrap()).unwrap());
+        let ctl = lp.control();
+        let got = Arc::new(Mutex::new(Vec::new()));
+        let (l2, g2) = (Arc::downgrade(&lp), got.clone());
+        ctl.add_cq(&p.server_cq, ctl.default_cq_options(), move |_, ctl| {
+            let Some(lp) = l2.upgrade() else { return };
+            let errno = |r: rdmasafe_core::Result<()>| r.map_err(|e| e.errno());
+            let nested = std::pin::pin!(lp.run());
+            let nested = match futures_poll_once(nested) {
+                std::task::Poll::Ready(r) => errno(r),
+                std::task::Poll::Pending => Ok(()),
+            };
+            let l = lp.get_ref();
+            g2.lock().unwrap().extend([
+                ("flush_acks", errno(l.flush_acks())),
+                ("process_once", errno(l.process_once(Wait::None).map(|_| ()))),
+                ("async run", nested),
+            ]);
+            ctl.stop();
+        })
+        .unwrap();
+        p.recv(SLOT, SLOT as u32, 1);
+        p.send(0, &[1; 8], 8, 101);
+        tokio::time::timeout(Duration::from_secs(60), lp.run()).await.expect("the handler stops the run").unwrap();
+        let got = got.lock().unwrap().clone();
+        assert_eq!(
+            got,
+            [
+                ("flush_acks", Err(libc::EDEADLK)),
+                ("process_once", Err(libc::EDEADLK)),
+                ("async run", Err(libc::EDEADLK))
+            ]
+        );
+        lp.get_ref().flush_acks().expect("the loop is free once the run is over");
+    });
+}
+
+/// A thread that gets the `pthread_t` of an exited thread that polled a
+/// run future last (glibc gives it to the next thread it makes) is not
+/// taken for the run's thread: its blocking drain treats the run as any
+/// other thread's request does. Here nobody polls the runtime during the
+/// drain, so the drain waits for a sign of life the grace period (2 s),
+/// then drives the loop itself, counted (as
+/// `a_blocking_drain_does_not_wait_forever_for_an_idle_runtime`). Found by
+/// a review: the loop named threads by `pthread_t`, and the drain took
+/// the loop at once, as the run's own thread may, with no takeover
+/// counted; on a polled runtime it ran the handlers on the new thread
+/// while the run lived on.
+#[test]
+fn a_thread_with_an_exited_pollers_pthread_t_is_not_the_run() {
+    let _s = serial();
+    let bed = common::bed();
+    let _dog = common::watchdog("a reused pthread_t and an async run", Duration::from_secs(240));
+    let rt = current_thread();
+    let ctx = common::cm::device(bed.addr);
+    let chan = CompChannel::new(&ctx).unwrap();
+    let p = Arc::new(rc_pair(bed.addr, &chan, false, 16));
+    let lp = {
+        let _in = rt.enter();
+        Arc::new(AsyncCqLoop::new(CqLoop::new(&chan, LoopOptions::default()).unwrap()).unwrap())
+    };
+    let ctl = lp.control();
+    let delivered = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let d2 = delivered.clone();
+    ctl.add_cq(&p.server_cq, ctl.default_cq_options(), move |wcs, _| {
+        d2.fetch_add(wcs.len(), std::sync::atomic::Ordering::SeqCst);
+    })
+    .unwrap();
+    for k in 0..4 {
+        p.recv(k * SLOT, SLOT as u32, 300 + k as u64);
+    }
+    // SAFETY: pthread_self has no preconditions.
+    let pthread = || unsafe { libc::pthread_self() } as u64;
+    // The run's first poll, on a thread that then exits.
+    let (l2, h) = (lp.clone(), rt.handle().clone());
+    let (first_poller, run) = std::thread::spawn(move || {
+        let _in = h.enter();
+        type Run = std::pin::Pin<Box<dyn std::future::Future<Output = rdmasafe_core::Result<()>> + Send>>;
+        let mut run: Run = Box::pin(async move { l2.run().await });
+        assert!(futures_poll_once(run.as_mut()).is_pending());
+        (pthread(), run)
+    })
+    .join()
+    .unwrap();
+    // A task of the runtime from now on, which nobody polls until the end.
+    let run = rt.spawn(run);
+    let p2 = p.clone();
+    let (drainer_pthread, drained) = std::thread::spawn(move || {
+        let s = p2.server.lock().unwrap();
+        (pthread(), ctl.drain_id(&s.id, Duration::from_secs(60)).map_err(|e| e.to_string()))
+    })
+    .join()
+    .unwrap();
+    drained.expect("the drain");
+    println!("the drainer got the first poller's pthread_t: {}", drainer_pthread == first_poller);
+    assert_eq!(delivered.load(std::sync::atomic::Ordering::SeqCst), 4);
+    let st = lp.get_ref().stats();
+    assert_eq!(st.grace_takeovers, 1, "the drain waited for the run, then drove the loop itself: {st:?}");
+    lp.control().stop();
+    rt.block_on(run).unwrap().unwrap();
+    assert_eq!(lp.get_ref().stats().unacked_now, 0);
 }
 
 /// The loop's own deadlines drive an idle async loop: keepalive probes
