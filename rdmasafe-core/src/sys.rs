@@ -114,15 +114,26 @@ fn cm_event_calls() -> &'static CmEventCalls {
 /// librdmacm's real functions (from `dlvsym`) instead, or recurse.
 ///
 /// Only the first call before any CM event is got takes effect; later it
-/// returns `Err` with the calls given, and the table stays as it was.
+/// returns `Err` with the calls given, and the table stays as it was,
+/// unless the table holds these very calls (set by an earlier call: a
+/// forked child's second set-up, say): then `Ok`.
 ///
 /// # Safety
 /// `calls.get` and `calls.ack` must behave as librdmacm's two functions of
 /// one and the same librdmacm (an event from `get` is acked by `ack`),
 /// callable from any thread for the rest of the process.
 pub unsafe fn set_cm_event_calls(calls: CmEventCalls) -> Result<(), CmEventCalls> {
-    CM_EVENT_CALLS.set(calls)?;
-    Ok(())
+    match CM_EVENT_CALLS.set(calls) {
+        Ok(()) => Ok(()),
+        Err(calls) => {
+            let now = cm_event_calls();
+            if now.get as usize == calls.get as usize && now.ack as usize == calls.ack as usize {
+                Ok(())
+            } else {
+                Err(calls)
+            }
+        }
+    }
 }
 
 /// `rdma_get_cm_event` through the table ([`set_cm_event_calls`]).

@@ -97,15 +97,9 @@ fn init() -> State {
     };
     if let Mode::Copy = mode {
         let ok = match (real.get_cm_event, real.ack_cm_event) {
-            (Some(get), Some(ack)) => {
-                // Refused only if set already: by a set-up of the parent
-                // that a fork left under way (see `once`), with the same
-                // two functions.
-                // SAFETY: librdmacm's own two functions, from one library
-                // (dlvsym of RTLD_NEXT), callable from any thread.
-                let _ = unsafe { sys::set_cm_event_calls(CmEventCalls { get, ack }) };
-                true
-            }
+            // SAFETY: librdmacm's own two functions, from one library
+            // (dlvsym of RTLD_NEXT), callable from any thread.
+            (Some(get), Some(ack)) => unsafe { sys::set_cm_event_calls(CmEventCalls { get, ack }) }.is_ok(),
             _ => false,
         };
         if !ok {
@@ -415,10 +409,18 @@ extern "C" fn at_exit() {
     });
 }
 
+thread_local! {
+    /// The state was set up when this thread's fork began (its prepare
+    /// handler ran). No destructor: usable in any fork.
+    static SET_AT_FORK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 /// `fork`'s prepare handler: in check mode, see `Checker::before_fork`.
 extern "C" fn before_fork() {
     let _ = catch_unwind(|| {
-        if let Some(State { mode: Mode::Check(c), .. }) = STATE.get() {
+        let st = STATE.get();
+        SET_AT_FORK.with(|s| s.set(st.is_some()));
+        if let Some(State { mode: Mode::Check(c), .. }) = st {
             c.before_fork();
         }
     });
@@ -436,14 +438,16 @@ extern "C" fn after_fork_parent() {
 /// `fork`'s child handler: in check mode, see `Checker::after_fork`; a
 /// set-up (of the state, or of check mode's report file) that another
 /// thread of the parent had under way is forgotten, to be made again here
-/// (module `once`).
+/// (module `once`). So is a state set up after the prepare handler ran
+/// (by another thread, which may then have entered check mode's books,
+/// which that handler did not take: the child would inherit them locked).
 extern "C" fn after_fork_child() {
     let _ = catch_unwind(|| {
-        STATE.after_fork_in_child();
-        out::after_fork_in_child();
         if let Some(State { mode: Mode::Check(c), .. }) = STATE.get() {
             c.after_fork();
         }
+        STATE.after_fork_in_child(!SET_AT_FORK.with(|s| s.get()));
+        out::after_fork_in_child();
     });
 }
 

@@ -15,25 +15,28 @@
 
 use std::cell::UnsafeCell;
 use std::mem::MaybeUninit;
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering::*};
+use std::sync::atomic::{AtomicUsize, Ordering::*};
 use std::time::Duration;
 
-const UNSET: u8 = 0;
-const SETTING: u8 = 1;
-const SET: u8 = 2;
+/// `ForkOnce::state` before the set-up.
+const UNSET: usize = 0;
+/// `ForkOnce::state` once set up. Any other value: being set up, by the
+/// thread whose `pthread_self()` it is (an address: never 0 or 1).
+const SET: usize = 1;
 
 pub(crate) struct ForkOnce<T> {
-    phase: AtomicU8,
-    /// `pthread_self()` of the thread setting it up (the same thread in a
-    /// forked child, unlike its tid).
-    setter: AtomicUsize,
+    /// UNSET, SET, or the setter's `pthread_self()` (the same thread in a
+    /// forked child, unlike its tid): one word, so that the setter is known
+    /// from the moment the set-up is under way.
+    state: AtomicUsize,
     value: UnsafeCell<MaybeUninit<T>>,
 }
 
 // SAFETY: `value` is written by one thread only, the one that moved
-// `phase` from UNSET to SETTING, before it stores SET (Release); it is read
-// only after a load of SET (Acquire), and never written again once SET.
-// (A child's reset of a SETTING phase leaves a value that was never read.)
+// `state` from UNSET to its own `pthread_self()`, before it stores SET
+// (Release); it is read only after a load of SET (Acquire), and never
+// written again once SET. (A child's reset leaves a value that no thread of
+// the child reads: see `after_fork_in_child`.)
 unsafe impl<T: Send + Sync> Sync for ForkOnce<T> {}
 
 fn this_thread() -> usize {
@@ -43,17 +46,13 @@ fn this_thread() -> usize {
 
 impl<T> ForkOnce<T> {
     pub(crate) const fn new() -> Self {
-        ForkOnce {
-            phase: AtomicU8::new(UNSET),
-            setter: AtomicUsize::new(0),
-            value: UnsafeCell::new(MaybeUninit::uninit()),
-        }
+        ForkOnce { state: AtomicUsize::new(UNSET), value: UnsafeCell::new(MaybeUninit::uninit()) }
     }
 
     /// The value, if it is set up.
     #[inline]
     pub(crate) fn get(&self) -> Option<&T> {
-        if self.phase.load(Acquire) == SET {
+        if self.state.load(Acquire) == SET {
             // SAFETY: SET (Acquire) means the value was written before
             // (Release) and is never written again.
             Some(unsafe { (*self.value.get()).assume_init_ref() })
@@ -76,14 +75,13 @@ impl<T> ForkOnce<T> {
 
     #[cold]
     fn set_up(&self, init: impl FnOnce() -> T) -> &T {
+        let me = this_thread();
         let mut waits = 0u32;
         loop {
-            match self.phase.compare_exchange(UNSET, SETTING, Acquire, Acquire) {
+            match self.state.compare_exchange(UNSET, me, Acquire, Acquire) {
                 Ok(_) => break,
                 Err(SET) => return self.get().expect("set"),
-                Err(_) if self.setter.load(Relaxed) == this_thread() => {
-                    panic!("rdmasafe preload: a use of its state inside its own set-up")
-                }
+                Err(setter) if setter == me => panic!("rdmasafe preload: a use of its state inside its own set-up"),
                 // Another thread sets it up: that may take long (blocking
                 // I/O), so yield, then sleep.
                 Err(_) => {
@@ -96,23 +94,20 @@ impl<T> ForkOnce<T> {
                 }
             }
         }
-        self.setter.store(this_thread(), Relaxed);
         /// Unset again if `init` panics.
-        struct Unset<'a>(&'a AtomicU8, &'a AtomicUsize);
+        struct Unset<'a>(&'a AtomicUsize);
         impl Drop for Unset<'_> {
             fn drop(&mut self) {
-                self.1.store(0, Relaxed);
                 self.0.store(UNSET, Release);
             }
         }
-        let undo = Unset(&self.phase, &self.setter);
+        let undo = Unset(&self.state);
         let v = init();
-        // SAFETY: this thread moved the phase to SETTING: no other thread
-        // reads or writes the value until SET.
+        // SAFETY: this thread moved the state to its own mark: no other
+        // thread reads or writes the value until SET.
         unsafe { (*self.value.get()).write(v) };
         std::mem::forget(undo);
-        self.setter.store(0, Relaxed);
-        self.phase.store(SET, Release);
+        self.state.store(SET, Release);
         self.get().expect("set")
     }
 
@@ -120,11 +115,15 @@ impl<T> ForkOnce<T> {
     /// of the parent had under way is forgotten (that thread does not exist
     /// here); the child's first use sets the value up anew. One of the
     /// forking thread itself (a fork from a signal handler that interrupted
-    /// it) goes on when the handler returns.
-    pub(crate) fn after_fork_in_child(&self) {
-        if self.phase.load(Acquire) == SETTING && self.setter.load(Relaxed) != this_thread() {
-            self.setter.store(0, Relaxed);
-            self.phase.store(UNSET, Release);
+    /// it) goes on when the handler returns. With `also_if_set`, a value
+    /// set up already is forgotten too (what the parent's set-up made is
+    /// left to leak: the caller knows the child must not use it).
+    pub(crate) fn after_fork_in_child(&self, also_if_set: bool) {
+        match self.state.load(Acquire) {
+            UNSET => {}
+            SET if !also_if_set => {}
+            s if s == this_thread() => {}
+            _ => self.state.store(UNSET, Release),
         }
     }
 }
@@ -134,17 +133,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn set_once_and_reset_only_while_another_thread_sets_it_up() {
+    fn set_once_and_reset_in_a_child_as_asked() {
         static CELL: ForkOnce<u32> = ForkOnce::new();
         assert_eq!(CELL.get(), None);
         // A set-up under way in another thread (as a child inherits it).
-        CELL.phase.store(SETTING, Relaxed);
-        CELL.setter.store(this_thread().wrapping_add(1), Relaxed);
-        CELL.after_fork_in_child();
+        CELL.state.store(this_thread().wrapping_add(8), Relaxed);
+        CELL.after_fork_in_child(false);
         assert_eq!(*CELL.get_or_init(|| 7), 7, "set up again");
         assert_eq!(*CELL.get_or_init(|| 8), 7, "once");
-        CELL.after_fork_in_child();
+        CELL.after_fork_in_child(false);
         assert_eq!(CELL.get(), Some(&7), "a value set stays");
+        CELL.after_fork_in_child(true);
+        assert_eq!(CELL.get(), None, "unless the caller says it must go");
+        assert_eq!(*CELL.get_or_init(|| 9), 9);
     }
 
     #[test]

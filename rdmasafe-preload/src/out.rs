@@ -114,7 +114,7 @@ pub(crate) fn report(kind: &str, text: &str) {
 /// of the parent had under way (a FIFO waits for its reader) is forgotten;
 /// the child opens it again at its first report.
 pub(crate) fn after_fork_in_child() {
-    REPORT_FILE.after_fork_in_child();
+    REPORT_FILE.after_fork_in_child(false);
 }
 
 /// The report file RDMASAFE_CHECK_FILE names, opened at the first report;

@@ -23,12 +23,19 @@
  *   drainer opens it for reading. The child must not inherit the opening
  *   under way: it reports too.
  *
+ * late-set-up: run with slow_prepare.c's library preloaded after the
+ *   preload. A thread waits for that library's prepare handler, which
+ *   runs after the preload's, and then makes the process's first
+ *   interposed calls, over and over, while the fork goes on. The child must
+ *   not inherit check mode's books held by that thread.
+ *
  * Each child gets and acks one event (in the report case, then acks too
  * many) and exits 0; a hung child is ended by
  * its alarm after 10 s, a hung parent by its own after 30 s. Prints how
  * many children failed and exits 0 if none did, 1 at the first that did,
  * 2 if the case could not be set up. */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -204,6 +211,30 @@ threads:
 	return fork_one(0, 1) ? 1 : (printf("0 of 1 children failed\n"), 0);
 }
 
+static volatile int *began;
+
+static void *late(void *arg)
+{
+	(void)arg;
+	while (!*began)
+		;
+	for (;;)
+		get_and_ack();
+	return 0;
+}
+
+static int late_set_up_case(void)
+{
+	pthread_t t;
+
+	began = dlsym(RTLD_DEFAULT, "slow_prepare_began");
+	if (!began || pthread_create(&t, 0, late, 0)) {
+		fprintf(stderr, "no slow_prepare library preloaded, or no thread\n");
+		return 2;
+	}
+	return fork_one(0, 1) ? 1 : (printf("0 of 1 children failed\n"), 0);
+}
+
 int main(int argc, char **argv)
 {
 	const char *what = argc > 1 ? argv[1] : "";
@@ -214,10 +245,12 @@ int main(int argc, char **argv)
 		return handler_case(argc > 2 ? atoi(argv[2]) : 5);
 	if (!strcmp(what, "set-up"))
 		return set_up_case();
+	if (!strcmp(what, "late-set-up"))
+		return late_set_up_case();
 	if (!strcmp(what, "report") && argc > 2) {
 		fifo = argv[2];
 		return set_up_case();
 	}
-	fprintf(stderr, "usage: %s handler [N] | set-up | report FIFO\n", argv[0]);
+	fprintf(stderr, "usage: %s handler [N] | set-up | report FIFO | late-set-up\n", argv[0]);
 	return 2;
 }

@@ -254,14 +254,30 @@ impl<const N: usize> FreeRing<N> {
     }
 }
 
+static ARENA: OnceLock<Arena> = OnceLock::new();
+
 #[inline]
 fn arena() -> &'static Arena {
-    static A: OnceLock<Arena> = OnceLock::new();
+    match ARENA.get() {
+        Some(a) => a,
+        None => arena_first_use(),
+    }
+}
+
+/// Sets the arena up. What it says is logged after, not inside the
+/// `OnceLock`'s set-up: a log line may block (a full stderr pipe), and a
+/// child forked meanwhile would inherit that set-up under way, by a thread
+/// it does not have, and hang at its first use (the preload's child sets
+/// itself up again, reaching this).
+#[cold]
+fn arena_first_use() -> &'static Arena {
     /// The rings' cells, each used by the one arena only.
     static FREE_CELLS: [AtomicU64; RING] = [const { AtomicU64::new(0) }; RING];
     static READY_CELLS: [AtomicU64; READY_RING] = [const { AtomicU64::new(0) }; READY_RING];
-    A.get_or_init(|| {
-        let (base, max_slots) = reserve_arena();
+    let mut said = None;
+    let a = ARENA.get_or_init(|| {
+        let (base, max_slots, say) = reserve_arena();
+        said = say;
         Arena {
             base,
             max_slots,
@@ -273,16 +289,36 @@ fn arena() -> &'static Arena {
             overflow_len: AtomicUsize::new(0),
             ready: FreeRing::new(&READY_CELLS),
         }
-    })
+    });
+    match said {
+        Some(ArenaNote::Limited(slots)) => {
+            log::debug!(target: "rdmasafe", "CM event copies: at most {slots} alive at once (address-space limit)")
+        }
+        Some(ArenaNote::Refused(e)) => log::error!(
+            target: "rdmasafe",
+            "cannot reserve address space for CM event copies ({e}): every get fails with ENOMEM"
+        ),
+        None => {}
+    }
+    a
+}
+
+/// What the arena's set-up has to say (nothing allocated for it: the
+/// set-up may run short of memory).
+enum ArenaNote {
+    /// Fewer slots than [`MAX_SLOTS`] (an address-space limit).
+    Limited(usize),
+    /// No address space at all.
+    Refused(std::io::Error),
 }
 
 /// The arena's address space: [`MAX_SLOTS`] slots, or under an
 /// address-space limit at most a sixteenth of it (the app keeps the rest),
 /// halved while the kernel refuses, down to [`MIN_SLOTS`]. None at all (a
 /// dangling base, 0 slots: every get fails with ENOMEM) rather than a
-/// panic.
+/// panic. Also what to log about it, if anything.
 #[cold]
-fn reserve_arena() -> (NonNull<u8>, usize) {
+fn reserve_arena() -> (NonNull<u8>, usize, Option<ArenaNote>) {
     let mut slots = MAX_SLOTS;
     if let Some(limit) = sys::address_space_limit() {
         let share = (limit / 16) as usize / STRIDE / CHUNK_SLOTS * CHUNK_SLOTS;
@@ -290,19 +326,8 @@ fn reserve_arena() -> (NonNull<u8>, usize) {
     }
     loop {
         match sys::reserve_address_space(slots * STRIDE) {
-            Ok(base) => {
-                if slots < MAX_SLOTS {
-                    log::debug!(target: "rdmasafe", "CM event copies: at most {slots} alive at once (address-space limit)");
-                }
-                return (base, slots);
-            }
-            Err(e) if slots / 2 < MIN_SLOTS => {
-                log::error!(
-                    target: "rdmasafe",
-                    "cannot reserve address space for CM event copies ({e}): every get fails with ENOMEM"
-                );
-                return (NonNull::dangling(), 0);
-            }
+            Ok(base) => return (base, slots, (slots < MAX_SLOTS).then_some(ArenaNote::Limited(slots))),
+            Err(e) if slots / 2 < MIN_SLOTS => return (NonNull::dangling(), 0, Some(ArenaNote::Refused(e))),
             Err(_) => slots /= 2,
         }
     }
