@@ -67,10 +67,10 @@ struct Entry {
     /// destroyed it once its drain was reported).
     drained_by_app: bool,
     /// Added while an orphan probe of an older QP with its number
-    /// (destroyed: another address) was out through its send CQ: the loop
-    /// polls that CQ before its next tick, which then forgets such orphans
-    /// (see [`Keepalives::send_cqs_due`]).
-    sweep: bool,
+    /// (destroyed: another address) was out through its send CQ, in this
+    /// sweep generation: the loop polls that CQ until it is empty, then
+    /// forgets such orphans (see [`Keepalives::sweep_begin`]).
+    sweep: Option<u64>,
     on_dead: DeadPeer,
 }
 
@@ -89,6 +89,8 @@ pub(crate) struct Keepalives {
     next: Option<Instant>,
     /// Keepalives with `sweep` set (or fewer: one removed since).
     sweeps: usize,
+    /// The sweep generation (see [`Keepalives::sweep_begin`]).
+    sweep_gen: u64,
 }
 
 /// A keepalive's registration: its QP number and a serial that no other
@@ -290,15 +292,16 @@ impl Keepalives {
         // completion, if it comes at all (rxe leaves a destroyed QP's
         // completions in the CQ; mlx5 removes them), is in the CQ now,
         // before any of this keepalive's probes: the loop polls the CQ
-        // before its next tick (an event may never come: a flush on a
-        // solicited-only CQ raises none), and the tick forgets the orphan
-        // (kept longer, it would take this keepalive's probe, and at the
-        // bound a live peer would be declared dead). Orphans through other
-        // CQs never take its probes (see `note`).
+        // until it is empty at its next tick (an event may never come: a
+        // flush on a solicited-only CQ raises none), then forgets the
+        // orphan (kept longer, it would take this keepalive's probe, and
+        // at the bound a live peer would be declared dead). Orphans
+        // through other CQs never take its probes (see `note`).
         let addr = qp.raw() as usize;
-        let sweep = self.orphans.iter().any(|o| o.qp_num == qpn && o.qp != addr && o.cq == send_cq);
-        let first = if sweep { now } else { sys::deadline_after(now, cfg.period) };
-        self.sweeps += usize::from(sweep);
+        let sweep =
+            self.orphans.iter().any(|o| o.qp_num == qpn && o.qp != addr && o.cq == send_cq).then_some(self.sweep_gen);
+        let first = if sweep.is_some() { now } else { sys::deadline_after(now, cfg.period) };
+        self.sweeps += usize::from(sweep.is_some());
         self.next = Some(self.next.map_or(first, |n| n.min(first)));
         self.by_qpn.insert(
             qpn,
@@ -452,15 +455,6 @@ impl Keepalives {
     /// [`Keepalives::qp_to_drain`], then calls their `on_dead`), and the registrations
     /// of the keepalives dropped because their `CmId` destroyed the QP.
     pub(crate) fn tick(&mut self, now: Instant) -> (u64, Vec<Registration>, Vec<Registration>) {
-        if self.sweeps > 0 {
-            // Their CQs were polled just before (`send_cqs_due`).
-            self.sweeps = 0;
-            for (qpn, e) in self.by_qpn.iter_mut().filter(|(_, e)| e.sweep) {
-                e.sweep = false;
-                let (addr, cq) = (e.qp.raw() as usize, e.send_cq);
-                self.orphans.retain(|o| o.qp_num != *qpn || o.qp == addr || o.cq != cq);
-            }
-        }
         if self.next.is_none_or(|n| now < n) {
             return (0, Vec::new(), Vec::new());
         }
@@ -553,23 +547,53 @@ impl Keepalives {
     /// The send CQs of the QPs whose probe is past its bound at `now`: the
     /// loop polls them before `tick` decides, so a probe that completed
     /// without raising an event (a solicited-only CQ, an event not read
-    /// yet) is never taken for a dead peer. Also those of keepalives with
-    /// a sweep to make (see `add`): `tick` makes it after the poll.
+    /// yet) is never taken for a dead peer.
     pub(crate) fn send_cqs_due(&self, now: Instant) -> Vec<usize> {
         let overdue = |e: &Entry| match e.probe {
             Probe::Sent(t) | Probe::Blocked(t) => now.saturating_duration_since(t) >= e.bound(),
             // Dead whatever a poll finds.
             Probe::Failed { .. } | Probe::Idle => false,
         };
-        let mut cqs: Vec<usize> = self
-            .by_qpn
-            .values()
-            .filter(|e| e.sweep || (!e.dead && !e.quiet && overdue(e)))
-            .map(|e| e.send_cq)
-            .collect();
+        let mut cqs: Vec<usize> =
+            self.by_qpn.values().filter(|e| !e.dead && !e.quiet && overdue(e)).map(|e| e.send_cq).collect();
         cqs.sort_unstable();
         cqs.dedup();
         cqs
+    }
+
+    /// A sweep begins (see `add`): the send CQs of the keepalives with one
+    /// to make, and the generation to pass to [`Keepalives::sweep_end`]
+    /// once each of those CQs was polled until it was empty. A keepalive
+    /// added after this (by a handler the poll calls, say) waits for the
+    /// next sweep: its CQ may have been polled before its add.
+    pub(crate) fn sweep_begin(&mut self) -> (Vec<usize>, u64) {
+        if self.sweeps == 0 {
+            return (Vec::new(), 0);
+        }
+        self.sweep_gen += 1;
+        let mut cqs: Vec<usize> = self.by_qpn.values().filter(|e| e.sweep.is_some()).map(|e| e.send_cq).collect();
+        cqs.sort_unstable();
+        cqs.dedup();
+        (cqs, self.sweep_gen)
+    }
+
+    /// `cqs` (of [`Keepalives::sweep_begin`], generation `gen`) were each
+    /// polled until empty: the keepalives on them added before the sweep
+    /// began forget the orphans of older QPs with their number there.
+    pub(crate) fn sweep_end(&mut self, cqs: &[usize], gen: u64) {
+        let mut left = 0;
+        for (qpn, e) in self.by_qpn.iter_mut() {
+            match e.sweep {
+                Some(g) if g < gen && cqs.contains(&e.send_cq) => {
+                    e.sweep = None;
+                    let (addr, cq) = (e.qp.raw() as usize, e.send_cq);
+                    self.orphans.retain(|o| o.qp_num != *qpn || o.qp == addr || o.cq != cq);
+                }
+                Some(_) => left += 1,
+                None => {}
+            }
+        }
+        self.sweeps = left;
     }
 
     /// The QP of the keepalive for `qpn`, for the loop's drain of a dead
@@ -688,10 +712,12 @@ mod tests {
         // The old QP 7 (another address) lost its probe.
         k.orphans.push_back(LateProbe { qp_num: 7, qp: addr + 0x1000, wr_id: 0xfeed, cq });
         assert!(k.add(qp, 1, CFG, Box::new(|_, _| {}), t0));
-        assert_eq!(k.send_cqs_due(t0), [cq], "its CQ is polled before the next tick");
-        assert_eq!(k.tick(t0).0, 0, "the tick comes now, probing nothing");
-        assert!(k.orphans.is_empty(), "the old QP's orphan is forgotten");
-        assert!(k.send_cqs_due(t0).is_empty(), "once");
+        assert_eq!(k.next_deadline(), Some(t0), "the loop ticks at once");
+        let (cqs, gen) = k.sweep_begin();
+        assert_eq!(cqs, [cq], "its CQ is polled until empty");
+        k.sweep_end(&cqs, gen);
+        assert!(k.orphans.is_empty(), "then the old QP's orphan is forgotten");
+        assert!(k.sweep_begin().0.is_empty(), "once");
         k.by_qpn.get_mut(&7).unwrap().probe = Probe::Sent(t0);
         let (ours, ok) = k.note(&wc(7, 0xfeed), cq, t0);
         assert!(ours && ok, "the new QP's probe, credited to its keepalive");
@@ -715,7 +741,8 @@ mod tests {
         let mut k = Keepalives::default();
         k.orphans.push_back(LateProbe { qp_num: 7, qp: old, wr_id: 0xfeed, cq });
         assert!(k.add(qp, 1, CFG, Box::new(|_, _| {}), t0));
-        assert_eq!(k.send_cqs_due(t0), [cq]);
+        let (cqs, gen) = k.sweep_begin();
+        assert_eq!(cqs, [cq]);
         // The poll finds the old QP's flushed probe.
         let mut flushed = wc(7, 0xfeed);
         Wc::as_raw_slice_mut(std::slice::from_mut(&mut flushed))[0].status =
@@ -725,6 +752,39 @@ mod tests {
         assert!(k.orphans.is_empty());
         let e = &k.by_qpn[&7];
         assert!(matches!(e.probe, Probe::Idle) && !e.quiet && !e.dead, "the new keepalive's state is untouched");
+        k.sweep_end(&cqs, gen);
+    }
+
+    /// A sweep forgets orphans only for keepalives added before it began,
+    /// and only on the CQs it polled (found by a review: a keepalive added
+    /// by a handler during the poll, after its CQ was polled, lost its
+    /// orphan to the tick after, with the orphan's completion still in the
+    /// CQ; so did a poll cut short).
+    #[test]
+    fn a_sweep_forgets_only_what_its_poll_covered() {
+        let cq = 0x7e57_6400;
+        let (mut raw7, mut raw8) = unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
+        let (qp7, qp8) = (fake_qp(&mut raw7, 7, cq), fake_qp(&mut raw8, 8, cq));
+        let (old7, old8) = (qp7.raw() as usize + 0x1000, qp8.raw() as usize + 0x1000);
+        let t0 = Instant::now();
+        let mut k = Keepalives::default();
+        k.orphans.push_back(LateProbe { qp_num: 7, qp: old7, wr_id: 0xfeed, cq });
+        k.orphans.push_back(LateProbe { qp_num: 8, qp: old8, wr_id: 0xfeed, cq });
+        assert!(k.add(qp7, 1, CFG, Box::new(|_, _| {}), t0));
+        let (cqs, gen) = k.sweep_begin();
+        // Added while the sweep polls.
+        assert!(k.add(qp8, 2, CFG, Box::new(|_, _| {}), t0));
+        k.sweep_end(&cqs, gen);
+        assert_eq!(k.orphans.iter().map(|o| o.qp_num).collect::<Vec<_>>(), [8], "QP 8's waits for the next sweep");
+        // A sweep whose poll did not cover the CQ forgets nothing.
+        let (_, gen) = k.sweep_begin();
+        k.sweep_end(&[], gen);
+        assert_eq!(k.orphans.len(), 1);
+        let (cqs, gen) = k.sweep_begin();
+        assert_eq!(cqs, [cq]);
+        k.sweep_end(&cqs, gen);
+        assert!(k.orphans.is_empty());
+        assert!(k.sweep_begin().0.is_empty(), "no sweep left");
     }
 
     /// Orphans are matched through the CQ they complete in: an old QP's
@@ -741,7 +801,7 @@ mod tests {
         let mut k = Keepalives::default();
         k.orphans.push_back(LateProbe { qp_num: 7, qp: old, wr_id: 0xfeed, cq: other });
         assert!(k.add(qp, 1, CFG, Box::new(|_, _| {}), t0));
-        assert!(k.send_cqs_due(t0).is_empty(), "no sweep");
+        assert!(k.sweep_begin().0.is_empty(), "no sweep");
         k.by_qpn.get_mut(&7).unwrap().probe = Probe::Sent(t0);
         let (ours, ok) = k.note(&wc(7, 0xfeed), cq, t0);
         assert!(ours && ok, "the new QP's probe, credited to its keepalive");

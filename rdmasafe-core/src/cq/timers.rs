@@ -142,6 +142,17 @@ impl Core {
         let mut n = 0;
         if let Some(now) = now {
             if !self.keepalives.is_empty() {
+                // A sweep (see `Keepalives::add`): each CQ polled until it
+                // is empty, whatever its budget or a stop (a rare poll).
+                let (sweep, gen) = self.keepalives.sweep_begin();
+                for &cq in &sweep {
+                    if let Some(r) = self.entries.find(cq) {
+                        n += self.drain_from(ctl, r, false, 0, usize::MAX)?;
+                    }
+                }
+                if !sweep.is_empty() {
+                    self.keepalives.sweep_end(&sweep, gen);
+                }
                 for cq in self.keepalives.send_cqs_due(now) {
                     if let Some(r) = self.entries.find(cq) {
                         n += self.drain(ctl, r, honor_stop)?;
