@@ -40,6 +40,13 @@ impl LiveCq {
         self.raw.as_ptr() as usize
     }
 
+    /// How many completions the CQ holds at most (`cqe`, as the provider
+    /// made it; at least 1).
+    pub(crate) fn capacity(&self) -> usize {
+        // SAFETY: live CQ (type invariant); a plain field read.
+        (unsafe { (*self.raw.as_ptr()).cqe }).max(1) as usize
+    }
+
     /// The completion channel the CQ was created on, and its context.
     pub(crate) fn channel_and_context(&self) -> (*mut ibv_comp_channel, *mut ibv_context) {
         // SAFETY: live CQ (type invariant); plain field reads.

@@ -291,9 +291,9 @@ impl Keepalives {
         // distinct numbers), and before this one was created. Its
         // completion, if it comes at all (rxe leaves a destroyed QP's
         // completions in the CQ; mlx5 removes them), is in the CQ now,
-        // before any of this keepalive's probes: the loop polls the CQ
-        // until it is empty at its next tick (an event may never come: a
-        // flush on a solicited-only CQ raises none), then forgets the
+        // before any of this keepalive's probes: the loop polls the CQ for
+        // all it holds at its next tick (an event may never come: a flush
+        // on a solicited-only CQ raises none), then forgets the
         // orphan (kept longer, it would take this keepalive's probe, and
         // at the bound a live peer would be declared dead). Orphans
         // through other CQs never take its probes (see `note`).
@@ -563,7 +563,7 @@ impl Keepalives {
 
     /// A sweep begins (see `add`): the send CQs of the keepalives with one
     /// to make, and the generation to pass to [`Keepalives::sweep_end`]
-    /// once each of those CQs was polled until it was empty. A keepalive
+    /// once each of those CQs was polled for all it held now. A keepalive
     /// added after this (by a handler the poll calls, say) waits for the
     /// next sweep: its CQ may have been polled before its add.
     pub(crate) fn sweep_begin(&mut self) -> (Vec<usize>, u64) {
@@ -572,14 +572,19 @@ impl Keepalives {
         }
         self.sweep_gen += 1;
         let mut cqs: Vec<usize> = self.by_qpn.values().filter(|e| e.sweep.is_some()).map(|e| e.send_cq).collect();
+        if cqs.is_empty() {
+            // Those counted were removed since.
+            self.sweeps = 0;
+        }
         cqs.sort_unstable();
         cqs.dedup();
         (cqs, self.sweep_gen)
     }
 
     /// `cqs` (of [`Keepalives::sweep_begin`], generation `gen`) were each
-    /// polled until empty: the keepalives on them added before the sweep
-    /// began forget the orphans of older QPs with their number there.
+    /// polled for all they held when it began: the keepalives on them added
+    /// before the sweep began forget the orphans of older QPs with their
+    /// number there.
     pub(crate) fn sweep_end(&mut self, cqs: &[usize], gen: u64) {
         let mut left = 0;
         for (qpn, e) in self.by_qpn.iter_mut() {
@@ -785,6 +790,25 @@ mod tests {
         k.sweep_end(&cqs, gen);
         assert!(k.orphans.is_empty());
         assert!(k.sweep_begin().0.is_empty(), "no sweep left");
+    }
+
+    /// A keepalive removed with its sweep still to make is no longer
+    /// counted once the next sweep finds no CQ to poll (found by a review:
+    /// the count stayed up, and every tick after scanned the keepalives
+    /// for a sweep).
+    #[test]
+    fn a_removed_keepalives_sweep_is_not_counted_for_ever() {
+        let cq = 0x7e57_6500;
+        let mut raw: crate::sys::ibv_qp = unsafe { std::mem::zeroed() };
+        let qp = fake_qp(&mut raw, 7, cq);
+        let old = qp.raw() as usize + 0x1000;
+        let t0 = Instant::now();
+        let mut k = Keepalives::default();
+        k.orphans.push_back(LateProbe { qp_num: 7, qp: old, wr_id: 0xfeed, cq });
+        assert!(k.add(qp, 1, CFG, Box::new(|_, _| {}), t0));
+        assert!(k.remove((7, 1)));
+        assert!(k.sweep_begin().0.is_empty());
+        assert_eq!(k.sweeps, 0);
     }
 
     /// Orphans are matched through the CQ they complete in: an old QP's

@@ -142,12 +142,15 @@ impl Core {
         let mut n = 0;
         if let Some(now) = now {
             if !self.keepalives.is_empty() {
-                // A sweep (see `Keepalives::add`): each CQ polled until it
-                // is empty, whatever its budget or a stop (a rare poll).
+                // A sweep (see `Keepalives::add`): each CQ polled for what
+                // it held when the sweep began (at most its capacity; a
+                // poll that stops short found it empty), whatever its
+                // budget or a stop (a rare, bounded poll).
                 let (sweep, gen) = self.keepalives.sweep_begin();
                 for &cq in &sweep {
-                    if let Some(r) = self.entries.find(cq) {
-                        n += self.drain_from(ctl, r, false, 0, usize::MAX)?;
+                    if let Some((r, e)) = self.entries.find_mut(cq) {
+                        let bound = e.cq.capacity().saturating_add(self.wcs.len());
+                        n += self.drain_from(ctl, r, false, 0, bound)?;
                     }
                 }
                 if !sweep.is_empty() {
