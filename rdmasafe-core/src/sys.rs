@@ -34,6 +34,7 @@ use std::ptr::NonNull;
 use std::time::{Duration, Instant};
 
 pub mod cancel;
+pub mod fork_once;
 
 pub use rdma_sys::{
     ibv_ack_cq_events, ibv_alloc_pd, ibv_comp_channel, ibv_context, ibv_cq, ibv_create_comp_channel, ibv_create_cq,

@@ -31,7 +31,7 @@
 //!   with what went through is logged at exit (info level, RDMASAFE_LOG);
 //! * the fork handlers are registered when the library is loaded (see
 //!   `at_load`); a child forked while another thread set the state up
-//!   sets it up again (module `once`).
+//!   sets it up again (`rdmasafe_core::sys::fork_once`).
 //!
 //! No panic unwinds into C: each interposer catches panics (`-1` with
 //! EIO, or the call passed through). The interposers of calls that wait at
@@ -46,7 +46,6 @@
 
 mod check;
 mod copy;
-mod once;
 mod out;
 mod real;
 
@@ -57,7 +56,7 @@ use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
 use rdmasafe_core::sys::{self, ibv_comp_channel, ibv_cq, rdma_cm_event, rdma_cm_id, rdma_event_channel, CmEventCalls};
 
 use check::Checker;
-use once::ForkOnce;
+use rdmasafe_core::sys::fork_once::ForkOnce;
 use real::Real;
 
 enum Mode {
@@ -168,7 +167,7 @@ static FORK_HANDLERS: AtomicI32 = AtomicI32::new(0);
 /// when a prepare handler the program had registered earlier made one, and
 /// the fork hung.) The handlers take no lock but check mode's books: a
 /// set-up under way is made again in the child instead of waited for (see
-/// `once`). Takes no arguments (those glibc passes are ignored) and
+/// `rdmasafe_core::sys::fork_once`). Takes no arguments (those glibc passes are ignored) and
 /// catches every panic.
 extern "C" fn at_load() {
     let _ = catch_unwind(|| {
@@ -438,7 +437,7 @@ extern "C" fn after_fork_parent() {
 /// `fork`'s child handler: in check mode, see `Checker::after_fork`; a
 /// set-up (of the state, or of check mode's report file) that another
 /// thread of the parent had under way is forgotten, to be made again here
-/// (module `once`). So is a state set up after the prepare handler ran
+/// (`rdmasafe_core::sys::fork_once`). So is a state set up after the prepare handler ran
 /// (by another thread, which may then have entered check mode's books,
 /// which that handler did not take: the child would inherit them locked).
 extern "C" fn after_fork_child() {

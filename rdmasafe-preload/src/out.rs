@@ -6,7 +6,7 @@
 use std::fs::File;
 use std::io::Write;
 
-use crate::once::ForkOnce;
+use rdmasafe_core::sys::fork_once::ForkOnce;
 
 use log::{LevelFilter, Log, Metadata, Record};
 use rdmasafe_core::sys::cancel::CancelDisabled;

@@ -29,6 +29,11 @@
  *   interposed calls, over and over, while the fork goes on. The child must
  *   not inherit check mode's books held by that thread.
  *
+ * slow-reserve: run in copy mode with slow_reserve.c's library preloaded
+ *   after the preload. A thread makes the process's first interposed
+ *   call; the main thread forks while the CM copies' storage is being
+ *   reserved (a slow mmap), and the child sets itself up again.
+ *
  * Each child gets and acks one event (in the report case, then acks too
  * many) and exits 0; a hung child is ended by
  * its alarm after 10 s, a hung parent by its own after 30 s. Prints how
@@ -235,6 +240,27 @@ static int late_set_up_case(void)
 	return fork_one(0, 1) ? 1 : (printf("0 of 1 children failed\n"), 0);
 }
 
+static void *first_call(void *arg)
+{
+	(void)arg;
+	get_and_ack();
+	return 0;
+}
+
+static int slow_reserve_case(void)
+{
+	pthread_t t;
+
+	began = dlsym(RTLD_DEFAULT, "slow_reserve_began");
+	if (!began || pthread_create(&t, 0, first_call, 0)) {
+		fprintf(stderr, "no slow_reserve library preloaded, or no thread\n");
+		return 2;
+	}
+	while (!*began)
+		usleep(100);
+	return fork_one(0, 1) ? 1 : (printf("0 of 1 children failed\n"), 0);
+}
+
 int main(int argc, char **argv)
 {
 	const char *what = argc > 1 ? argv[1] : "";
@@ -247,10 +273,12 @@ int main(int argc, char **argv)
 		return set_up_case();
 	if (!strcmp(what, "late-set-up"))
 		return late_set_up_case();
+	if (!strcmp(what, "slow-reserve"))
+		return slow_reserve_case();
 	if (!strcmp(what, "report") && argc > 2) {
 		fifo = argv[2];
 		return set_up_case();
 	}
-	fprintf(stderr, "usage: %s handler [N] | set-up | report FIFO | late-set-up\n", argv[0]);
+	fprintf(stderr, "usage: %s handler [N] | set-up | report FIFO | late-set-up | slow-reserve\n", argv[0]);
 	return 2;
 }

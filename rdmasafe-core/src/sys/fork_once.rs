@@ -1,17 +1,18 @@
 //! A value set up once, at its first use, that a forked child may set up
-//! again: the preload's state and check mode's report file.
+//! again (rdmasafe's CM copy storage; the preload's state and report
+//! file).
 //!
 //! A `OnceLock` being set up by one thread when another forks is inherited
 //! by the child as "being set up" by a thread the child does not have: the
-//! child's first use waits for good. A set-up may block for long (a full
-//! stderr pipe, a report file that is a FIFO without a reader yet), so
-//! that is no mere instant. Making a fork wait for the set-up instead
-//! makes every fork of the process wait on that blocking I/O and takes a
-//! lock in the fork handlers, which a fork handler or a library
-//! constructor that forks can then deadlock on. So nobody waits: the
-//! child's fork handler ([`ForkOnce::after_fork_in_child`]) forgets a
-//! set-up that another thread had under way, and the child's first use
-//! sets the value up again (what the abandoned set-up made is leaked).
+//! child's first use waits for good. A set-up may take a while (system
+//! calls, a log line to a full stderr pipe, a report file that is a FIFO
+//! without a reader yet). Making a fork wait for the set-up instead makes
+//! every fork of the process wait on it, and takes a lock in the fork
+//! handlers, which a fork handler or a library constructor that forks can
+//! then deadlock on. So nobody waits: the owner's child fork handler calls
+//! [`ForkOnce::after_fork_in_child`], which forgets a set-up that another
+//! thread had under way, and the child's first use sets the value up
+//! again (what the abandoned set-up made is leaked).
 
 use std::cell::UnsafeCell;
 use std::mem::MaybeUninit;
@@ -24,7 +25,7 @@ const UNSET: usize = 0;
 /// thread whose `pthread_self()` it is (an address: never 0 or 1).
 const SET: usize = 1;
 
-pub(crate) struct ForkOnce<T> {
+pub struct ForkOnce<T> {
     /// UNSET, SET, or the setter's `pthread_self()` (the same thread in a
     /// forked child, unlike its tid): one word, so that the setter is known
     /// from the moment the set-up is under way.
@@ -44,14 +45,21 @@ fn this_thread() -> usize {
     unsafe { libc::pthread_self() as usize }
 }
 
+impl<T> Default for ForkOnce<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl<T> ForkOnce<T> {
-    pub(crate) const fn new() -> Self {
+    /// Not set up yet.
+    pub const fn new() -> Self {
         ForkOnce { state: AtomicUsize::new(UNSET), value: UnsafeCell::new(MaybeUninit::uninit()) }
     }
 
     /// The value, if it is set up.
     #[inline]
-    pub(crate) fn get(&self) -> Option<&T> {
+    pub fn get(&self) -> Option<&T> {
         if self.state.load(Acquire) == SET {
             // SAFETY: SET (Acquire) means the value was written before
             // (Release) and is never written again.
@@ -66,7 +74,7 @@ impl<T> ForkOnce<T> {
     /// again), and so does a use from inside `init` on the same thread (a
     /// signal handler, say), with a panic.
     #[inline]
-    pub(crate) fn get_or_init(&self, init: impl FnOnce() -> T) -> &T {
+    pub fn get_or_init(&self, init: impl FnOnce() -> T) -> &T {
         match self.get() {
             Some(v) => v,
             None => self.set_up(init),
@@ -81,7 +89,7 @@ impl<T> ForkOnce<T> {
             match self.state.compare_exchange(UNSET, me, Acquire, Acquire) {
                 Ok(_) => break,
                 Err(SET) => return self.get().expect("set"),
-                Err(setter) if setter == me => panic!("rdmasafe preload: a use of its state inside its own set-up"),
+                Err(setter) if setter == me => panic!("rdmasafe: a use of a value inside its own set-up"),
                 // Another thread sets it up: that may take long (blocking
                 // I/O), so yield, then sleep.
                 Err(_) => {
@@ -118,7 +126,7 @@ impl<T> ForkOnce<T> {
     /// it) goes on when the handler returns. With `also_if_set`, a value
     /// set up already is forgotten too (what the parent's set-up made is
     /// left to leak: the caller knows the child must not use it).
-    pub(crate) fn after_fork_in_child(&self, also_if_set: bool) {
+    pub fn after_fork_in_child(&self, also_if_set: bool) {
         match self.state.load(Acquire) {
             UNSET => {}
             SET if !also_if_set => {}
