@@ -152,10 +152,17 @@ fn fork_and_set_up(what: &str, args: &[&str], how: Setting<'_>, children: usize)
         }
         None => in_check_mode(&prog, &ld_preload),
     };
-    let mut child =
+    let child =
         cmd.args(args).envs(how.env.iter().copied()).stdout(Stdio::piped()).spawn().expect("the program starts");
     // A watchdog, not a timing: the program's own alarms end a hang (its
     // children's after 10 s, its own after 30 s).
+    no_child_failed(child, &dir, children);
+}
+
+/// Waits for a forking program (`child`, its stdout and stderr piped;
+/// killed after a 120 s watchdog) and removes `dir`; asserts that it
+/// exited 0 saying that none of its `children` failed.
+fn no_child_failed(mut child: Child, dir: &Path, children: usize) {
     let status = wait_or_kill(&mut child, Duration::from_secs(120));
     let (mut out, mut err) = (String::new(), String::new());
     if let Some(mut o) = child.stdout.take() {
@@ -164,7 +171,7 @@ fn fork_and_set_up(what: &str, args: &[&str], how: Setting<'_>, children: usize)
     if let Some(mut e) = child.stderr.take() {
         let _ = std::io::Read::read_to_string(&mut e, &mut err);
     }
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(dir);
     assert_eq!(status.and_then(|s| s.code()), Some(0), "{status:?}; stdout:\n{out}stderr:\n{err}");
     assert!(out.contains(&format!("0 of {children} children failed")), "stdout:\n{out}");
 }
@@ -232,22 +239,12 @@ fn a_child_forked_while_another_thread_keeps_the_books_does_not_hang() {
     let dir = temp("fork");
     let (ld_preload, prog) = build("fork_while_busy", "fork_while_busy", &dir);
     let forks = 200;
-    let mut child = in_check_mode(&prog, &ld_preload)
+    let child = in_check_mode(&prog, &ld_preload)
         .arg(forks.to_string())
         .stdout(Stdio::piped())
         .spawn()
         .expect("the program starts");
     // A watchdog, not a timing: each child's own alarm (10 s) ends a hung
     // one; the whole run takes well under a second when none hangs.
-    let status = wait_or_kill(&mut child, Duration::from_secs(120));
-    let (mut out, mut err) = (String::new(), String::new());
-    if let Some(mut o) = child.stdout.take() {
-        let _ = std::io::Read::read_to_string(&mut o, &mut out);
-    }
-    if let Some(mut e) = child.stderr.take() {
-        let _ = std::io::Read::read_to_string(&mut e, &mut err);
-    }
-    let _ = std::fs::remove_dir_all(&dir);
-    assert_eq!(status.and_then(|s| s.code()), Some(0), "{status:?}; stdout:\n{out}stderr:\n{err}");
-    assert!(out.contains(&format!("0 of {forks} children failed")), "stdout:\n{out}");
+    no_child_failed(child, &dir, forks);
 }

@@ -701,6 +701,18 @@ mod tests {
     const CFG: Keepalive =
         Keepalive { period: Duration::from_secs(100), bound: Duration::from_secs(200), wr_id: 0xfeed };
 
+    /// A keepalive of `CFG` added at `t0` on a fake QP 7 (its struct in
+    /// `raw`, send CQ `cq`) while an orphan probe of an older QP 7 (another
+    /// address) is out through `orphan_cq`.
+    fn added_over_an_orphan(raw: &mut crate::sys::ibv_qp, cq: usize, orphan_cq: usize, t0: Instant) -> Keepalives {
+        let qp = fake_qp(raw, 7, cq);
+        let old = qp.raw() as usize + 0x1000;
+        let mut k = Keepalives::default();
+        k.orphans.push_back(LateProbe { qp_num: 7, qp: old, wr_id: 0xfeed, cq: orphan_cq });
+        assert!(k.add(qp, 1, CFG, Box::new(|_, _| {}), t0));
+        k
+    }
+
     /// The orphan probe of a QP destroyed before it came back does not take
     /// the probe of a new QP that got its number (found by a review: the
     /// new keepalive's probe stayed out, and at the bound a live peer was
@@ -710,13 +722,9 @@ mod tests {
     fn a_destroyed_qps_orphan_does_not_take_a_new_qps_probe() {
         let cq = 0x7e57_4000;
         let mut raw: crate::sys::ibv_qp = unsafe { std::mem::zeroed() };
-        let qp = fake_qp(&mut raw, 7, cq);
-        let addr = qp.raw() as usize;
         let t0 = Instant::now();
-        let mut k = Keepalives::default();
-        // The old QP 7 (another address) lost its probe.
-        k.orphans.push_back(LateProbe { qp_num: 7, qp: addr + 0x1000, wr_id: 0xfeed, cq });
-        assert!(k.add(qp, 1, CFG, Box::new(|_, _| {}), t0));
+        // The old QP 7 lost its probe.
+        let mut k = added_over_an_orphan(&mut raw, cq, cq, t0);
         assert_eq!(k.next_deadline(), Some(t0), "the loop ticks at once");
         let (cqs, gen) = k.sweep_begin();
         assert_eq!(cqs, [cq], "its CQ is polled until empty");
@@ -740,12 +748,8 @@ mod tests {
     fn a_destroyed_qps_orphan_left_in_the_cq_never_reaches_the_handler() {
         let cq = 0x7e57_6100;
         let mut raw: crate::sys::ibv_qp = unsafe { std::mem::zeroed() };
-        let qp = fake_qp(&mut raw, 7, cq);
-        let old = qp.raw() as usize + 0x1000;
         let t0 = Instant::now();
-        let mut k = Keepalives::default();
-        k.orphans.push_back(LateProbe { qp_num: 7, qp: old, wr_id: 0xfeed, cq });
-        assert!(k.add(qp, 1, CFG, Box::new(|_, _| {}), t0));
+        let mut k = added_over_an_orphan(&mut raw, cq, cq, t0);
         let (cqs, gen) = k.sweep_begin();
         assert_eq!(cqs, [cq]);
         // The poll finds the old QP's flushed probe.
@@ -800,12 +804,7 @@ mod tests {
     fn a_removed_keepalives_sweep_is_not_counted_for_ever() {
         let cq = 0x7e57_6500;
         let mut raw: crate::sys::ibv_qp = unsafe { std::mem::zeroed() };
-        let qp = fake_qp(&mut raw, 7, cq);
-        let old = qp.raw() as usize + 0x1000;
-        let t0 = Instant::now();
-        let mut k = Keepalives::default();
-        k.orphans.push_back(LateProbe { qp_num: 7, qp: old, wr_id: 0xfeed, cq });
-        assert!(k.add(qp, 1, CFG, Box::new(|_, _| {}), t0));
+        let mut k = added_over_an_orphan(&mut raw, cq, cq, Instant::now());
         assert!(k.remove((7, 1)));
         assert!(k.sweep_begin().0.is_empty());
         assert_eq!(k.sweeps, 0);
@@ -819,12 +818,8 @@ mod tests {
     fn an_orphan_through_another_cq_is_left_alone() {
         let (cq, other) = (0x7e57_6200, 0x7e57_6300);
         let mut raw: crate::sys::ibv_qp = unsafe { std::mem::zeroed() };
-        let qp = fake_qp(&mut raw, 7, cq);
-        let old = qp.raw() as usize + 0x1000;
         let t0 = Instant::now();
-        let mut k = Keepalives::default();
-        k.orphans.push_back(LateProbe { qp_num: 7, qp: old, wr_id: 0xfeed, cq: other });
-        assert!(k.add(qp, 1, CFG, Box::new(|_, _| {}), t0));
+        let mut k = added_over_an_orphan(&mut raw, cq, other, t0);
         assert!(k.sweep_begin().0.is_empty(), "no sweep");
         k.by_qpn.get_mut(&7).unwrap().probe = Probe::Sent(t0);
         let (ours, ok) = k.note(&wc(7, 0xfeed), cq, t0);
