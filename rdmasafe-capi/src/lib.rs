@@ -85,3 +85,24 @@ pub(crate) fn fail_errno(errno: c_int) -> c_int {
     rdmasafe_core::sys::set_errno(errno);
     -1
 }
+
+/// At load (a `.init_array` entry, as a C library's
+/// `__attribute__((constructor))`): a fork child handler that forgets a
+/// set-up of rdmasafe's CM copy storage another thread had under way
+/// (`rdmasafe_core::cm::after_fork_in_child`). rdmasafe registers one at
+/// that storage's first use too, but glibc runs only the handlers
+/// registered when a fork began, and a thread may begin the set-up while a
+/// fork is under way. Registered here, it is in every fork's list. Takes
+/// no arguments (those glibc passes are ignored), catches every panic;
+/// without memory to register it, the first-use one is all there is.
+extern "C" fn at_load() {
+    /// The child handler.
+    unsafe extern "C" fn child() {
+        let _ = std::panic::catch_unwind(rdmasafe_core::cm::after_fork_in_child);
+    }
+    let _ = std::panic::catch_unwind(|| rdmasafe_core::sys::at_fork_child(child));
+}
+
+#[used]
+#[link_section = ".init_array"]
+static AT_LOAD: extern "C" fn() = at_load;

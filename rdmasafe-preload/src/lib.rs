@@ -442,6 +442,9 @@ extern "C" fn after_fork_parent() {
 /// which that handler did not take: the child would inherit them locked).
 extern "C" fn after_fork_child() {
     let _ = catch_unwind(|| {
+        // rdmasafe's own (its CM copies' storage): this handler is in
+        // every fork's list, registered at load.
+        rdmasafe_core::cm::after_fork_in_child();
         if let Some(State { mode: Mode::Check(c), .. }) = STATE.get() {
             c.after_fork();
         }

@@ -25,8 +25,8 @@ pub use dispatch::{Dispatcher, DispatcherStats, StopHandle, WorkQueue};
 pub use event::{copy_synthetic, CmEvent, ConnParam, EventType, SyntheticEvent, UdParam};
 pub use id::{CmId, ConnectParams, ConnectRequest, IdToken, PortSpace, QpCaps, SendOptions};
 pub use pool::{
-    ack_deadline, ack_deadline_env, capacity, counters, limit, reserve, set_ack_deadline, set_limit, CopyDestination,
-    Counters, DEFAULT_ACK_DEADLINE, FREE_LIST_CAPACITY, MAX_SLOTS, QUARANTINE,
+    ack_deadline, ack_deadline_env, after_fork_in_child, capacity, counters, limit, reserve, set_ack_deadline,
+    set_limit, CopyDestination, Counters, DEFAULT_ACK_DEADLINE, FREE_LIST_CAPACITY, MAX_SLOTS, QUARANTINE,
 };
 
 /// The devices librdmacm uses now (`rdma_get_devices`), by name. The call

@@ -271,16 +271,28 @@ fn arena() -> &'static Arena {
     }
 }
 
-/// In a forked child: a set-up of the arena that another thread had under
-/// way is forgotten (see [`ForkOnce::after_fork_in_child`]).
-unsafe extern "C" fn arena_after_fork_in_child() {
+/// For a fork child handler registered at load (as the preload's and
+/// librdmasafe's are): in a forked child, a set-up of the CM copies'
+/// storage that another thread of the parent had under way is forgotten,
+/// and the child sets it up again at its first use. Never needed when the
+/// handler rdmasafe registers at that storage's first use ran, but glibc
+/// runs only the handlers registered when the fork began, and a thread may
+/// begin the set-up, and register, while a fork is under way (a prepare
+/// handler of another library lets it: found by a review).
+pub fn after_fork_in_child() {
     ARENA.after_fork_in_child(false);
+}
+
+/// [`after_fork_in_child`], registered at the storage's first use.
+unsafe extern "C" fn arena_after_fork_in_child() {
+    after_fork_in_child();
 }
 
 /// Sets the arena up. The fork handler that forgets a set-up under way is
 /// registered first (by the first thread to come here, or by each that
-/// comes before one has finished registering it). What the set-up has to
-/// say is logged after it.
+/// comes before one has finished registering it; see also
+/// [`after_fork_in_child`]). What the set-up has to say is logged after
+/// it.
 #[cold]
 fn arena_first_use() -> &'static Arena {
     /// The rings' cells, each used by the one arena only (set again by a
