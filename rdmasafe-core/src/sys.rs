@@ -409,8 +409,9 @@ pub fn wipe_on_fork_page() -> Option<NonNull<u8>> {
 
 /// Has `child` run in the child of every later `fork()` (glibc's
 /// `pthread_atfork`; a child made by the raw system call or `vfork` runs
-/// no handler). Handlers are never unregistered. False if there was no
-/// memory to register it.
+/// no handler). Handlers are unregistered only when the library that
+/// registered them is unloaded (glibc keys them by its `__dso_handle`).
+/// False if there was no memory to register it.
 pub fn at_fork_child(child: unsafe extern "C" fn()) -> bool {
     extern "C" {
         fn pthread_atfork(
