@@ -167,8 +167,8 @@ static FORK_HANDLERS: AtomicI32 = AtomicI32::new(0);
 /// when a prepare handler the program had registered earlier made one, and
 /// the fork hung.) The handlers take no lock but check mode's books: a
 /// set-up under way is made again in the child instead of waited for (see
-/// `rdmasafe_core::sys::fork_once`). Takes no arguments (those glibc passes are ignored) and
-/// catches every panic.
+/// `rdmasafe_core::sys::fork_once`). Takes no arguments (those glibc
+/// passes are ignored) and catches every panic.
 extern "C" fn at_load() {
     let _ = catch_unwind(|| {
         // SAFETY: three functions that take no arguments and catch every
@@ -437,9 +437,10 @@ extern "C" fn after_fork_parent() {
 /// `fork`'s child handler: in check mode, see `Checker::after_fork`; a
 /// set-up (of the state, or of check mode's report file) that another
 /// thread of the parent had under way is forgotten, to be made again here
-/// (`rdmasafe_core::sys::fork_once`). So is a state set up after the prepare handler ran
-/// (by another thread, which may then have entered check mode's books,
-/// which that handler did not take: the child would inherit them locked).
+/// (`rdmasafe_core::sys::fork_once`). So is a state set up after the
+/// prepare handler ran (by another thread, which may then have entered
+/// check mode's books, which that handler did not take: the child would
+/// inherit them locked).
 extern "C" fn after_fork_child() {
     let _ = catch_unwind(|| {
         // rdmasafe's own (its CM copies' storage): this handler is in

@@ -549,13 +549,17 @@ impl Keepalives {
     /// without raising an event (a solicited-only CQ, an event not read
     /// yet) is never taken for a dead peer.
     pub(crate) fn send_cqs_due(&self, now: Instant) -> Vec<usize> {
-        let overdue = |e: &Entry| match e.probe {
-            Probe::Sent(t) | Probe::Blocked(t) => now.saturating_duration_since(t) >= e.bound(),
-            // Dead whatever a poll finds.
-            Probe::Failed { .. } | Probe::Idle => false,
-        };
-        let mut cqs: Vec<usize> =
-            self.by_qpn.values().filter(|e| !e.dead && !e.quiet && overdue(e)).map(|e| e.send_cq).collect();
+        let mut cqs: Vec<usize> = self
+            .by_qpn
+            .values()
+            .filter(|e| !e.dead && !e.quiet)
+            .filter(|e| match e.probe {
+                Probe::Sent(t) | Probe::Blocked(t) => now.saturating_duration_since(t) >= e.bound(),
+                // Dead whatever a poll finds.
+                Probe::Failed { .. } | Probe::Idle => false,
+            })
+            .map(|e| e.send_cq)
+            .collect();
         cqs.sort_unstable();
         cqs.dedup();
         cqs
