@@ -1,10 +1,13 @@
 //! A C thread cancelled (`pthread_cancel`) in `rdmasafe_get_event` while
 //! another thread's get is starting the CM ack-deadline thread: the
 //! cancellation is acted on at the get's own cancellable wait, never at
-//! the 1 ms sleep the get makes while it waits for that start (a
+//! the 1 ms sleep the get makes while it waits for that start, or for the
+//! set-up of the copies' storage that the other get has under way (a
 //! cancellation point inside frames that catch panics, where glibc's
-//! forced unwind ends the process: "FATAL: exception not rethrown",
-//! SIGABRT in 27 and 31 of 1,000 trials before, found by a review). Each
+//! forced unwind ends the process: "FATAL: exception not rethrown";
+//! SIGABRT in 27 and 31 of 1,000 trials before the start's wait was fixed,
+//! found by a review, and in 4 of 1,000 in CI, 5 to 11 of 1,000 on a
+//! quiet host, before the storage's wait was). Each
 //! trial is a fresh process (the thread starts once per process): thread B
 //! gets (default deadline: it starts the ack thread), and thread A, made a
 //! few microseconds later, cancels itself (pending) and gets. librdmacm's

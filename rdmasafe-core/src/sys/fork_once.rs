@@ -83,6 +83,12 @@ impl<T> ForkOnce<T> {
 
     #[cold]
     fn set_up(&self, init: impl FnOnce() -> T) -> &T {
+        // Inside rdmasafe's C calls, some of them cancellation points that
+        // catch panics (no forced unwind may cross them): the wait below and
+        // `init` (its system calls, a log line, a report file opened) are
+        // no cancellation points; a cancellation pending or arriving now is
+        // acted on at the call's own cancellable wait, if it has one.
+        let _no_cancel = super::cancel::CancelDisabled::new();
         let me = this_thread();
         let mut waits = 0u32;
         loop {
