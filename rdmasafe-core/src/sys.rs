@@ -34,6 +34,7 @@ use std::ptr::NonNull;
 use std::time::{Duration, Instant};
 
 pub mod cancel;
+pub mod fork_lock;
 pub mod fork_once;
 
 pub use rdma_sys::{

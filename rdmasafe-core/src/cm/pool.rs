@@ -37,9 +37,9 @@
 use std::cell::{OnceCell, UnsafeCell};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering::*};
-use std::sync::Mutex;
 use std::time::Duration;
 
+use crate::sys::fork_lock::ForkLock;
 use crate::sys::fork_once::ForkOnce;
 use crate::sys::{self, rdma_cm_event, RDMA_MAX_PRIVATE_DATA};
 
@@ -122,10 +122,10 @@ struct Arena {
     /// Slots ever handed out; `0..allocated` are committed and initialised.
     allocated: AtomicUsize,
     committed: AtomicUsize,
-    grow: Mutex<()>,
+    grow: ForkLock<()>,
     free: FreeRing,
     /// Slots freed while the ring was full, oldest first.
-    overflow: Mutex<std::collections::VecDeque<u32>>,
+    overflow: ForkLock<std::collections::VecDeque<u32>>,
     overflow_len: AtomicUsize,
     /// Slots that may be handed out at once, taken before the free list:
     /// those of failed gets (they never held a copy) and those
@@ -253,6 +253,43 @@ impl<const N: usize> FreeRing<N> {
             }
         }
     }
+
+    /// In a forked child (its fork handler, while the child has one
+    /// thread): mends what threads of the parent left half-done. A push
+    /// that claimed a position and never filled it would make every pop
+    /// there wait for good, and a pop that took an entry and never
+    /// released its cell would make the ring look full there for good. The
+    /// entries that are there are kept, in order; the slots those threads
+    /// were pushing or popping are lost to the child (they stay unused).
+    /// A ring with nothing half-done is left as it is (no cell is written:
+    /// the child's copy of its pages stays shared with the parent's).
+    fn after_fork_in_child(&self) {
+        let set = |pos: u64, c: u64| {
+            if self.cell(pos).load(Relaxed) != c {
+                self.cell(pos).store(c, Relaxed);
+            }
+        };
+        let head = self.head.load(Relaxed);
+        let tail = self.tail.load(Relaxed);
+        let mut kept = head;
+        for pos in head..tail {
+            let c = self.cell(pos).load(Relaxed);
+            if (c >> 32) as u32 == (pos as u32).wrapping_add(1) {
+                // Filled for pos: moved down to the next kept position (at
+                // or below pos, so read already).
+                set(kept, ((kept as u32).wrapping_add(1) as u64) << 32 | (c & 0xffff_ffff));
+                kept += 1;
+            }
+        }
+        // The other N - (kept - head) cells: free for the pushes of their
+        // positions.
+        for pos in kept..head + N as u64 {
+            set(pos, ((pos as u32) as u64) << 32);
+        }
+        if tail != kept {
+            self.tail.store(kept, Release);
+        }
+    }
 }
 
 /// The CM copies' storage, set up at its first use. A [`ForkOnce`], not a
@@ -281,6 +318,9 @@ fn arena() -> &'static Arena {
 /// handler of another library lets it: found by a review).
 pub fn after_fork_in_child() {
     ARENA.after_fork_in_child(false);
+    if let Some(a) = ARENA.get() {
+        a.after_fork_in_child();
+    }
 }
 
 /// [`after_fork_in_child`], registered at the storage's first use.
@@ -312,9 +352,9 @@ fn arena_first_use() -> &'static Arena {
             max_slots,
             allocated: AtomicUsize::new(0),
             committed: AtomicUsize::new(0),
-            grow: Mutex::new(()),
+            grow: ForkLock::new(()),
             free: FreeRing::new(&FREE_CELLS),
-            overflow: Mutex::new(std::collections::VecDeque::new()),
+            overflow: ForkLock::new(std::collections::VecDeque::new()),
             overflow_len: AtomicUsize::new(0),
             ready: FreeRing::new(&READY_CELLS),
         }
@@ -380,6 +420,22 @@ impl Arena {
         unsafe { &*self.base.as_ptr().add(i * STRIDE).cast::<Slot>() }
     }
 
+    /// In a forked child: the locks and free lists that other threads of
+    /// the parent were inside when it forked are taken back and mended, so
+    /// the child's own gets and frees neither wait for those threads nor
+    /// spin on their half-done steps. A chunk of slots being committed is
+    /// committed again (the `mprotect` of a range already committed
+    /// changes nothing); slots those threads were freeing, or taking off a
+    /// list, stay unused in the child.
+    fn after_fork_in_child(&self) {
+        self.grow.after_fork_in_child(|()| {});
+        if self.overflow.after_fork_in_child(|o| std::mem::forget(std::mem::take(o))) {
+            self.overflow_len.store(0, Relaxed);
+        }
+        self.free.after_fork_in_child();
+        self.ready.after_fork_in_child();
+    }
+
     /// The slot a pointer the app gave us points to, if any: arithmetic only.
     #[inline]
     fn slot_of(&self, p: *const u8) -> Option<&'static Slot> {
@@ -394,7 +450,7 @@ impl Arena {
 
     /// A never-used slot, committing memory if needed; `None` when full.
     fn new_slot(&self) -> Option<u32> {
-        let _g = self.grow.lock().unwrap_or_else(|e| e.into_inner());
+        let _g = self.grow.lock();
         let i = self.allocated.load(Relaxed);
         if i >= self.max_slots {
             return None;
@@ -455,7 +511,7 @@ impl Arena {
 
     /// The oldest slot of the overflow list, if `take(slot)`.
     fn pop_overflow_if(&self, take: impl Fn(u32) -> bool) -> Option<u32> {
-        let mut o = self.overflow.lock().unwrap_or_else(|e| e.into_inner());
+        let mut o = self.overflow.lock();
         let i = *o.front()?;
         if !take(i) {
             return None;
@@ -497,7 +553,7 @@ impl Arena {
 
     #[cold]
     fn push_overflow(&self, i: u32) {
-        let mut o = self.overflow.lock().unwrap_or_else(|e| e.into_inner());
+        let mut o = self.overflow.lock();
         o.push_back(i);
         self.overflow_len.store(o.len(), Relaxed);
     }
@@ -1584,7 +1640,7 @@ mod tests {
     fn drain_free_list() -> Vec<u32> {
         let a = arena();
         let mut all: Vec<u32> = std::iter::from_fn(|| a.free.pop()).collect();
-        all.extend(a.overflow.lock().unwrap().drain(..));
+        all.extend(a.overflow.lock().drain(..));
         a.overflow_len.store(0, Relaxed);
         all.extend(std::iter::from_fn(|| a.take_ready()));
         all
@@ -1758,6 +1814,49 @@ mod tests {
         seen.sort_unstable();
         assert!(seen.iter().copied().eq(0..2 * per), "every entry exactly once");
         assert_eq!(r.pop(), None);
+    }
+
+    /// A child's ring, forked while one thread of the parent had claimed
+    /// a position for its push and not filled it yet, and another had
+    /// taken an entry and not released its cell yet: once mended, pops go
+    /// on past the unfilled position (before: they waited for good), and
+    /// all eight cells take pushes again (before: the unreleased one
+    /// looked full).
+    #[test]
+    fn a_childs_ring_is_mended_from_its_parents_half_done_steps() {
+        const N: usize = 8;
+        let r: &'static FreeRing<N> =
+            Box::leak(Box::new(FreeRing::<N>::new(Box::leak(Box::new([const { AtomicU64::new(0) }; N])))));
+        for i in [1, 2, 3] {
+            r.push(i).unwrap();
+        }
+        assert_eq!(r.pop(), Some(1));
+        // A push claims position 3 and stops; a later one fills 4.
+        r.tail.fetch_add(1, Relaxed);
+        r.push(5).unwrap();
+        // A pop claims position 1 (entry 2) and stops before its release.
+        r.head.fetch_add(1, Relaxed);
+        r.after_fork_in_child();
+        // A watchdog, not a timing: a pop that waits for good fails here.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let got = [r.pop(), r.pop(), r.pop()];
+            let pushed = (10..10 + N as u32).map(|i| r.push(i)).filter(Result::is_ok).count();
+            let refused = r.push(99).is_err();
+            let again: Vec<_> = std::iter::from_fn(|| r.pop()).collect();
+            tx.send((got, pushed, refused, again)).unwrap();
+        });
+        let (got, pushed, refused, again) = rx.recv_timeout(Duration::from_secs(60)).expect("no pop waits for good");
+        assert_eq!(got, [Some(3), Some(5), None], "the entries there, in order, then empty");
+        assert_eq!(pushed, N, "every cell takes a push");
+        assert!(refused, "and then it is full");
+        assert!(again.iter().copied().eq(10..10 + N as u32), "FIFO: {again:?}");
+        // Mending a ring with nothing half-done changes nothing.
+        for i in [20, 21] {
+            r.push(i).unwrap();
+        }
+        r.after_fork_in_child();
+        assert_eq!([r.pop(), r.pop(), r.pop()], [Some(20), Some(21), None]);
     }
 
     #[test]

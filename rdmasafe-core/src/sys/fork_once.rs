@@ -40,7 +40,9 @@ pub struct ForkOnce<T> {
 // the child reads: see `after_fork_in_child`.)
 unsafe impl<T: Send + Sync> Sync for ForkOnce<T> {}
 
-fn this_thread() -> usize {
+/// The calling thread's `pthread_self()`: never 0 or 1, and the same
+/// for the forking thread in a child.
+pub(super) fn this_thread() -> usize {
     // SAFETY: pthread_self has no preconditions.
     unsafe { libc::pthread_self() as usize }
 }
