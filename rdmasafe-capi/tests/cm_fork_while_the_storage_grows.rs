@@ -3,9 +3,10 @@
 //! copies of its own: it takes that lock back from the thread it does not
 //! have, instead of waiting for it for good (before: the child's first get
 //! that needed a new slot hung, ended here by its alarm; found by a
-//! review). The commit is made slow (1 s) by this binary's own `mprotect`,
-//! which the library's call binds to; librdmacm's two calls are replaced
-//! by the stand-in pair. `harness = false`: the main thread forks.
+//! review). This binary's own `mprotect`, which the library's call binds
+//! to, holds the commit until the fork is done; librdmacm's two calls are
+//! replaced by the stand-in pair. `harness = false`: the main thread
+//! forks.
 
 mod standin;
 
@@ -16,12 +17,18 @@ use std::time::Duration;
 use rdmasafe::rdmasafe_event_free;
 
 /// Armed by the test: the next commit of a chunk of copy slots (readable
-/// and writable, 64 KiB) takes 1 s, and says when it began.
+/// and writable, 64 KiB) says when it began, and waits for the fork.
 static ARMED: AtomicBool = AtomicBool::new(false);
 static SLOW_BEGAN: AtomicBool = AtomicBool::new(false);
+/// Set in the parent when the fork is done (its fork handler).
+static FORKED: AtomicBool = AtomicBool::new(false);
 
-/// `mprotect`, for every caller in this binary: a slow commit once armed,
-/// then the system call.
+extern "C" fn forked() {
+    FORKED.store(true, SeqCst);
+}
+
+/// `mprotect`, for every caller in this binary: a commit held until the
+/// fork once armed (for at most 60 s), then the system call.
 ///
 /// # Safety
 /// As `mprotect(2)`.
@@ -29,13 +36,18 @@ static SLOW_BEGAN: AtomicBool = AtomicBool::new(false);
 pub unsafe extern "C" fn mprotect(addr: *mut c_void, len: usize, prot: c_int) -> c_int {
     if prot == libc::PROT_READ | libc::PROT_WRITE && len == 64 * 1024 && ARMED.swap(false, SeqCst) {
         SLOW_BEGAN.store(true, SeqCst);
-        std::thread::sleep(Duration::from_secs(1));
+        let patience = std::time::Instant::now() + Duration::from_secs(60);
+        while !FORKED.load(SeqCst) && std::time::Instant::now() < patience {
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
     // SAFETY: the caller's arguments, as mprotect(2) takes them.
     unsafe { libc::syscall(libc::SYS_mprotect, addr, len, prot) as c_int }
 }
 
 fn main() {
+    // SAFETY: registers a parent handler that only stores a flag.
+    assert_eq!(unsafe { libc::pthread_atfork(None, Some(forked), None) }, 0);
     standin::install_calls();
     let (mut ch, w) = standin::channel();
     ARMED.store(true, SeqCst);
