@@ -311,11 +311,14 @@ fn arena() -> &'static Arena {
 /// For a fork child handler registered at load (as the preload's and
 /// librdmasafe's are): in a forked child, a set-up of the CM copies'
 /// storage that another thread of the parent had under way is forgotten,
-/// and the child sets it up again at its first use. Never needed when the
-/// handler rdmasafe registers at that storage's first use ran, but glibc
-/// runs only the handlers registered when the fork began, and a thread may
-/// begin the set-up, and register, while a fork is under way (a prepare
-/// handler of another library lets it: found by a review).
+/// and the child sets it up again at its first use; a storage set up
+/// already has its locks and free lists taken back from the threads the
+/// child does not have, and mended. Never needed when the handler rdmasafe
+/// registers at that storage's first use ran, but glibc runs only the
+/// handlers registered when the fork began, and a thread may begin the
+/// set-up, and register, while a fork is under way (a prepare handler of
+/// another library lets it: found by a review). Running it more than once
+/// in a child changes nothing more.
 pub fn after_fork_in_child() {
     ARENA.after_fork_in_child(false);
     if let Some(a) = ARENA.get() {
