@@ -98,7 +98,8 @@ pub(crate) fn fail_errno(errno: c_int) -> c_int {
 extern "C" fn at_load() {
     /// The child handler.
     unsafe extern "C" fn child() {
-        let _ = std::panic::catch_unwind(rdmasafe_core::cm::after_fork_in_child);
+        // SAFETY: a fork child handler.
+        let _ = std::panic::catch_unwind(|| unsafe { rdmasafe_core::cm::after_fork_in_child() });
     }
     let _ = std::panic::catch_unwind(|| rdmasafe_core::sys::at_fork_child(child));
 }

@@ -379,6 +379,35 @@ fn read_counter(fd: c_int) {
     unsafe { libc::syscall(libc::SYS_read, fd as libc::c_long, (&mut v as *mut u64).cast::<c_void>(), 8usize) };
 }
 
+/// Sleeps while `word` holds `expected` (`FUTEX_WAIT_PRIVATE`, no
+/// timeout), until a [`futex_wake_one`] of it; returns at once if it holds
+/// another value, and may return spuriously (the caller checks again).
+/// A raw system call: no thread-cancellation point; errno is kept.
+pub fn futex_wait(word: &std::sync::atomic::AtomicU32, expected: u32) {
+    let saved = errno_raw();
+    // SAFETY: a live, aligned 32-bit word private to this process; no
+    // timeout (NULL).
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG,
+            expected,
+            std::ptr::null::<libc::timespec>(),
+        )
+    };
+    set_errno(saved);
+}
+
+/// Wakes one thread sleeping in [`futex_wait`] on `word`, if any. A raw
+/// system call, as there; errno is kept.
+pub fn futex_wake_one(word: &std::sync::atomic::AtomicU32) {
+    let saved = errno_raw();
+    // SAFETY: a live, aligned 32-bit word private to this process.
+    unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG, 1) };
+    set_errno(saved);
+}
+
 /// A zero-filled page of memory that the kernel zero-fills again in a
 /// forked child (`MADV_WIPEONFORK`, Linux 4.14): for state that must not
 /// outlive a fork (a thread's, which the child does not have). Never

@@ -445,12 +445,16 @@ extern "C" fn after_fork_child() {
     let _ = catch_unwind(|| {
         // rdmasafe's own (its CM copies' storage): this handler is in
         // every fork's list, registered at load.
-        rdmasafe_core::cm::after_fork_in_child();
+        // SAFETY: a fork child handler.
+        unsafe { rdmasafe_core::cm::after_fork_in_child() };
         if let Some(State { mode: Mode::Check(c), .. }) = STATE.get() {
             c.after_fork();
         }
-        STATE.after_fork_in_child(!SET_AT_FORK.with(|s| s.get()));
-        out::after_fork_in_child();
+        // SAFETY: as above.
+        unsafe {
+            STATE.after_fork_in_child(!SET_AT_FORK.with(|s| s.get()));
+            out::after_fork_in_child();
+        }
     });
 }
 

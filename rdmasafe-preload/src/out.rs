@@ -113,8 +113,12 @@ pub(crate) fn report(kind: &str, text: &str) {
 /// In a forked child: an opening of the report file that another thread
 /// of the parent had under way (a FIFO waits for its reader) is forgotten;
 /// the child opens it again at its first report.
-pub(crate) fn after_fork_in_child() {
-    REPORT_FILE.after_fork_in_child(false);
+///
+/// # Safety
+/// Only from a fork child handler (the child has one thread then).
+pub(crate) unsafe fn after_fork_in_child() {
+    // SAFETY: the caller's contract.
+    unsafe { REPORT_FILE.after_fork_in_child(false) };
 }
 
 /// The report file RDMASAFE_CHECK_FILE names, opened at the first report;

@@ -143,6 +143,11 @@ unsafe impl Send for Arena {}
 // SAFETY: as above.
 unsafe impl Sync for Arena {}
 
+/// A [`FreeRing`] entry that is no slot: what a forked child's mending
+/// leaves where a push of the parent never filled its claimed position.
+const HOLE: u32 = u32::MAX;
+const _: () = assert!(MAX_SLOTS < HOLE as usize);
+
 /// The lock-free part of the free list: a bounded FIFO of slot indices for
 /// any number of threads, one `AtomicU64` per cell holding a sequence
 /// number (high 32 bits) and the index (low 32 bits), `N` cells (a power
@@ -228,6 +233,13 @@ impl<const N: usize> FreeRing<N> {
         loop {
             let c = self.cell(pos).load(Acquire);
             match ((c >> 32) as u32).wrapping_sub((pos as u32).wrapping_add(1)) as i32 {
+                // A hole a forked child's mending left: taken and passed.
+                0 if c as u32 == HOLE => {
+                    if self.head.compare_exchange_weak(pos, pos + 1, Relaxed, Relaxed).is_ok() {
+                        self.cell(pos).store(((pos as u32).wrapping_add(N as u32) as u64) << 32, Release);
+                    }
+                    pos = self.head.load(Relaxed);
+                }
                 // Filled for pos. `c` stays valid if the claim succeeds: the
                 // cell is rewritten only after a pop of pos, which is us.
                 0 if !ready(c as u32) => return None,
@@ -257,13 +269,22 @@ impl<const N: usize> FreeRing<N> {
     /// In a forked child (its fork handler, while the child has one
     /// thread): mends what threads of the parent left half-done. A push
     /// that claimed a position and never filled it would make every pop
-    /// there wait for good, and a pop that took an entry and never
-    /// released its cell would make the ring look full there for good. The
-    /// entries that are there are kept, in order; the slots those threads
-    /// were pushing or popping are lost to the child (they stay unused).
-    /// A ring with nothing half-done is left as it is (no cell is written:
-    /// the child's copy of its pages stays shared with the parent's).
-    fn after_fork_in_child(&self) {
+    /// there wait for good: the position is filled with [`HOLE`], which
+    /// pops pass over. A pop that took an entry and never released its
+    /// cell would make the ring look full there for good: the cell is
+    /// released. The slots those threads were pushing or popping stay
+    /// unused in the child. `head` and `tail` stay as they are, so a step
+    /// of the forking thread itself (a fork from a signal handler that
+    /// interrupted it) goes on where it was when the handler returns: a
+    /// push fills its position over the hole, unless a pop of the child
+    /// passed it first (then that entry is lost to the child, and pushes
+    /// find the ring full at that cell, so frees go to the overflow list;
+    /// nothing waits). A ring with nothing half-done is not written (the
+    /// child's copy of its pages stays shared with the parent's).
+    ///
+    /// # Safety
+    /// No other thread may use the ring meanwhile.
+    unsafe fn after_fork_in_child(&self) {
         let set = |pos: u64, c: u64| {
             if self.cell(pos).load(Relaxed) != c {
                 self.cell(pos).store(c, Relaxed);
@@ -271,23 +292,16 @@ impl<const N: usize> FreeRing<N> {
         };
         let head = self.head.load(Relaxed);
         let tail = self.tail.load(Relaxed);
-        let mut kept = head;
         for pos in head..tail {
-            let c = self.cell(pos).load(Relaxed);
-            if (c >> 32) as u32 == (pos as u32).wrapping_add(1) {
-                // Filled for pos: moved down to the next kept position (at
-                // or below pos, so read already).
-                set(kept, ((kept as u32).wrapping_add(1) as u64) << 32 | (c & 0xffff_ffff));
-                kept += 1;
+            // Claimed by a push (sequence pos), or filled (pos + 1).
+            if (self.cell(pos).load(Relaxed) >> 32) as u32 != (pos as u32).wrapping_add(1) {
+                set(pos, ((pos as u32).wrapping_add(1) as u64) << 32 | HOLE as u64);
             }
         }
-        // The other N - (kept - head) cells: free for the pushes of their
-        // positions.
-        for pos in kept..head + N as u64 {
+        // The other cells: free for the pushes of their positions (a cell
+        // a pop took and did not release still holds its entry's).
+        for pos in tail..head + N as u64 {
             set(pos, ((pos as u32) as u64) << 32);
-        }
-        if tail != kept {
-            self.tail.store(kept, Release);
         }
     }
 }
@@ -319,16 +333,24 @@ fn arena() -> &'static Arena {
 /// set-up, and register, while a fork is under way (a prepare handler of
 /// another library lets it: found by a review). Running it more than once
 /// in a child changes nothing more.
-pub fn after_fork_in_child() {
-    ARENA.after_fork_in_child(false);
-    if let Some(a) = ARENA.get() {
-        a.after_fork_in_child();
+///
+/// # Safety
+/// Only from a fork child handler (the child has one thread then): it
+/// takes locks from their holders and rewrites the free lists.
+pub unsafe fn after_fork_in_child() {
+    // SAFETY: the caller's contract: no other thread uses the storage.
+    unsafe {
+        ARENA.after_fork_in_child(false);
+        if let Some(a) = ARENA.get() {
+            a.after_fork_in_child();
+        }
     }
 }
 
 /// [`after_fork_in_child`], registered at the storage's first use.
 unsafe extern "C" fn arena_after_fork_in_child() {
-    after_fork_in_child();
+    // SAFETY: registered as a fork child handler only.
+    unsafe { after_fork_in_child() };
 }
 
 /// Sets the arena up. The fork handler that forgets a set-up under way is
@@ -428,15 +450,23 @@ impl Arena {
     /// the child's own gets and frees neither wait for those threads nor
     /// spin on their half-done steps. A chunk of slots being committed is
     /// committed again (the `mprotect` of a range already committed
-    /// changes nothing); slots those threads were freeing, or taking off a
-    /// list, stay unused in the child.
-    fn after_fork_in_child(&self) {
-        self.grow.after_fork_in_child(|()| {});
-        if self.overflow.after_fork_in_child(|o| std::mem::forget(std::mem::take(o))) {
-            self.overflow_len.store(0, Relaxed);
+    /// changes nothing); a slot those threads were freeing, or taking off a
+    /// list, stays unused in the child, and so do all the slots of the
+    /// overflow list if one of them held its lock (the list may be
+    /// half-changed: the child starts an empty one).
+    ///
+    /// # Safety
+    /// As [`after_fork_in_child`].
+    unsafe fn after_fork_in_child(&self) {
+        // SAFETY: the caller's contract: no other thread uses the arena.
+        unsafe {
+            self.grow.after_fork_in_child(|()| {});
+            if self.overflow.after_fork_in_child(|o| std::mem::forget(std::mem::take(o))) {
+                self.overflow_len.store(0, Relaxed);
+            }
+            self.free.after_fork_in_child();
+            self.ready.after_fork_in_child();
         }
-        self.free.after_fork_in_child();
-        self.ready.after_fork_in_child();
     }
 
     /// The slot a pointer the app gave us points to, if any: arithmetic only.
@@ -1819,6 +1849,24 @@ mod tests {
         assert_eq!(r.pop(), None);
     }
 
+    /// A leaked ring of eight cells, for the mending tests.
+    fn small_ring() -> &'static FreeRing<8> {
+        Box::leak(Box::new(FreeRing::<8>::new(Box::leak(Box::new([const { AtomicU64::new(0) }; 8])))))
+    }
+
+    /// `f(ring)` on another thread, its result back here. A watchdog, not
+    /// a timing: a pop or push that waits for good fails the test.
+    fn within_a_minute<T: Send + 'static>(r: &'static FreeRing<8>, f: fn(&FreeRing<8>) -> T) -> T {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || tx.send(f(r)).unwrap());
+        rx.recv_timeout(Duration::from_secs(60)).expect("no pop or push waits for good")
+    }
+
+    /// Every entry popped until the ring says empty.
+    fn pop_all(r: &FreeRing<8>) -> Vec<u32> {
+        std::iter::from_fn(|| r.pop()).collect()
+    }
+
     /// A child's ring, forked while one thread of the parent had claimed
     /// a position for its push and not filled it yet, and another had
     /// taken an entry and not released its cell yet: once mended, pops go
@@ -1827,9 +1875,7 @@ mod tests {
     /// looked full).
     #[test]
     fn a_childs_ring_is_mended_from_its_parents_half_done_steps() {
-        const N: usize = 8;
-        let r: &'static FreeRing<N> =
-            Box::leak(Box::new(FreeRing::<N>::new(Box::leak(Box::new([const { AtomicU64::new(0) }; N])))));
+        let r = small_ring();
         for i in [1, 2, 3] {
             r.push(i).unwrap();
         }
@@ -1839,27 +1885,61 @@ mod tests {
         r.push(5).unwrap();
         // A pop claims position 1 (entry 2) and stops before its release.
         r.head.fetch_add(1, Relaxed);
-        r.after_fork_in_child();
-        // A watchdog, not a timing: a pop that waits for good fails here.
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let got = [r.pop(), r.pop(), r.pop()];
-            let pushed = (10..10 + N as u32).map(|i| r.push(i)).filter(Result::is_ok).count();
-            let refused = r.push(99).is_err();
-            let again: Vec<_> = std::iter::from_fn(|| r.pop()).collect();
-            tx.send((got, pushed, refused, again)).unwrap();
+        // SAFETY: no other thread uses the ring.
+        unsafe { r.after_fork_in_child() };
+        let (got, pushed, refused, again) = within_a_minute(r, |r| {
+            let got = pop_all(r);
+            let pushed = (10..18).map(|i| r.push(i)).filter(Result::is_ok).count();
+            (got, pushed, r.push(99).is_err(), pop_all(r))
         });
-        let (got, pushed, refused, again) = rx.recv_timeout(Duration::from_secs(60)).expect("no pop waits for good");
-        assert_eq!(got, [Some(3), Some(5), None], "the entries there, in order, then empty");
-        assert_eq!(pushed, N, "every cell takes a push");
+        assert_eq!(got, [3, 5], "the entries there, in order");
+        assert_eq!(pushed, 8, "every cell takes a push");
         assert!(refused, "and then it is full");
-        assert!(again.iter().copied().eq(10..10 + N as u32), "FIFO: {again:?}");
+        assert!(again.iter().copied().eq(10..18), "FIFO: {again:?}");
         // Mending a ring with nothing half-done changes nothing.
         for i in [20, 21] {
             r.push(i).unwrap();
         }
-        r.after_fork_in_child();
-        assert_eq!([r.pop(), r.pop(), r.pop()], [Some(20), Some(21), None]);
+        // SAFETY: as above.
+        unsafe { r.after_fork_in_child() };
+        assert_eq!(pop_all(r), [20, 21]);
+    }
+
+    /// The forking thread's own push, cut short by the signal handler that
+    /// forked, goes on in the child after the mending: its entry is there
+    /// (found by a review: a mending that moved `tail` back made the next
+    /// push spin for good). Had a pop passed its position first, the entry
+    /// is lost, and nothing waits.
+    #[test]
+    fn the_forking_threads_own_push_goes_on_after_the_mending() {
+        let r = small_ring();
+        r.push(1).unwrap();
+        let pos = r.tail.fetch_add(1, Relaxed);
+        // SAFETY: no other thread uses the ring.
+        unsafe { r.after_fork_in_child() };
+        // The push goes on: it fills its claimed position.
+        r.cell(pos).store(((pos as u32).wrapping_add(1) as u64) << 32 | 7, Release);
+        let (got, pushed, again) = within_a_minute(r, |r| {
+            let got = pop_all(r);
+            let pushed = (10..18).map(|i| r.push(i)).filter(Result::is_ok).count();
+            (got, pushed, pop_all(r))
+        });
+        assert_eq!(got, [1, 7]);
+        assert_eq!(pushed, 8);
+        assert!(again.iter().copied().eq(10..18), "FIFO: {again:?}");
+        // This time a pop of the child passes the hole before the push
+        // goes on.
+        let pos = r.tail.fetch_add(1, Relaxed);
+        // SAFETY: as above.
+        unsafe { r.after_fork_in_child() };
+        assert_eq!(r.pop(), None);
+        r.cell(pos).store(((pos as u32).wrapping_add(1) as u64) << 32 | 7, Release);
+        let (pushed, got) = within_a_minute(r, |r| {
+            let pushed = (10..30).map(|i| r.push(i)).filter(Result::is_ok).count();
+            (pushed, pop_all(r))
+        });
+        assert!(pushed < 8, "full at the cell the push filled late: {pushed}");
+        assert!(got.iter().copied().eq(10..10 + pushed as u32), "{got:?}");
     }
 
     #[test]

@@ -11,15 +11,14 @@
 //! of the parent held and lets the caller mend what that thread may have
 //! left half-changed.
 //!
-//! The lock spins briefly, then yields, then sleeps 1 ms at a time (with
-//! thread cancellation disabled: it is taken inside calls that are
-//! cancellation points only at their own waits). It is meant for short
-//! sections that are rarely contended.
+//! A waiter spins briefly, yields, then sleeps on a futex until the
+//! holder's release wakes it (a raw system call: no thread-cancellation
+//! point, which matters inside calls that are cancellation points only at
+//! their own waits). Meant for short sections that are rarely contended.
 
 use std::cell::UnsafeCell;
 use std::ops::{Deref, DerefMut};
-use std::sync::atomic::{AtomicUsize, Ordering::*};
-use std::time::Duration;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering::*};
 
 use super::fork_once::this_thread;
 
@@ -31,6 +30,12 @@ pub struct ForkLock<T> {
     /// FREE or the holder's `pthread_self()` (the same thread in a forked
     /// child, unlike its tid).
     holder: AtomicUsize,
+    /// Threads that are about to sleep, or sleep, on `turn`.
+    sleepers: AtomicU32,
+    /// Moved on by a release that finds sleepers, before it wakes one (the
+    /// futex word: a sleeper that read it before the release does not go
+    /// to sleep after it).
+    turn: AtomicU32,
     value: UnsafeCell<T>,
 }
 
@@ -47,7 +52,12 @@ pub struct ForkLockGuard<'a, T> {
 
 impl<T> ForkLock<T> {
     pub const fn new(value: T) -> Self {
-        ForkLock { holder: AtomicUsize::new(FREE), value: UnsafeCell::new(value) }
+        ForkLock {
+            holder: AtomicUsize::new(FREE),
+            sleepers: AtomicU32::new(0),
+            turn: AtomicU32::new(0),
+            value: UnsafeCell::new(value),
+        }
     }
 
     /// Takes the lock, waiting for its holder. A thread that holds it
@@ -72,11 +82,28 @@ impl<T> ForkLock<T> {
                 Err(_) if waits < 64 => std::hint::spin_loop(),
                 Err(_) if waits < 128 => std::thread::yield_now(),
                 Err(_) => {
-                    let _no_cancel = super::cancel::CancelDisabled::new();
-                    std::thread::sleep(Duration::from_millis(1));
+                    // SeqCst: this thread's count before its look at the
+                    // holder, a release's store of FREE before its look at
+                    // the count: either this sees it free, or the release
+                    // sees this sleeper and moves `turn` on (after this
+                    // read it: the futex then returns at once, or is woken).
+                    let turn = self.turn.load(SeqCst);
+                    self.sleepers.fetch_add(1, SeqCst);
+                    if self.holder.load(SeqCst) != FREE {
+                        super::futex_wait(&self.turn, turn);
+                    }
+                    self.sleepers.fetch_sub(1, SeqCst);
                 }
             }
             waits = waits.saturating_add(1);
+        }
+    }
+
+    fn release(&self) {
+        self.holder.store(FREE, SeqCst);
+        if self.sleepers.load(SeqCst) != 0 {
+            self.turn.fetch_add(1, SeqCst);
+            super::futex_wake_one(&self.turn);
         }
     }
 
@@ -86,14 +113,22 @@ impl<T> ForkLock<T> {
     /// wherever it was inside its section). One the forking thread holds
     /// itself (a fork from a signal handler that interrupted it) is left
     /// to it. Returns whether it released the lock.
-    pub fn after_fork_in_child(&self, mend: impl FnOnce(&mut T)) -> bool {
+    ///
+    /// # Safety
+    /// No other thread may use the lock meanwhile: call it from a fork
+    /// child handler (the child has one thread then).
+    pub unsafe fn after_fork_in_child(&self, mend: impl FnOnce(&mut T)) -> bool {
+        // The parent's threads that slept on it are not in the child (the
+        // forking thread, interrupted in its wait by the signal handler
+        // that forked, then leaves the count too high: each release makes
+        // one futex call in vain).
+        self.sleepers.store(0, Relaxed);
         match self.holder.load(Acquire) {
             FREE => false,
             h if h == this_thread() => false,
             _ => {
                 // SAFETY: the holder's thread does not exist in this child,
-                // and the child's only thread is here: nobody else touches
-                // the value.
+                // and nobody else uses the lock (the caller's contract).
                 mend(unsafe { &mut *self.value.get() });
                 self.holder.store(FREE, Release);
                 true
@@ -119,7 +154,7 @@ impl<T> DerefMut for ForkLockGuard<'_, T> {
 
 impl<T> Drop for ForkLockGuard<'_, T> {
     fn drop(&mut self) {
-        self.lock.holder.store(FREE, Release);
+        self.lock.release();
     }
 }
 
@@ -145,21 +180,52 @@ mod tests {
         assert_eq!(*L.lock(), 40_000);
     }
 
+    /// Waiters that went to sleep on the futex are woken by the release:
+    /// a lost wakeup leaves them asleep for good (the watchdog fails it).
+    #[test]
+    fn sleeping_waiters_are_woken_by_the_release() {
+        static L: ForkLock<u32> = ForkLock::new(0);
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for _ in 0..20 {
+                let g = L.lock();
+                let waiters: Vec<_> = (0..3)
+                    .map(|_| {
+                        std::thread::spawn(|| {
+                            *L.lock() += 1;
+                        })
+                    })
+                    .collect();
+                // Long enough for the waiters to spin, yield and sleep.
+                while L.sleepers.load(SeqCst) < 3 {
+                    std::thread::yield_now();
+                }
+                drop(g);
+                for w in waiters {
+                    w.join().unwrap();
+                }
+            }
+            tx.send(*L.lock()).unwrap();
+        });
+        assert_eq!(rx.recv_timeout(std::time::Duration::from_secs(60)).expect("no waiter sleeps for good"), 60);
+    }
+
     #[test]
     fn a_child_takes_back_a_lock_another_thread_held() {
         static L: ForkLock<Vec<u32>> = ForkLock::new(Vec::new());
         L.lock().push(1);
         // Held by another thread (as a child inherits it): mended, freed.
         L.holder.store(this_thread().wrapping_add(8), Relaxed);
-        assert!(L.after_fork_in_child(|v| v.push(2)));
+        // SAFETY (here and below): no other thread uses L.
+        assert!(unsafe { L.after_fork_in_child(|v| v.push(2)) });
         assert_eq!(*L.lock(), [1, 2], "mended once, then free");
         // Held by this very thread: left alone.
         let g = L.lock();
-        assert!(!L.after_fork_in_child(|v| v.push(3)));
+        assert!(!unsafe { L.after_fork_in_child(|v| v.push(3)) });
         drop(g);
         assert_eq!(*L.lock(), [1, 2]);
         // Free: nothing to do.
-        assert!(!L.after_fork_in_child(|v| v.push(4)));
+        assert!(!unsafe { L.after_fork_in_child(|v| v.push(4)) });
         assert_eq!(*L.lock(), [1, 2]);
     }
 

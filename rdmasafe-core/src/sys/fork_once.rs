@@ -134,7 +134,11 @@ impl<T> ForkOnce<T> {
     /// it) goes on when the handler returns. With `also_if_set`, a value
     /// set up already is forgotten too (what the parent's set-up made is
     /// left to leak: the caller knows the child must not use it).
-    pub fn after_fork_in_child(&self, also_if_set: bool) {
+    ///
+    /// # Safety
+    /// No other thread may use the value meanwhile: call it from a fork
+    /// child handler (the child has one thread then).
+    pub unsafe fn after_fork_in_child(&self, also_if_set: bool) {
         match self.state.load(Acquire) {
             UNSET => {}
             SET if !also_if_set => {}
@@ -154,12 +158,15 @@ mod tests {
         assert_eq!(CELL.get(), None);
         // A set-up under way in another thread (as a child inherits it).
         CELL.state.store(this_thread().wrapping_add(8), Relaxed);
-        CELL.after_fork_in_child(false);
+        // SAFETY: no other thread uses CELL.
+        unsafe { CELL.after_fork_in_child(false) };
         assert_eq!(*CELL.get_or_init(|| 7), 7, "set up again");
         assert_eq!(*CELL.get_or_init(|| 8), 7, "once");
-        CELL.after_fork_in_child(false);
+        // SAFETY: as above.
+        unsafe { CELL.after_fork_in_child(false) };
         assert_eq!(CELL.get(), Some(&7), "a value set stays");
-        CELL.after_fork_in_child(true);
+        // SAFETY: as above.
+        unsafe { CELL.after_fork_in_child(true) };
         assert_eq!(CELL.get(), None, "unless the caller says it must go");
         assert_eq!(*CELL.get_or_init(|| 9), 9);
     }
