@@ -396,9 +396,14 @@ pub unsafe extern "C-unwind" fn ibv_destroy_cq(cq: *mut ibv_cq) -> c_int {
 }
 
 /// At exit (and only if an interposer ran): the info-level line of what
-/// went through, and check mode's exit reports.
+/// went through, and check mode's exit reports. With thread cancellation
+/// disabled: a thread with a cancellation pending may call `exit`, and
+/// the line's and the reports' system calls (reading `/proc/self/comm`,
+/// waiting for a book) are cancellation points, where glibc's forced
+/// unwind would meet this catch_unwind and abort the process.
 extern "C" fn at_exit() {
     let _ = catch_unwind(|| {
+        let _no_cancel = rdmasafe_core::sys::cancel::CancelDisabled::new();
         let Some(st) = STATE.get() else { return };
         match &st.mode {
             Mode::Copy => log::info!(target: "rdmasafe", "{}", copy::exit_line()),
