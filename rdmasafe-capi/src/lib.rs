@@ -88,7 +88,8 @@ pub(crate) fn fail_errno(errno: c_int) -> c_int {
 
 /// At load (a `.init_array` entry, as a C library's
 /// `__attribute__((constructor))`): a fork child handler that forgets a
-/// set-up of rdmasafe's CM copy storage another thread had under way
+/// set-up of rdmasafe's CM copy storage another thread had under way, and
+/// takes back and mends that storage's locks and free lists
 /// (`rdmasafe_core::cm::after_fork_in_child`). rdmasafe registers one at
 /// that storage's first use too, but glibc runs only the handlers
 /// registered when a fork began, and a thread may begin the set-up while a

@@ -96,6 +96,15 @@ static int fork_one(int i, int n)
 	return 0;
 }
 
+/* Forks one child: 0 (said) if it exited 0, else 1. */
+static int one_child(void)
+{
+	if (fork_one(0, 1))
+		return 1;
+	printf("0 of 1 children failed\n");
+	return 0;
+}
+
 static int handler_case(int n)
 {
 	if (pthread_atfork(get_and_ack, 0, get_and_ack)) {
@@ -213,7 +222,7 @@ threads:
 	/* Seen blocked twice, 20 ms apart (not a passing openat of /proc). */
 	while (!setter_tid || !blocked(setter_tid) || (usleep(20 * 1000), !blocked(setter_tid)))
 		usleep(1000);
-	return fork_one(0, 1) ? 1 : (printf("0 of 1 children failed\n"), 0);
+	return one_child();
 }
 
 static volatile int *began;
@@ -228,16 +237,25 @@ static void *late(void *arg)
 	return 0;
 }
 
-static int late_set_up_case(void)
+/* Points `began` at the flag `sym` of a library preloaded after the
+ * preload and starts `fn` on a thread: 0, or 2 (said) if either fails. */
+static int start_with(const char *sym, void *(*fn)(void *))
 {
 	pthread_t t;
 
-	began = dlsym(RTLD_DEFAULT, "slow_prepare_began");
-	if (!began || pthread_create(&t, 0, late, 0)) {
-		fprintf(stderr, "no slow_prepare library preloaded, or no thread\n");
+	began = dlsym(RTLD_DEFAULT, sym);
+	if (!began || pthread_create(&t, 0, fn, 0)) {
+		fprintf(stderr, "no library with %s preloaded, or no thread\n", sym);
 		return 2;
 	}
-	return fork_one(0, 1) ? 1 : (printf("0 of 1 children failed\n"), 0);
+	return 0;
+}
+
+static int late_set_up_case(void)
+{
+	if (start_with("slow_prepare_began", late))
+		return 2;
+	return one_child();
 }
 
 static void *first_call(void *arg)
@@ -249,16 +267,11 @@ static void *first_call(void *arg)
 
 static int slow_reserve_case(void)
 {
-	pthread_t t;
-
-	began = dlsym(RTLD_DEFAULT, "slow_reserve_began");
-	if (!began || pthread_create(&t, 0, first_call, 0)) {
-		fprintf(stderr, "no slow_reserve library preloaded, or no thread\n");
+	if (start_with("slow_reserve_began", first_call))
 		return 2;
-	}
 	while (!*began)
 		usleep(100);
-	return fork_one(0, 1) ? 1 : (printf("0 of 1 children failed\n"), 0);
+	return one_child();
 }
 
 int main(int argc, char **argv)
