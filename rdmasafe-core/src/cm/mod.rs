@@ -51,7 +51,8 @@ pub fn devices() -> crate::Result<Vec<String>> {
     Ok(names)
 }
 
-/// Serialises the unit tests that depend on which slot the pool hands out.
+/// Serialises the unit tests that make copies (each ages the quarantine)
+/// or depend on which slot the pool hands out: every one holds it.
 #[cfg(test)]
 pub(crate) fn tests_lock() -> std::sync::MutexGuard<'static, ()> {
     static L: std::sync::Mutex<()> = std::sync::Mutex::new(());
