@@ -178,7 +178,16 @@ mod tests {
 
     static GOT: Mutex<Vec<(c_int, String)>> = Mutex::new(Vec::new());
 
+    thread_local! {
+        /// This thread is the test's: the sink is process-wide, and other
+        /// tests of this binary log (bad frees, say) while it is installed.
+        static MINE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
     unsafe extern "C" fn collect(_ctx: *mut c_void, level: c_int, msg: *const c_char) {
+        if !MINE.get() {
+            return;
+        }
         // SAFETY: the library passes a valid C string for the call.
         let m = unsafe { std::ffi::CStr::from_ptr(msg) }.to_string_lossy().into_owned();
         GOT.lock().unwrap().push((level, m.clone()));
@@ -196,6 +205,7 @@ mod tests {
         assert_eq!(rdmasafe_set_log_level(6), -libc::EINVAL);
         assert_eq!(rdmasafe_set_log_level(-1), -libc::EINVAL);
         assert_eq!(rdmasafe_set_log_level(2), 0);
+        MINE.set(true);
         assert_eq!(rdmasafe_set_log_callback(Some(collect), std::ptr::null_mut()), 0);
         log::error!(target: "rdmasafe", "bad {}", 1);
         log::trace!(target: "rdmasafe", "not shown at warn");
