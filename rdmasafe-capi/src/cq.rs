@@ -843,16 +843,13 @@ pub extern "C" fn rdmasafe_cq_loop_stop(cq_loop: *mut rdmasafe_cq_loop) -> c_int
     guard_signal_safe(
         || -libc::EIO,
         || {
-            let saved = rdmasafe_core::sys::errno_raw();
-            let r = match LOOPS.enter_signal_safe(cq_loop as usize) {
+            rdmasafe_core::sys::keeping_errno(|| match LOOPS.enter_signal_safe(cq_loop as usize) {
                 Some(h) => {
                     h.ctl.stop();
                     0
                 }
                 None => -libc::EINVAL,
-            };
-            rdmasafe_core::sys::set_errno(saved);
-            r
+            })
         },
     )
 }

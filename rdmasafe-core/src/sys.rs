@@ -186,6 +186,17 @@ pub fn set_errno(value: i32) {
     unsafe { *libc::__errno_location() = value };
 }
 
+/// Runs `f` and gives the calling thread's errno back the value it had
+/// before, whatever `f` set it to (a signal handler or a caller that
+/// reads errno after us sees its own).
+#[inline(always)]
+pub fn keeping_errno<T>(f: impl FnOnce() -> T) -> T {
+    let saved = errno_raw();
+    let r = f();
+    set_errno(saved);
+    r
+}
+
 /// Reserves `bytes` of address space, inaccessible until [`commit`]ed
 /// (`mmap(PROT_NONE, MAP_NORESERVE)`: costs no memory). Never unmapped:
 /// rdmasafe's CM event slots live there for the life of the process, so a
@@ -342,18 +353,16 @@ impl WakeFd {
     pub fn wake(&self) {
         use std::os::fd::AsRawFd;
         let one: u64 = 1;
-        let saved = errno_raw();
         // SAFETY: writes 8 bytes from a valid u64; failure (counter full)
         // still leaves the fd readable, which is all a wake needs.
-        unsafe {
+        keeping_errno(|| unsafe {
             libc::syscall(
                 libc::SYS_write,
                 self.0.as_raw_fd() as libc::c_long,
                 (&one as *const u64).cast::<c_void>(),
                 8usize,
             )
-        };
-        set_errno(saved);
+        });
     }
 
     /// Resets the fd to not readable (a read system call, not a
@@ -384,10 +393,9 @@ fn read_counter(fd: c_int) {
 /// another value, and may return spuriously (the caller checks again).
 /// A raw system call: no thread-cancellation point; errno is kept.
 pub fn futex_wait(word: &std::sync::atomic::AtomicU32, expected: u32) {
-    let saved = errno_raw();
     // SAFETY: a live, aligned 32-bit word private to this process; no
     // timeout (NULL).
-    unsafe {
+    keeping_errno(|| unsafe {
         libc::syscall(
             libc::SYS_futex,
             word.as_ptr(),
@@ -395,17 +403,16 @@ pub fn futex_wait(word: &std::sync::atomic::AtomicU32, expected: u32) {
             expected,
             std::ptr::null::<libc::timespec>(),
         )
-    };
-    set_errno(saved);
+    });
 }
 
 /// Wakes one thread sleeping in [`futex_wait`] on `word`, if any. A raw
 /// system call, as there; errno is kept.
 pub fn futex_wake_one(word: &std::sync::atomic::AtomicU32) {
-    let saved = errno_raw();
     // SAFETY: a live, aligned 32-bit word private to this process.
-    unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG, 1) };
-    set_errno(saved);
+    keeping_errno(|| unsafe {
+        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG, 1)
+    });
 }
 
 /// A zero-filled page of memory that the kernel zero-fills again in a
