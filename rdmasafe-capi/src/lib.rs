@@ -96,6 +96,10 @@ pub(crate) fn fail_errno(errno: c_int) -> c_int {
 /// fork is under way. Registered here, it is in every fork's list. Takes
 /// no arguments (those glibc passes are ignored), catches every panic;
 /// without memory to register it, the first-use one is all there is.
+/// Also makes the panic message of an internal panic be written with
+/// cancellation disabled, so that the panic boundary ([`guard`]) returns
+/// its error also when a cancellation is pending
+/// (`rdmasafe_core::sys::cancel::panic_hook_without_cancellation`).
 extern "C" fn at_load() {
     /// The child handler.
     unsafe extern "C" fn child() {
@@ -103,8 +107,62 @@ extern "C" fn at_load() {
         let _ = std::panic::catch_unwind(|| unsafe { rdmasafe_core::cm::after_fork_in_child() });
     }
     let _ = std::panic::catch_unwind(|| rdmasafe_core::sys::at_fork_child(child));
+    let _ = std::panic::catch_unwind(rdmasafe_core::sys::cancel::panic_hook_without_cancellation);
 }
 
 #[used]
 #[link_section = ".init_array"]
 static AT_LOAD: extern "C" fn() = at_load;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Set for the child process of the test below.
+    const CHILD: &str = "RDMASAFE_TEST_PANIC_CHILD";
+    /// The child's exit status when the boundary returned its error.
+    const RETURNED: i32 = 42;
+
+    /// An internal panic on a thread with a cancellation pending: the
+    /// boundary returns its error (the panic message is written with
+    /// cancellation disabled), and the cancellation stays pending. Before,
+    /// the message's write to stderr acted on the cancellation in the middle
+    /// of the panic and the process aborted. Run in a child process of its
+    /// own (this binary, the test below alone, output not captured, so that
+    /// the message goes to stderr as in a C program).
+    #[test]
+    fn a_panic_with_a_cancellation_pending_returns_the_boundarys_error() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "tests::panic_child", "--ignored", "--nocapture", "--test-threads=1"])
+            .env(CHILD, "1")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(
+            out.status.code(),
+            Some(RETURNED),
+            "the child: {:?} (a signal: the process aborted), stderr: {stderr}",
+            out.status
+        );
+        assert!(stderr.contains("a deliberate panic of a test"), "the message was written: {stderr}");
+    }
+
+    /// The child of the test above; does nothing unless run by it.
+    #[test]
+    #[ignore = "run by a_panic_with_a_cancellation_pending_returns_the_boundarys_error"]
+    fn panic_child() {
+        if std::env::var_os(CHILD).is_none() {
+            return;
+        }
+        // Any first-use set-up of the boundary (the log backend) done before
+        // the cancellation is asked for.
+        assert_eq!(guard(|| -1, || 0), 0);
+        // SAFETY: cancels this thread, deferred (the default type): the
+        // request stays pending until a cancellation point acts on it.
+        assert_eq!(unsafe { libc::pthread_cancel(libc::pthread_self()) }, 0);
+        let r = guard(|| -libc::EIO, || -> c_int { panic!("a deliberate panic of a test") });
+        // SAFETY: _exit is no cancellation point and runs nothing more of
+        // this thread's (the cancellation is still pending).
+        unsafe { libc::_exit(if r == -libc::EIO { RETURNED } else { 1 }) }
+    }
+}

@@ -168,7 +168,10 @@ static FORK_HANDLERS: AtomicI32 = AtomicI32::new(0);
 /// the fork hung.) The handlers take no lock but check mode's books: a
 /// set-up under way is made again in the child instead of waited for (see
 /// `rdmasafe_core::sys::fork_once`). Takes no arguments (those glibc
-/// passes are ignored) and catches every panic.
+/// passes are ignored) and catches every panic. Also makes the message of
+/// an internal panic be written with cancellation disabled, so that
+/// [`boundary`] returns its error also when a cancellation is pending
+/// (`rdmasafe_core::sys::cancel::panic_hook_without_cancellation`).
 extern "C" fn at_load() {
     let _ = catch_unwind(|| {
         // SAFETY: three functions that take no arguments and catch every
@@ -176,6 +179,7 @@ extern "C" fn at_load() {
         let r = unsafe { libc::pthread_atfork(Some(before_fork), Some(after_fork_parent), Some(after_fork_child)) };
         FORK_HANDLERS.store(r, Relaxed);
     });
+    let _ = catch_unwind(rdmasafe_core::sys::cancel::panic_hook_without_cancellation);
 }
 
 #[used]
@@ -474,7 +478,35 @@ static AT_EXIT: extern "C" fn() = at_exit;
 
 #[cfg(test)]
 mod tests {
-    use super::check_setting;
+    use super::{boundary, check_setting};
+
+    /// An internal panic on a thread with a cancellation pending: the
+    /// interposer's boundary returns its error instead of the process
+    /// aborting (see `panic_child`), in a child process of its own whose
+    /// output is not captured (the message goes to stderr).
+    #[test]
+    fn a_panic_with_a_cancellation_pending_returns_the_boundarys_error() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "tests::panic_child", "--ignored", "--nocapture"])
+            .env("RDMASAFE_TEST_PANIC_CHILD", "1")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(42), "{:?}: {}", out.status, String::from_utf8_lossy(&out.stderr));
+    }
+
+    /// The child of the test above (exit status 42: the boundary returned
+    /// its error); does nothing unless run by it.
+    #[test]
+    #[ignore = "run by a_panic_with_a_cancellation_pending_returns_the_boundarys_error"]
+    fn panic_child() {
+        if std::env::var_os("RDMASAFE_TEST_PANIC_CHILD").is_some() {
+            // SAFETY: a deferred cancellation of this thread, left pending.
+            assert_eq!(unsafe { libc::pthread_cancel(libc::pthread_self()) }, 0);
+            let r = boundary(|| -libc::EIO, || -> i32 { panic!("a deliberate panic of a test") });
+            // SAFETY: no cancellation point; nothing more of this thread runs.
+            unsafe { libc::_exit(if r == -libc::EIO { 42 } else { 1 }) }
+        }
+    }
 
     #[test]
     fn rdmasafe_check_values() {

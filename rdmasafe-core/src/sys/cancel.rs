@@ -22,7 +22,8 @@
 //!
 //! Everything else rdmasafe does on the app's thread contains no
 //! cancellation point, or runs under [`CancelDisabled`] (the log output,
-//! which writes to stderr or calls the app's callback).
+//! which writes to stderr or calls the app's callback; the panic message,
+//! see [`panic_hook_without_cancellation`]).
 
 use std::marker::PhantomData;
 use std::os::raw::{c_int, c_void};
@@ -115,6 +116,30 @@ pub unsafe fn get_cm_event_with_cleanup(
 ) -> c_int {
     // SAFETY: the caller's contract.
     unsafe { call_with_cleanup(on_cancel, arg, || super::get_cm_event(channel, event)) }
+}
+
+/// Makes the panic hook of the calling library's copy of the Rust
+/// standard library write its message with cancellation disabled
+/// ([`CancelDisabled`]), then run as it did. The default hook writes to
+/// stderr, a cancellation point: a `pthread_cancel` pending when an
+/// internal panic happened would be acted on there, in the middle of the
+/// panic, and the forced unwind would end the process at the panic
+/// boundary instead of the boundary returning its documented error. With
+/// this, the boundary returns that error, and the cancellation stays
+/// pending for the thread's next cancellation point after it.
+///
+/// For the load-time constructors of librdmasafe and the preload: each is
+/// a `cdylib` with its own standard library, so this touches no panic hook
+/// of the program's. Once per process; a later `set_hook` replaces it.
+pub fn panic_hook_without_cancellation() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let _off = CancelDisabled::new();
+            previous(info)
+        }));
+    });
 }
 
 /// Cancellation disabled for the calling thread while the value lives
