@@ -75,10 +75,15 @@
  * only call async-signal-safe functions, exec or _exit. The CM ack thread
  * does not survive a fork: its state lives in memory the kernel clears in
  * the child (MADV_WIPEONFORK; before Linux 4.14, a pthread_atfork child
- * handler clears it, the only one rdmasafe installs, which a child made
- * by the raw fork system call or vfork does not run), so a child that goes
+ * handler clears it, which a child made by the raw fork system call or
+ * vfork does not run), so a child that goes
  * on getting CM events anyway starts its own at its first get with a
- * deadline and keeps the deadlines.
+ * deadline and keeps the deadlines. rdmasafe's pthread_atfork child
+ * handlers (one registered when the library is loaded, one at the first
+ * CM event copy, and the one above) only put rdmasafe's own state right
+ * in the child: a set-up of the CM copy storage another thread had under
+ * way is forgotten, and that storage's locks and free lists are taken
+ * back and mended.
  *
  * Signals: the threads rdmasafe starts (the CM ack thread, started by the
  * first get, and its log writer) block every signal, so a signal sent to
@@ -449,7 +454,11 @@ struct rdmasafe_cq_options {
    * Completions handled per loop cycle at most (0: no limit). A CQ that
    * still has completions after its budget is polled again in the next
    * cycle, without waiting for an event, after the other ready CQs: one
-   * flooding CQ cannot starve the others.
+   * flooding CQ cannot starve the others. One exception: after a
+   * keepalive is added on a QP whose number an older QP's probe may
+   * still come back with, the loop's next tick polls that QP's send CQ
+   * once for all it holds (at most its size), and hands the app's
+   * completions among them to the callback beyond the budget.
    */
   int budget;
 };
@@ -1376,7 +1385,9 @@ int rdmasafe_cq_loop_drain_qp_async(struct rdmasafe_cq_loop *cq_loop,
  * keepalive ends is looked for by QP number, wr_id and CQ, as its
  * completion may still come (rxe, for one, leaves a destroyed QP's
  * completions in the CQ): also among the completions of a new QP that got
- * the number, until a keepalive is added on that QP. The QP must stay
+ * the number, until the loop has polled the send CQ of a keepalive added
+ * on that QP (at its next tick, through that CQ; through another CQ, until
+ * it comes). The QP must stay
  * alive until
  * `rdmasafe_cq_loop_remove_keepalive` returns, its send CQ leaves the
  * loop, or the loop is destroyed; or until its drain

@@ -164,7 +164,11 @@ pub struct rdmasafe_cq_options {
     /// Completions handled per loop cycle at most (0: no limit). A CQ that
     /// still has completions after its budget is polled again in the next
     /// cycle, without waiting for an event, after the other ready CQs: one
-    /// flooding CQ cannot starve the others.
+    /// flooding CQ cannot starve the others. One exception: after a
+    /// keepalive is added on a QP whose number an older QP's probe may
+    /// still come back with, the loop's next tick polls that QP's send CQ
+    /// once for all it holds (at most its size), and hands the app's
+    /// completions among them to the callback beyond the budget.
     pub budget: c_int,
 }
 
@@ -1103,7 +1107,9 @@ unsafe impl Send for CDeadPeer {}
 /// keepalive ends is looked for by QP number, wr_id and CQ, as its
 /// completion may still come (rxe, for one, leaves a destroyed QP's
 /// completions in the CQ): also among the completions of a new QP that got
-/// the number, until a keepalive is added on that QP. The QP must stay
+/// the number, until the loop has polled the send CQ of a keepalive added
+/// on that QP (at its next tick, through that CQ; through another CQ, until
+/// it comes). The QP must stay
 /// alive until
 /// `rdmasafe_cq_loop_remove_keepalive` returns, its send CQ leaves the
 /// loop, or the loop is destroyed; or until its drain

@@ -329,7 +329,8 @@ impl AsyncCqLoop {
     }
 
     /// The loop (its figures, options, CQ count, ...). While a run future
-    /// is alive its runner calls get EBUSY (see [`AsyncCqLoop::run`]).
+    /// is alive its runner calls get EBUSY from other threads, EDEADLK
+    /// from inside one of its handlers (see [`AsyncCqLoop::run`]).
     pub fn get_ref(&self) -> &CqLoop {
         self.fd.get_ref()
     }

@@ -66,7 +66,7 @@ pub(crate) fn parse_level(s: &str) -> Option<LevelFilter> {
 /// facade: the program's logging, if any, is not affected).
 pub(crate) fn install_logger() {
     // Installed already: by a set-up of the parent that a fork left under
-    // way (see `crate::once`); the level is set again.
+    // way (see `rdmasafe_core::sys::fork_once`); the level is set again.
     let _ = log::set_logger(&LOGGER);
     let value = std::env::var("RDMASAFE_LOG").unwrap_or_default();
     let level = parse_level(&value).unwrap_or_else(|| {

@@ -173,7 +173,11 @@ pub struct CqOptions {
     /// Completions handled per cycle at most (0: no limit). A CQ that still
     /// has completions after its budget is polled again in the next cycle,
     /// without waiting for an event, after every other CQ that is ready had
-    /// its turn: one flooding CQ cannot starve the others.
+    /// its turn: one flooding CQ cannot starve the others. One exception:
+    /// after a keepalive is added on a QP whose number an older QP's
+    /// probe may still come back with, the loop's next tick polls that
+    /// QP's send CQ once for all it holds (at most its size), and hands
+    /// the app's completions among them to the handler beyond the budget.
     pub budget: usize,
 }
 
@@ -192,8 +196,10 @@ pub struct Keepalive {
     /// simplest). A probe still out when its keepalive ends is looked for
     /// by QP number, wr_id and CQ, as its completion may still come (rxe,
     /// for one, leaves a destroyed QP's completions in the CQ): also among
-    /// the completions of a new QP that got the number, until a keepalive
-    /// is added on that QP. rdmasafe keeps at most one probe
+    /// the completions of a new QP that got the number, until the loop has
+    /// polled the send CQ of a keepalive added on that QP (at its next
+    /// tick, through that CQ; through another CQ, until it comes).
+    /// rdmasafe keeps at most one probe
     /// outstanding: it needs one free send-queue slot (when the queue is
     /// full the probe is retried until the bound, not counted as a death).
     pub wr_id: u64,
