@@ -15,8 +15,8 @@
  *  - No function aborts or unwinds on bad input: each checks its arguments
  *    and returns the error documented next to it. An internal error caught
  *    at the boundary (a bug) returns -EIO, or -1 with errno EIO from the
- *    drop-in calls, also on a thread with a cancellation pending (the
- *    cancellation stays pending for the thread's next cancellation point).
+ *    drop-in calls; with a cancellation pending too, from a call that has
+ *    no cancellation point of its own (the cancellation stays pending).
  *    A loop handle is looked
  *    up on every call: one of a destroyed loop gets -EINVAL, never a newer
  *    loop that happens to have the same address.

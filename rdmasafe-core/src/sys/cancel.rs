@@ -118,19 +118,27 @@ pub unsafe fn get_cm_event_with_cleanup(
     unsafe { call_with_cleanup(on_cancel, arg, || super::get_cm_event(channel, event)) }
 }
 
-/// Makes the panic hook of the calling library's copy of the Rust
-/// standard library write its message with cancellation disabled
-/// ([`CancelDisabled`]), then run as it did. The default hook writes to
-/// stderr, a cancellation point: a `pthread_cancel` pending when an
-/// internal panic happened would be acted on there, in the middle of the
-/// panic, and the forced unwind would end the process at the panic
-/// boundary instead of the boundary returning its documented error. With
-/// this, the boundary returns that error, and the cancellation stays
-/// pending for the thread's next cancellation point after it.
+/// Wraps the panic hook of the calling library's copy of the Rust
+/// standard library so that it runs with cancellation disabled
+/// ([`CancelDisabled`]). The default hook writes to stderr, a cancellation
+/// point: a `pthread_cancel` pending when an internal panic happened was
+/// acted on there, in the middle of the panic, and the forced unwind ended
+/// the process at the panic boundary (`FATAL: exception not rethrown`)
+/// instead of the boundary returning its documented error. With this, a
+/// call that has no cancellation point of its own (such as
+/// `rdmasafe_cq_loop_stop`, documented as callable with a cancellation
+/// pending) returns that error, and the
+/// cancellation stays pending for the thread's next cancellation point. A
+/// cancellation point met while the panic unwinds (a destructor that
+/// closes an fd, say) still ends the process, as one anywhere inside such
+/// a call does (the C API's conventions).
 ///
-/// For the load-time constructors of librdmasafe and the preload: each is
-/// a `cdylib` with its own standard library, so this touches no panic hook
-/// of the program's. Once per process; a later `set_hook` replaces it.
+/// For the load-time constructors of librdmasafe and the preload. In a C
+/// program each of those `cdylib`s has its own standard library, so no
+/// hook of the program's is touched; a Rust program that links
+/// `rdmasafe-capi` as a library gets its own standard library's hook
+/// wrapped at load (the hook it had still runs; a later `set_hook`
+/// replaces the wrapper). Once per process.
 pub fn panic_hook_without_cancellation() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
