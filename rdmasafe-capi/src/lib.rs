@@ -123,34 +123,15 @@ mod tests {
     /// error (the panic message is written with cancellation disabled), and
     /// the cancellation stays pending. Before, the message's write to
     /// stderr acted on the cancellation in the middle of the panic and the
-    /// process aborted. The test runs itself again as a child process (this
-    /// test alone, output not captured, so that the message goes to stderr
-    /// as in a C program), which does the panic and exits with status 42 if
-    /// the boundary returned its error.
+    /// process aborted. In a child process (see the helper).
     #[test]
     fn a_panic_with_a_cancellation_pending_returns_the_boundarys_error() {
-        const CHILD: &str = "RDMASAFE_TEST_PANIC_CHILD";
-        if std::env::var_os(CHILD).is_some() {
-            // Any first-use set-up of the boundary (the log backend) done
-            // before the cancellation is asked for.
-            assert_eq!(guard(|| -1, || 0), 0);
-            // SAFETY: a deferred cancellation of this thread, left pending.
-            // From here on only the boundary under test and _exit run on
-            // it; _exit is no cancellation point, so no forced unwind
-            // crosses this test's frames unless the boundary lets one.
-            assert_eq!(unsafe { libc::pthread_cancel(libc::pthread_self()) }, 0);
-            let r = guard(|| -libc::EIO, || -> c_int { panic!("a deliberate panic of a test") });
-            // SAFETY: as above.
-            unsafe { libc::_exit(if r == -libc::EIO { 42 } else { 1 }) }
-        }
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "tests::a_panic_with_a_cancellation_pending_returns_the_boundarys_error"])
-            .args(["--nocapture", "--test-threads=1"])
-            .env(CHILD, "1")
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(42), "the child: {:?} (a signal: it aborted), stderr: {stderr}", out.status);
-        assert!(stderr.contains("a deliberate panic of a test"), "the message was written: {stderr}");
+        // Any first-use set-up of the boundary (the log backend) done before
+        // the cancellation is asked for.
+        assert_eq!(guard(|| -1, || 0), 0);
+        rdmasafe_core::sys::cancel::check_panic_boundary_under_cancellation(
+            "tests::a_panic_with_a_cancellation_pending_returns_the_boundarys_error",
+            || guard(|| -libc::EIO, || -> c_int { panic!("a deliberate panic of a test") }),
+        );
     }
 }

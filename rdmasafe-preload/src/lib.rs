@@ -483,31 +483,13 @@ mod tests {
     /// An internal panic on a thread with a cancellation pending: the
     /// interposer's boundary returns its error instead of the process
     /// aborting (the panic message is written with cancellation disabled).
-    /// The test runs itself again as a child process (this test alone,
-    /// output not captured: the message goes to stderr), which does the
-    /// panic and exits with status 42 if the boundary returned its error.
+    /// In a child process (see the helper).
     #[test]
     fn a_panic_with_a_cancellation_pending_returns_the_boundarys_error() {
-        const CHILD: &str = "RDMASAFE_TEST_PANIC_CHILD";
-        if std::env::var_os(CHILD).is_some() {
-            // SAFETY: a deferred cancellation of this thread, left pending.
-            // From here on only the boundary under test and _exit run on
-            // it; _exit is no cancellation point, so no forced unwind
-            // crosses this test's frames unless the boundary lets one.
-            assert_eq!(unsafe { libc::pthread_cancel(libc::pthread_self()) }, 0);
-            let r = boundary(|| -libc::EIO, || -> i32 { panic!("a deliberate panic of a test") });
-            // SAFETY: as above.
-            unsafe { libc::_exit(if r == -libc::EIO { 42 } else { 1 }) }
-        }
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "tests::a_panic_with_a_cancellation_pending_returns_the_boundarys_error"])
-            .args(["--nocapture", "--test-threads=1"])
-            .env(CHILD, "1")
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(42), "the child: {:?} (a signal: it aborted), stderr: {stderr}", out.status);
-        assert!(stderr.contains("a deliberate panic of a test"), "the message was written: {stderr}");
+        rdmasafe_core::sys::cancel::check_panic_boundary_under_cancellation(
+            "tests::a_panic_with_a_cancellation_pending_returns_the_boundarys_error",
+            || boundary(|| -libc::EIO, || -> i32 { panic!("a deliberate panic of a test") }),
+        );
     }
 
     #[test]

@@ -150,6 +150,40 @@ pub fn panic_hook_without_cancellation() {
     });
 }
 
+/// Test support for the C boundaries of librdmasafe and the preload (not
+/// part of the API): checks that `boundary_panics`, a call of a boundary
+/// around a body that panics with the message `"a deliberate panic of a
+/// test"`, returns `-EIO` on a thread with a cancellation pending, with
+/// the message written to stderr. Called from the unit test named `test`
+/// (its path, for `--exact`), which this runs again as a child process
+/// (that test alone, output not captured, so that the message goes to
+/// stderr as in a C program); the child does the call and exits with
+/// status 42 if the boundary returned `-EIO`. Panics (fails the test)
+/// otherwise: a child killed by SIGABRT is a boundary that let the
+/// cancellation end the process.
+#[doc(hidden)]
+pub fn check_panic_boundary_under_cancellation(test: &str, boundary_panics: impl FnOnce() -> c_int) {
+    const CHILD: &str = "RDMASAFE_TEST_PANIC_CHILD";
+    if std::env::var_os(CHILD).is_some() {
+        // SAFETY: a deferred cancellation of this thread, left pending.
+        // From here on only the boundary under test and _exit run on it;
+        // _exit is no cancellation point, so no forced unwind crosses the
+        // test's frames unless the boundary lets one.
+        assert_eq!(unsafe { libc::pthread_cancel(libc::pthread_self()) }, 0);
+        let r = boundary_panics();
+        // SAFETY: as above.
+        unsafe { libc::_exit(if r == -libc::EIO { 42 } else { 1 }) }
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", test, "--nocapture", "--test-threads=1"])
+        .env(CHILD, "1")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(42), "the child: {:?} (a signal: it aborted), stderr: {stderr}", out.status);
+    assert!(stderr.contains("a deliberate panic of a test"), "the message was written: {stderr}");
+}
+
 /// Cancellation disabled for the calling thread while the value lives
 /// (`pthread_setcancelstate`), restored to what it was when dropped: a
 /// `pthread_cancel` meanwhile stays pending and is acted on at the
