@@ -97,8 +97,9 @@ pub(crate) fn fail_errno(errno: c_int) -> c_int {
 /// no arguments (those glibc passes are ignored), catches every panic;
 /// without memory to register it, the first-use one is all there is.
 /// Also makes the panic message of an internal panic be written with
-/// cancellation disabled, so that the panic boundary ([`guard`]) returns
-/// its error also when a cancellation is pending
+/// cancellation disabled, so that the panic boundary ([`guard`]) of a call
+/// with no cancellation point of its own returns its error also when a
+/// cancellation is pending
 /// (`rdmasafe_core::sys::cancel::panic_hook_without_cancellation`).
 extern "C" fn at_load() {
     /// The child handler.

@@ -169,8 +169,9 @@ static FORK_HANDLERS: AtomicI32 = AtomicI32::new(0);
 /// set-up under way is made again in the child instead of waited for (see
 /// `rdmasafe_core::sys::fork_once`). Takes no arguments (those glibc
 /// passes are ignored) and catches every panic. Also makes the message of
-/// an internal panic be written with cancellation disabled, so that
-/// [`boundary`] returns its error also when a cancellation is pending
+/// an internal panic be written with cancellation disabled, so that the
+/// [`boundary`] of a call with no cancellation point of its own returns
+/// its error also when a cancellation is pending
 /// (`rdmasafe_core::sys::cancel::panic_hook_without_cancellation`).
 extern "C" fn at_load() {
     let _ = catch_unwind(|| {

@@ -127,11 +127,11 @@ pub unsafe fn get_cm_event_with_cleanup(
 /// instead of the boundary returning its documented error. With this, a
 /// call that has no cancellation point of its own (such as
 /// `rdmasafe_cq_loop_stop`, documented as callable with a cancellation
-/// pending) returns that error, and the
-/// cancellation stays pending for the thread's next cancellation point. A
-/// cancellation point met while the panic unwinds (a destructor that
-/// closes an fd, say) still ends the process, as one anywhere inside such
-/// a call does (the C API's conventions).
+/// pending) returns that error, and the cancellation stays pending for the
+/// thread's next cancellation point. A cancellation point met while the
+/// panic unwinds (a destructor that closes an fd, say) still ends the
+/// process, as one anywhere inside such a call does (the C API's
+/// conventions).
 ///
 /// For the load-time constructors of librdmasafe and the preload. In a C
 /// program each of those `cdylib`s has its own standard library, so no
